@@ -1,0 +1,927 @@
+"""
+nanogpt_exit_head.py: a character-level GPT with an exit head after every
+layer, decoded with confidence-gated early exit, and an honest measurement of
+what letting easy characters leave the network early buys.
+
+Run it (trains, evaluates, generates, prints the tables, writes out/):
+
+    pip install -r requirements.txt && python nanogpt_exit_head.py
+    python nanogpt_exit_head.py --max_iters=300 --exit_threshold=0.8   # any field
+    python nanogpt_exit_head.py --help                                 # every field
+    python -m pytest -q tests                                          # the tests
+
+The ideas it follows:
+- Early exit with a trained head per layer and a joint loss
+  CE(final) + alpha * sum_l CE(exit_l).
+- CALM, "Confident Adaptive Language Modeling" (Schuster et al., 2022,
+  arXiv:2207.07061): confidence measures, state propagation (copying the exit
+  state into the skipped layers' keys and values), calibrated thresholds.
+- LayerSkip (Elhoushi et al., 2024, arXiv:2404.16710): self-speculative
+  decoding, where the early layers draft and the remaining layers verify.
+
+What it leaves out on purpose: BPE tokenisation (characters keep the vocabulary
+tiny so the exit heads are cheap to read), multi-GPU training, mixed-precision
+on CPU, rotary embeddings (absolute positions make the KV cache easy to reason
+about: a cached key never depends on where the window starts), and any
+dependency beyond torch, numpy and tqdm.
+"""
+
+import inspect
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+from tqdm import tqdm
+
+# -----------------------------------------------------------------------------
+# Config: every hyperparameter, one per line; override any as --name=value
+
+
+@dataclass
+class Config:
+    # I/O
+    out_dir: str = "out"  # where ckpt.pt and report.json go
+    init_from: str = "scratch"  # 'scratch' trains a new model, 'resume' continues from out_dir/ckpt.pt
+    input_path: str = "input.txt"  # the training text, one character per token
+    seed: int = 1337  # one seed for batches, init and sampling: same command, same numbers
+    device: str = "auto"  # 'auto' picks cuda, then mps, then cpu; or name one
+    compile: bool = False  # torch.compile the model for training (slow to start, faster on GPU)
+    # model
+    n_layer: int = 6  # how many transformer blocks (and exits) are stacked?
+    n_head: int = 4  # attention heads per block; must divide n_embd
+    n_embd: int = 128  # width of the residual stream
+    block_size: int = 64  # the longest context the model ever sees, in characters
+    dropout: float = 0.0  # dropout in training; raise it for bigger models on this small corpus
+    bias: bool = False  # biases in Linear and LayerNorm layers? (nanoGPT's CPU recipe: no)
+    vocab_size: int = 0  # set from the distinct characters of input_path; not an override
+    # exit heads
+    alpha: float = 0.3  # weight of each exit head's loss; 0 trains a plain GPT and skips the heads
+    # training
+    batch_size: int = 12  # how many independent sequences per optimizer step?
+    max_iters: int = 2000  # total optimizer steps
+    learning_rate: float = 1e-3  # peak learning rate after warmup
+    min_lr: float = 1e-4  # learning rate at the end of the cosine decay
+    warmup_iters: int = 100  # steps of linear warmup from 0 to learning_rate
+    weight_decay: float = 0.1  # AdamW weight decay on matrices (not on biases or norms)
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.99  # AdamW beta2; 0.99 suits small batches of characters
+    grad_clip: float = 1.0  # clip the gradient norm to this; 0 turns clipping off
+    eval_interval: int = 500  # evaluate train/val loss every this many steps
+    eval_iters: int = 20  # batches per evaluation; more is steadier and slower
+    # generation
+    prompt: str = "\n"  # text the samples start from; every character must be in the vocabulary
+    max_new_tokens: int = 500  # characters generated per sample
+    temperature: float = 0.8  # sampling temperature; 0 means greedy
+    top_k: int = 0  # sample only from the k most likely characters; 0 means all
+    exit_threshold: float = 0.9  # exit when the head's confidence exceeds this; 1 never exits, 0 always exits
+    exit_layers: str = "all"  # which layers check for an exit: 'all' or a comma list like '1,3'
+    kv_strategy: str = "backfill"  # how skipped layers' KV entries are filled: backfill, deferred, state_copy, holes
+    confidence: str = "top1"  # confidence measure: top1, margin (top1 - top2) or entropy (1 - H / log V)
+
+
+ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias")
+KV_STRATEGIES = ("backfill", "deferred", "state_copy", "holes")
+CONFIDENCE_MEASURES = ("top1", "margin", "entropy")
+
+
+def field_help():
+    """The trailing comment of every Config field, read from this file's source."""
+    helps = {}
+    for line in inspect.getsource(Config).splitlines():
+        name, sep, rest = line.strip().partition(":")
+        if sep and "#" in rest and name.isidentifier():
+            helps[name] = rest.split("#", 1)[1].strip()
+    return helps
+
+
+def parse_value(name, text, default):
+    """Turn the text of --name=text into the type of the field's default."""
+    if isinstance(default, bool):
+        if text.lower() in ("1", "true", "yes"):
+            return True
+        if text.lower() in ("0", "false", "no"):
+            return False
+        raise ValueError(f"--{name} takes true/false (or 1/0), not {text!r}")
+    try:
+        return type(default)(text)
+    except ValueError:
+        raise ValueError(f"--{name} takes a {type(default).__name__}, not {text!r}") from None
+
+
+def parse_args(argv):
+    """nanoGPT-style overrides: --name=value for any Config field; --help lists them."""
+    config, defaults, overridden = Config(), asdict(Config()), set()
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ValueError(f"arguments look like --name=value, got {arg!r} (see --help)")
+        name, text = arg[2:].split("=", 1)
+        if name not in defaults or name == "vocab_size":
+            close = [f for f in defaults if f.startswith(name[:3])]
+            hint = f" (did you mean {', '.join('--' + c for c in close)}?)" if close else ""
+            raise ValueError(f"unknown config field --{name}{hint}")
+        setattr(config, name, parse_value(name, text, defaults[name]))
+        overridden.add(name)
+    validate(config)
+    return config, overridden
+
+
+def usage():
+    helps = field_help()
+    lines = ["usage: python nanogpt_exit_head.py [--name=value ...]", "", "fields (default, what it does):"]
+    for f in fields(Config):
+        lines.append(f"  --{f.name:<16} {str(f.default)!r:<14} {helps.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def validate(config):
+    """Reject settings that cannot work, with a message that says what to change."""
+    if config.n_embd % config.n_head:
+        raise ValueError(f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}")
+    if not 0.0 <= config.exit_threshold <= 1.0:
+        raise ValueError(f"exit_threshold={config.exit_threshold} is outside [0, 1]")
+    if config.kv_strategy not in KV_STRATEGIES:
+        raise ValueError(f"kv_strategy={config.kv_strategy!r} is not one of {', '.join(KV_STRATEGIES)}")
+    if config.confidence not in CONFIDENCE_MEASURES:
+        raise ValueError(f"confidence={config.confidence!r} is not one of {', '.join(CONFIDENCE_MEASURES)}")
+    if config.init_from not in ("scratch", "resume"):
+        raise ValueError(f"init_from={config.init_from!r} must be 'scratch' or 'resume'")
+    for name in ("n_layer", "n_head", "block_size", "batch_size", "eval_iters", "eval_interval"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name}={getattr(config, name)} must be at least 1")
+    if config.block_size < 2:
+        raise ValueError("block_size must be at least 2")
+    parse_exit_layers(config.exit_layers, config.n_layer)
+
+
+def parse_exit_layers(text, n_layer):
+    """'all' or '0,2' -> the sorted layers (below the last) whose exit head is checked."""
+    if text == "all":
+        return list(range(n_layer - 1))
+    try:
+        layers = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        raise ValueError(f"exit_layers={text!r} must be 'all' or a comma list of layer numbers") from None
+    if any(not 0 <= l < n_layer - 1 for l in layers):
+        raise ValueError(f"exit_layers={text!r}: exits live on layers 0..{n_layer - 2} (the last layer always exits)")
+    return layers
+
+
+# -----------------------------------------------------------------------------
+# Data: characters in, integers out; three contiguous splits
+
+
+def load_text(path):
+    if not os.path.isfile(path):
+        raise ValueError(f"input file {path!r} not found (it ships with the repository as input.txt)")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if not text:
+        raise ValueError(f"input file {path!r} is empty")
+    return text
+
+
+class CharTokenizer:
+    """A vocabulary of the distinct characters of a text."""
+
+    def __init__(self, chars):
+        self.chars = "".join(sorted(set(chars)))
+        self.stoi = {ch: i for i, ch in enumerate(self.chars)}
+
+    @property
+    def vocab_size(self):
+        return len(self.chars)
+
+    def encode(self, s):
+        unknown = sorted(set(s) - set(self.stoi))
+        if unknown:
+            raise ValueError(f"characters not in the vocabulary: {', '.join(repr(c) for c in unknown)}")
+        return [self.stoi[c] for c in s]
+
+    def decode(self, ids):
+        return "".join(self.chars[i] for i in ids)
+
+
+def split_data(data):
+    """Contiguous train 90% / val 5% / test 5%: val chooses things, test reports them."""
+    n = len(data)
+    a, b = int(0.9 * n), int(0.95 * n)
+    return {"train": data[:a], "val": data[a:b], "test": data[b:]}
+
+
+def get_batch(data, block_size, batch_size, generator, device):
+    """Random windows of block_size characters and the same windows shifted by one."""
+    ix = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
+    x = torch.stack([data[i : i + block_size] for i in ix])  # (B, T)
+    y = torch.stack([data[i + 1 : i + 1 + block_size] for i in ix])  # (B, T)
+    return x.to(device), y.to(device)
+
+
+# -----------------------------------------------------------------------------
+# Model: nanoGPT's GPT, plus an ExitHead after every block but the last
+
+
+class CausalSelfAttention(nn.Module):
+    """All heads in one fused QKV projection and one scaled_dot_product_attention call."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.attn_dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def heads(self, t):
+        B, T, C = t.size()
+        return t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+
+    def forward(self, x, cache=None, layer=0):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = self.heads(q), self.heads(k), self.heads(v)  # (B, nh, T, hs)
+        if cache is None:
+            p = self.attn_dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            # new queries see every cached key of this layer plus the new keys, causally
+            k, v, mask = cache.append(layer, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+    def kv_only(self, x):
+        """Keys and values of x without the query or the attention (CALM's state copy)."""
+        C = self.n_embd
+        w = self.c_attn.weight[C:]  # (2C, C): the K and V rows of the fused projection
+        b = None if self.c_attn.bias is None else self.c_attn.bias[C:]
+        k, v = F.linear(x, w, b).split(C, dim=2)
+        return self.heads(k), self.heads(v)  # (B, nh, T, hs) each
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block; with a cache it appends this layer's K/V for x."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cache=None, layer=0):
+        if cache is not None:
+            cache.count(layer, x.size(1))
+        x = x + self.attn(self.ln_1(x), cache, layer)
+        return x + self.mlp(self.ln_2(x))
+
+    def write_kv(self, x, cache, layer):
+        """Fill this layer's cache entries for x without running the block."""
+        k, v = self.attn.kv_only(self.ln_1(x))
+        cache.append(layer, k, v)
+
+
+class ExitHead(nn.Module):
+    """LayerNorm + Linear to the vocabulary: reads a middle layer's hidden state as logits."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def forward(self, x):
+        return self.lm_head(self.ln(x))
+
+
+class GPT(nn.Module):
+    """nanoGPT with exit_heads[l] after block l for l < n_layer - 1; the last exit is ln_f + lm_head."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
+        self.exit_heads = nn.ModuleList([ExitHead(config) for _ in range(config.n_layer - 1)])
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self):
+        """(base model, exit heads) parameter counts; position embeddings count, as in nanoGPT."""
+        heads = sum(p.numel() for p in self.exit_heads.parameters())
+        return sum(p.numel() for p in self.parameters()) - heads, heads
+
+    def embed(self, idx, pos0=0):
+        """Token + position embeddings of idx, whose first token sits at window position pos0."""
+        T = idx.size(1)
+        assert pos0 + T <= self.config.block_size, f"position {pos0 + T - 1} is past block_size"
+        pos = torch.arange(pos0, pos0 + T, dtype=torch.long, device=idx.device)  # (T,)
+        return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+
+    def exit_logits(self, x, layer):
+        """Logits of hidden state x read at `layer`: its exit head, or ln_f + lm_head at the top."""
+        if layer == self.config.n_layer - 1:
+            return self.lm_head(self.transformer.ln_f(x))
+        return self.exit_heads[layer](x)
+
+    def hidden_states(self, idx):
+        """The output of every block for a whole sequence, no cache: a list of (B, T, C)."""
+        x, states = self.embed(idx), []
+        for block in self.transformer.h:
+            x = block(x)
+            states.append(x)
+        return states
+
+    def all_exit_logits(self, idx):
+        """(n_layer, B, T, V): what every exit, the final one last, predicts at every position."""
+        states = self.hidden_states(idx)
+        return torch.stack([self.exit_logits(h, l) for l, h in enumerate(states)])
+
+    def forward(self, idx, targets=None):
+        """nanoGPT's contract: (logits, loss); without targets only the last position's logits."""
+        states = self.hidden_states(idx)
+        if targets is None:
+            return self.exit_logits(states[-1][:, [-1]], self.config.n_layer - 1), None
+        logits = self.exit_logits(states[-1], self.config.n_layer - 1)
+        return logits, self.joint_loss(states, logits, targets)
+
+    def joint_loss(self, states, logits, targets):
+        """CE(final) + alpha * sum over exits of CE(exit_l); alpha = 0 skips the heads entirely."""
+        loss = cross_entropy(logits, targets)
+        if self.config.alpha > 0:
+            for l, head in enumerate(self.exit_heads):
+                loss = loss + self.config.alpha * cross_entropy(head(states[l]), targets)
+        return loss
+
+
+def cross_entropy(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+# -----------------------------------------------------------------------------
+# The KV cache: one per-layer mechanism that every decoding strategy uses
+
+
+class KVCache:
+    """Preallocated keys and values for every layer, each layer with its own filled length.
+
+    Invariant: layer l holds entries for window positions [0, lengths[l]) and
+    nothing else, written in place. Full-depth decoding keeps all lengths
+    equal. A token that exits early leaves the layers above it behind; what a
+    strategy does about those holes is the only thing that distinguishes it:
+    backfill never leaves them, deferred fills them later from `frontier` (the
+    hidden state each pending position reached), state_copy writes an
+    approximation at once, holes leaves them (that layer's cache just has
+    fewer entries), and self-speculative decoding rolls lengths back with
+    `truncate`.
+    """
+
+    def __init__(self, config, batch_size, device, dtype=torch.float32):
+        shape = (config.n_layer, batch_size, config.n_head, config.block_size, config.n_embd // config.n_head)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nh, block_size, hs)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.frontier = torch.zeros(batch_size, config.block_size, config.n_embd, device=device, dtype=dtype)
+        self.lengths = [0] * config.n_layer
+        self.layer_evals = [0] * config.n_layer  # how many (position, layer) block runs, per layer
+        self.trace = None  # set to a list to record (layer, absolute position) of every block run
+        self.start = 0  # absolute position of window position 0
+
+    def reset(self, start=0):
+        self.lengths = [0] * len(self.lengths)
+        self.start = start
+
+    def truncate(self, length):
+        """Roll every layer back to at most `length` entries (speculative rejection)."""
+        self.lengths = [min(n, length) for n in self.lengths]
+
+    def count(self, layer, T):
+        self.layer_evals[layer] += T
+        if self.trace is not None:
+            n = self.start + self.lengths[layer]
+            self.trace.extend((layer, n + t) for t in range(T))
+
+    def append(self, layer, k, v):
+        """Write k, v (B, nh, T, hs) after this layer's entries; return all entries and the mask."""
+        n, T = self.lengths[layer], k.size(2)
+        assert n + T <= self.k.size(3), f"layer {layer} cache is full ({n} + {T} > block_size)"
+        self.k[layer, :, :, n : n + T] = k
+        self.v[layer, :, :, n : n + T] = v
+        self.lengths[layer] = n + T
+        # one new query needs no mask; a chunk of T queries sees the n old keys and its own past
+        mask = None if T == 1 else torch.ones(T, n + T, dtype=torch.bool, device=k.device).tril(n)
+        return self.k[layer, :, :, : n + T], self.v[layer, :, :, : n + T], mask
+
+
+# -----------------------------------------------------------------------------
+# Training: AdamW, warmup then cosine decay, the joint loss
+
+
+def get_lr(it, config):
+    if it < config.warmup_iters:
+        return config.learning_rate * (it + 1) / config.warmup_iters
+    ratio = (it - config.warmup_iters) / max(1, config.max_iters - config.warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * min(1.0, ratio)))  # 1 -> 0
+    return config.min_lr + coeff * (config.learning_rate - config.min_lr)
+
+
+def configure_optimizer(model, config):
+    """AdamW with weight decay on matrices only, as nanoGPT does."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.beta1, config.beta2))
+
+
+@torch.inference_mode()
+def estimate_loss(model, splits, config, device, ctx):
+    """Mean loss of every exit (the final one last) on eval_iters fixed batches per split."""
+    model.eval()
+    out = {}
+    for name in ("train", "val"):
+        gen = torch.Generator().manual_seed(config.seed + 1)  # the same batches at every evaluation
+        losses = torch.zeros(config.n_layer)
+        for _ in range(config.eval_iters):
+            x, y = get_batch(splits[name], config.block_size, config.batch_size, gen, device)
+            with ctx:
+                logits = model.all_exit_logits(x)  # (L, B, T, V)
+            losses += torch.stack([cross_entropy(lg, y) for lg in logits]).cpu()
+        out[name] = (losses / config.eval_iters).tolist()
+    model.train()
+    return out
+
+
+def format_eval(it, losses):
+    exits = " ".join(f"{l:.3f}" for l in losses["val"][:-1])
+    return f"step {it}: train loss {losses['train'][-1]:.4f}, val loss {losses['val'][-1]:.4f} | val loss per exit: {exits}"
+
+
+def train(model, optimizer, splits, config, device, ctx, start_iter=0):
+    """The training loop; returns the seconds it took. Evaluates every eval_interval steps."""
+    gen = torch.Generator().manual_seed(config.seed + start_iter)
+    step_model = torch.compile(model) if config.compile else model
+    tokens_per_step = config.batch_size * config.block_size
+    t_start = time.time()
+    bar = tqdm(range(start_iter, config.max_iters), initial=start_iter, total=config.max_iters,
+               mininterval=1.0 if sys.stderr.isatty() else 30.0, desc="training")
+    for it in bar:
+        if it % config.eval_interval == 0 and it > start_iter:
+            tqdm.write(format_eval(it, estimate_loss(model, splits, config, device, ctx)))
+        for group in optimizer.param_groups:
+            group["lr"] = get_lr(it, config)
+        t0 = time.time()
+        x, y = get_batch(splits["train"], config.block_size, config.batch_size, gen, device)
+        with ctx:
+            _, loss = step_model(x, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if config.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        if it % 10 == 0:  # .item() waits for the device, so read the loss only now and then
+            dt = time.time() - t0
+            bar.set_postfix_str(f"joint loss {loss.item():.3f} | {dt * 1000:.0f} ms | {tokens_per_step / dt:,.0f} tok/s",
+                                refresh=False)
+    bar.close()
+    return time.time() - t_start
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints: written to a temporary file, then renamed, so none is ever half-written
+
+
+def atomic_save(obj, path, writer):
+    tmp = path + ".tmp"
+    writer(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(path, model, optimizer, config, iter_num, tokenizer, best_val_loss, train_seconds):
+    ckpt = {
+        "train_seconds": train_seconds,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "config": asdict(config),
+        "iter_num": iter_num,
+        "best_val_loss": best_val_loss,
+        "vocab": tokenizer.chars,
+    }
+    atomic_save(ckpt, path, torch.save)
+
+
+def write_json(obj, path):
+    def dump(o, p):
+        with open(p, "w") as f:
+            json.dump(o, f, indent=2)
+
+    atomic_save(obj, path, dump)
+
+
+def load_checkpoint(path, config, overridden, tokenizer):
+    """Load ckpt.pt; architecture fields come from it, and must agree with explicit overrides."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--init_from=resume but there is no checkpoint at {path!r}")
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    if ckpt["vocab"] != tokenizer.chars:
+        raise ValueError(f"checkpoint vocabulary ({len(ckpt['vocab'])} chars) does not match {config.input_path!r}")
+    for name in ARCH_FIELDS:
+        if name in overridden and getattr(config, name) != ckpt["config"][name]:
+            raise ValueError(f"checkpoint has {name}={ckpt['config'][name]}, but --{name}={getattr(config, name)} was given")
+        setattr(config, name, ckpt["config"][name])
+    return ckpt
+
+
+def restore_model(ckpt, config, device):
+    model = GPT(config)
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:  # shapes or names that do not fit this model
+        raise ValueError(f"checkpoint does not fit the model: {str(e).splitlines()[0]}") from None
+    return model.to(device)
+
+
+# -----------------------------------------------------------------------------
+# Decoding, part 1: confidence, sampling, and the context window
+
+
+def confidence(logits, measure="top1"):
+    """How sure a head is, in [0, 1], higher is surer: (B, V) logits -> (B,)."""
+    probs = logits.float().softmax(-1)
+    if measure == "top1":
+        return probs.max(-1).values
+    if measure == "margin":
+        top2 = probs.topk(2, dim=-1).values  # (B, 2)
+        return top2[:, 0] - top2[:, 1]
+    entropy = -(probs * probs.clamp_min(1e-12).log()).sum(-1)
+    return 1.0 - entropy / math.log(probs.size(-1))
+
+
+def probs_from_logits(logits, temperature, top_k):
+    """The distribution a sampler draws from: temperature, then the top_k most likely only."""
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(logits, temperature, top_k, generator):
+    """(B, V) logits -> (B,) tokens; temperature 0 is greedy."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = probs_from_logits(logits, temperature, top_k)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def window_start(start, n, block_size):
+    """Where the context window begins when the sequence holds n tokens and token n-1 is fed next.
+
+    Positions never pass block_size. When the window is full, keep the newest
+    half of it and re-prefill those tokens at full depth: one parallel pass
+    every block_size/2 tokens instead of a re-encode at every step. The
+    uncached reference applies the same rule, so cached and uncached decoding
+    see exactly the same contexts.
+    """
+    if start is None:
+        return max(0, n - block_size)
+    if n - start > block_size:
+        return n - block_size // 2
+    return start
+
+
+# -----------------------------------------------------------------------------
+# Decoding, part 2: one token through the layers, exiting when confident
+
+
+def prefill(model, cache, idx, start):
+    """Run the window's tokens (B, T) through every layer; all lengths become T."""
+    cache.reset(start)
+    if idx.size(1) == 0:
+        return
+    x = model.embed(idx)  # (B, T, C)
+    for l, block in enumerate(model.transformer.h):
+        x = block(x, cache, l)
+
+
+def catch_up_layer(block, cache, layer, end):
+    """Deferred recompute: positions [lengths[layer], end) run this layer now, as one causal chunk."""
+    n = cache.lengths[layer]
+    cache.frontier[:, n:end] = block(cache.frontier[:, n:end], cache, layer)  # (B, end - n, C)
+
+
+def catch_up(model, cache, end):
+    """Fill every layer's holes up to window position `end` (a flush, or a speculative verify)."""
+    for l, block in enumerate(model.transformer.h):
+        if cache.lengths[l] < end:
+            catch_up_layer(block, cache, l, end)
+
+
+def run_layer(block, cache, layer, x, pos, strategy):
+    """Block `layer` for the newest token x (B, 1, C) at window position pos."""
+    if strategy != "deferred" or cache.lengths[layer] == pos:
+        return block(x, cache, layer)  # holes: this layer's cache simply has fewer entries
+    cache.frontier[:, pos] = x[:, 0]
+    catch_up_layer(block, cache, layer, pos + 1)
+    return cache.frontier[:, pos : pos + 1]
+
+
+def skip_layers(model, cache, x, pos, layer, strategy):
+    """After every row exited at `layer`, do what the strategy does for the layers above."""
+    if strategy == "deferred":
+        cache.frontier[:, pos] = x[:, 0]  # the state the pending layers will start from
+    elif strategy == "state_copy":
+        for j in range(layer + 1, model.config.n_layer):
+            model.transformer.h[j].write_kv(x, cache, j)
+    # holes: write nothing; later tokens attend only to the entries that exist
+
+
+def decode_step(model, cache, idx, pos, strategy="backfill", exit_threshold=1.0, exit_layers=(), measure="top1"):
+    """Feed one token per row, idx (B, 1), at window position pos.
+
+    Returns the emitted logits (B, V) and the layer each row exited at (B,).
+    Each row exits on its own confidence; the step itself runs as deep as its
+    deepest row, and backfill runs every layer regardless.
+    """
+    L = model.config.n_layer
+    x = model.embed(idx, pos)  # (B, 1, C)
+    logits = None
+    exit_layer = torch.full((idx.size(0),), L - 1, dtype=torch.long, device=idx.device)
+    exited = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
+    for l, block in enumerate(model.transformer.h):
+        x = run_layer(block, cache, l, x, pos, strategy)
+        if l == L - 1 or exit_threshold >= 1 or l not in exit_layers:
+            continue
+        head_logits = model.exit_logits(x[:, 0], l)  # (B, V): the newest position only
+        newly = (confidence(head_logits, measure) > exit_threshold) & ~exited
+        logits = head_logits if logits is None else torch.where(newly[:, None], head_logits, logits)
+        exit_layer.masked_fill_(newly, l)
+        exited |= newly
+        if strategy != "backfill" and bool(exited.all()):
+            skip_layers(model, cache, x, pos, l, strategy)
+            return logits, exit_layer
+    final = model.exit_logits(x[:, 0], L - 1)  # (B, V)
+    return (final if logits is None else torch.where(exited[:, None], logits, final)), exit_layer
+
+
+@dataclass
+class Generation:
+    tokens: torch.Tensor  # (B, T0 + N): prompt and generated tokens
+    exit_layers: torch.Tensor  # (B, N): the layer each new token left at
+    logits: torch.Tensor  # (B, N, V) emitted logits when teacher-forced, else None
+    layers_run: int  # block runs per row over all decode steps, catch-up included, prefill excluded
+    cache: KVCache
+
+
+@torch.inference_mode()
+def generate(model, idx, max_new_tokens, strategy="backfill", exit_threshold=1.0, exit_layers=None,
+             measure="top1", temperature=1.0, top_k=0, generator=None, forced=None):
+    """Decode max_new_tokens after idx (B, T0) with the KV cache; forced (B, N) teacher-forces the tokens."""
+    cfg = model.config
+    B, T0 = idx.shape
+    exit_layers = range(cfg.n_layer - 1) if exit_layers is None else exit_layers
+    tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # (B, T0 + N)
+    exits = idx.new_zeros(B, max_new_tokens)
+    emitted, prefilled = [], 0
+    cache = KVCache(cfg, B, idx.device)
+    start = None
+    for i in range(max_new_tokens):
+        n = T0 + i
+        s = window_start(start, n, cfg.block_size)
+        if s != start:
+            start = s
+            prefill(model, cache, tokens[:, s : n - 1], s)
+            prefilled += (n - 1 - s) * cfg.n_layer
+        logits, exits[:, i] = decode_step(model, cache, tokens[:, n - 1 : n], n - 1 - start, strategy,
+                                          exit_threshold, exit_layers, measure)
+        if forced is not None:
+            tokens[:, n] = forced[:, i]
+            emitted.append(logits.float())
+        else:
+            tokens[:, n] = sample(logits, temperature, top_k, generator)
+    logits = torch.stack(emitted, dim=1) if emitted else None
+    return Generation(tokens, exits, logits, sum(cache.layer_evals) - prefilled, cache)
+
+
+# -----------------------------------------------------------------------------
+# Reports: exit statistics, coloured text, tables for people, JSON for programs
+
+LAYER_COLOURS = (31, 33, 32, 36, 34, 35, 91, 93, 92, 96, 94, 95)  # ANSI foreground codes, shallow to deep
+
+
+def bar(fraction, width=30):
+    return "#" * round(fraction * width)
+
+
+def exit_counts(exit_layers, n_layer):
+    """Tokens that left at each layer: (B, N) -> [int per layer]."""
+    return torch.bincount(exit_layers.flatten().cpu(), minlength=n_layer).tolist()
+
+
+def format_exit_stats(counts):
+    """The seed's per-layer lines, 'Layer 0:   42 tokens (21.0%)', with a bar each."""
+    total, last = sum(counts), len(counts) - 1
+    lines = []
+    for l, c in enumerate(counts):
+        name = f"Layer {l}{' (full)' if l == last else ''}:"
+        lines.append(f"{name:<16}{c:>6} tokens ({100 * c / total:5.1f}%) {bar(c / total)}")
+    mean = sum((l + 1) * c for l, c in enumerate(counts)) / total
+    lines.append(f"mean exit depth: {mean:.2f} of {len(counts)} layers per token")
+    return "\n".join(lines)
+
+
+def colour_text(text, layers, n_layer, tty):
+    """Every character coloured by the layer it left at; without a terminal, digits underneath."""
+    if tty:
+        legend = " ".join(f"\033[{LAYER_COLOURS[l % 12]}mlayer {l}\033[0m" for l in range(n_layer))
+        body = "".join(f"\033[{LAYER_COLOURS[l % 12]}m{ch}\033[0m" for ch, l in zip(text, layers))
+        return f"legend: {legend}\n{body}"
+    out, i = ["(the digit under each character is the layer it exited at)"], 0
+    for line in text.split("\n"):
+        out.append(line)
+        out.append("".join(str(l % 10) for l in layers[i : i + len(line)]))
+        i += len(line) + 1
+    return "\n".join(out)
+
+
+def print_table(rows, columns, title=None):
+    """An aligned table from a list of dicts; columns are (key, header, format) triples."""
+    cells = [[fmt.format(r[k]) if r.get(k) is not None else "-" for k, _, fmt in columns] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (_, h, _) in enumerate(columns)]
+    if title:
+        print(title)
+    print("  ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths)))
+    for c in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
+
+
+# -----------------------------------------------------------------------------
+# Main: train (or resume), evaluate, generate, report
+
+
+def pick_device(name):
+    if name == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return "mps"
+        return "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device={name} but CUDA is not available (try --device=auto)")
+    return name
+
+
+def autocast_context(device):
+    """bf16 autocast for training on CUDA; plain fp32 elsewhere (and for all decoding)."""
+    if device.startswith("cuda"):
+        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def build_model(config, overridden, tokenizer, device):
+    """A new model, or the checkpoint's; returns (model, optimizer, iter_num, train_seconds)."""
+    ckpt_path = os.path.join(config.out_dir, "ckpt.pt")
+    if config.init_from == "resume":
+        ckpt = load_checkpoint(ckpt_path, config, overridden, tokenizer)
+        model = restore_model(ckpt, config, device)
+        optimizer = configure_optimizer(model, config)
+        optimizer.load_state_dict(ckpt["optimizer"])
+        return model, optimizer, ckpt["iter_num"], ckpt.get("train_seconds", 0.0)
+    model = GPT(config).to(device)
+    return model, configure_optimizer(model, config), 0, 0.0
+
+
+def print_param_counts(model):
+    base, heads = model.num_params()
+    print(f"parameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in "
+          f"{len(model.exit_heads)} exit heads ({100 * heads / base:.2f}% overhead)")
+
+
+def timed_generate(model, idx, config, seed, **kw):
+    """generate() with a fresh seeded sampler; returns (Generation, tokens per second)."""
+    gen = torch.Generator(device=idx.device).manual_seed(seed)
+    t0 = time.perf_counter()
+    out = generate(model, idx, config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
+                   generator=gen, **kw)
+    return out, idx.size(0) * config.max_new_tokens / (time.perf_counter() - t0)
+
+
+def demo_generation(model, tokenizer, config, device, threshold):
+    """A full-depth sample and an early-exit sample from the same prompt and seed."""
+    idx = torch.tensor([tokenizer.encode(config.prompt)], dtype=torch.long, device=device)
+    exit_layers = parse_exit_layers(config.exit_layers, config.n_layer)
+    full, full_tps = timed_generate(model, idx, config, config.seed)
+    early, tps = timed_generate(model, idx, config, config.seed, strategy=config.kv_strategy,
+                                exit_threshold=threshold, exit_layers=exit_layers, measure=config.confidence)
+    T0 = idx.size(1)
+    print(f"\n--- full-depth sample ({full_tps:,.0f} tok/s) ---")
+    print(tokenizer.decode(full.tokens[0, T0:].tolist()))
+    print(f"\n--- early-exit sample: {config.kv_strategy}, {config.confidence} > {threshold:g} ({tps:,.0f} tok/s) ---")
+    text = tokenizer.decode(early.tokens[0, T0:].tolist())
+    print(text)
+    counts = exit_counts(early.exit_layers, config.n_layer)
+    print("\nper-layer exit statistics:")
+    print(format_exit_stats(counts))
+    layers_run = early.layers_run / config.max_new_tokens
+    print(f"layers actually run per token: {layers_run:.2f} of {config.n_layer} ({config.kv_strategy})")
+    print("\n" + colour_text(text, early.exit_layers[0].tolist(), config.n_layer, sys.stdout.isatty()))
+    mean = sum((l + 1) * c for l, c in enumerate(counts)) / sum(counts)
+    return {"exit_threshold": threshold, "kv_strategy": config.kv_strategy, "exit_counts": counts,
+            "mean_layers": mean, "layers_run_per_token": layers_run, "tokens_per_second": tps,
+            "full_depth_tokens_per_second": full_tps, "sample": text}
+
+
+def run(config, overridden):
+    """The default job: every step the module docstring promises, in order."""
+    torch.manual_seed(config.seed)
+    device = pick_device(config.device)
+    ctx = autocast_context(device)
+    text = load_text(config.input_path)
+    tokenizer = CharTokenizer(text)
+    config.vocab_size = tokenizer.vocab_size
+    if not config.prompt:
+        raise ValueError("--prompt must hold at least one character")
+    tokenizer.encode(config.prompt)  # reject a bad prompt before any training
+    splits = split_data(torch.tensor(tokenizer.encode(text), dtype=torch.long))
+    model, optimizer, iter_num, train_seconds = build_model(config, overridden, tokenizer, device)
+    print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | "
+          f"train/val/test: {len(splits['train']):,}/{len(splits['val']):,}/{len(splits['test']):,} characters")
+    print_param_counts(model)
+    os.makedirs(config.out_dir, exist_ok=True)
+    if iter_num < config.max_iters:
+        train_seconds += train(model, optimizer, splits, config, device, ctx, iter_num)
+        iter_num = config.max_iters
+    else:
+        print(f"checkpoint already at iteration {iter_num} (max_iters={config.max_iters}): no training")
+    losses = estimate_loss(model, splits, config, device, ctx)
+    print(format_eval(iter_num, losses))
+    ckpt_path = os.path.join(config.out_dir, "ckpt.pt")
+    save_checkpoint(ckpt_path, model, optimizer, config, iter_num, tokenizer, losses["val"][-1], train_seconds)
+    print(f"training took {train_seconds:.1f} s; checkpoint: {ckpt_path}")
+    model.eval()
+    report = {
+        "config": asdict(config),
+        "n_params": model.num_params()[0],
+        "n_params_exit_heads": model.num_params()[1],
+        "train_seconds": train_seconds,
+        "val_loss": {"final": losses["val"][-1], "exits": losses["val"][:-1]},
+        "train_loss": losses["train"][-1],
+    }
+    report["generation"] = demo_generation(model, tokenizer, config, device, config.exit_threshold)
+    write_json(report, os.path.join(config.out_dir, "report.json"))
+    print(f"\nreport: {os.path.join(config.out_dir, 'report.json')}")
+    return report
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(usage())
+        return 0
+    try:
+        config, overridden = parse_args(argv)
+        run(config, overridden)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

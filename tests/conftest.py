@@ -1,0 +1,54 @@
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import nanogpt_exit_head as m  # noqa: E402
+
+torch.set_num_threads(1)  # tiny models: threads only add overhead and noise
+
+
+def tiny_config(**overrides):
+    """A model small enough that every test runs in well under a second."""
+    cfg = m.Config(n_layer=4, n_head=2, n_embd=16, block_size=16, vocab_size=11, alpha=0.3)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def tiny_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    model = m.GPT(tiny_config(**overrides))
+    # random init gives near-uniform heads; sharpen them so thresholds bite at every layer
+    with torch.no_grad():
+        for head in model.exit_heads:
+            head.lm_head.weight.mul_(40)
+        model.lm_head.weight.mul_(20)
+    return model.eval()
+
+
+@pytest.fixture
+def model():
+    return tiny_model()
+
+
+def reference_generate(model, idx, n_new, temperature=0.0, generator=None):
+    """Uncached full-depth decoding: the whole window through model() at every step."""
+    tokens, start = idx.clone(), None
+    for _ in range(n_new):
+        start = m.window_start(start, tokens.size(1), model.config.block_size)
+        logits, _ = model(tokens[:, start:])
+        nxt = m.sample(logits[:, -1], temperature, 0, generator)
+        tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+    return tokens
+
+
+@pytest.fixture
+def no_grad():
+    """Tests compare outputs of inference-mode decoding with plain forward passes."""
+    with torch.no_grad():
+        yield

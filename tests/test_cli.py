@@ -1,0 +1,111 @@
+"""The command line: overrides, --help, checkpoints and resume, the report, bad input."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import m
+
+
+# --- command line, checkpoints, bad input --------------------------------------------
+
+TINY_ARGS = ["--n_layer=2", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4",
+             "--eval_iters=1", "--eval_interval=2", "--max_new_tokens=20", "--device=cpu"]
+
+
+def run_main(tmp_path, *args):
+    return m.main(TINY_ARGS + [f"--out_dir={tmp_path}"] + list(args))
+
+
+def test_overrides_type_check():
+    config, overridden = m.parse_args(["--n_layer=3", "--exit_threshold=0.5", "--compile=true"])
+    assert (config.n_layer, config.exit_threshold, config.compile) == (3, 0.5, True)
+    assert overridden == {"n_layer", "exit_threshold", "compile"}
+
+
+def test_help_lists_every_field(capsys):
+    assert m.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for f in m.fields(m.Config):
+        if f.name != "vocab_size":
+            assert f"--{f.name}" in out
+    assert "how many transformer blocks" in out
+
+
+def test_checkpoint_round_trip_and_resume(tmp_path):
+    assert run_main(tmp_path, "--max_iters=4") == 0
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    assert ckpt["iter_num"] == 4 and set(ckpt) >= {"model", "optimizer", "config", "vocab"}
+    report = json.loads((tmp_path / "report.json").read_text())
+    # resuming a finished run trains nothing and evaluates the same weights
+    assert run_main(tmp_path, "--max_iters=4", "--init_from=resume") == 0
+    again = json.loads((tmp_path / "report.json").read_text())
+    assert again["val_loss"] == report["val_loss"]
+    # resuming with a larger budget continues from iteration 4
+    assert run_main(tmp_path, "--max_iters=6", "--init_from=resume") == 0
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["iter_num"] == 6
+    assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+
+
+def test_report_has_the_promised_keys(tmp_path):
+    assert run_main(tmp_path, "--max_iters=2") == 0
+    r = json.loads((tmp_path / "report.json").read_text())
+    assert {"config", "n_params", "n_params_exit_heads", "train_seconds", "val_loss", "generation"} <= set(r)
+    assert len(r["val_loss"]["exits"]) == 1 and isinstance(r["val_loss"]["final"], float)
+    g = r["generation"]
+    assert {"exit_threshold", "exit_counts", "mean_layers", "tokens_per_second"} <= set(g)
+    assert sum(g["exit_counts"]) == 20 and len(g["exit_counts"]) == 2
+
+
+def test_default_run_prints_the_statistics(tmp_path, capsys):
+    assert run_main(tmp_path, "--max_iters=2", "--exit_threshold=0.05") == 0
+    out = capsys.readouterr().out
+    assert "Layer 0:" in out and "Layer 1 (full):" in out
+    assert "full-depth sample" in out and "early-exit sample" in out
+    assert "% overhead" in out and "mean exit depth" in out
+
+
+BAD_INPUTS = [
+    (["--input_path=/nonexistent/input.txt"], "not found"),
+    (["--prompt=\u00e9t\u00e9"], "not in the vocabulary: '\u00e9'"),
+    (["--exit_threshold=1.5"], "outside [0, 1]"),
+    (["--exit_threshold=-0.1"], "outside [0, 1]"),
+    (["--n_embd=30", "--n_head=4"], "not divisible"),
+    (["--n_layr=3"], "unknown config field --n_layr"),
+    (["--max_iters=ten"], "takes a int"),
+    (["max_iters=10"], "--name=value"),
+    (["--kv_strategy=magic"], "kv_strategy"),
+    (["--init_from=resume"], "no checkpoint"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUTS)
+def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, message):
+    assert run_main(tmp_path, *args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "ckpt.pt").exists()
+
+
+def test_empty_input_file(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert run_main(tmp_path, f"--input_path={empty}") == 2
+    assert "is empty" in capsys.readouterr().err
+
+
+def test_mismatched_checkpoint(tmp_path, capsys):
+    assert run_main(tmp_path, "--max_iters=2") == 0
+    capsys.readouterr()
+    assert run_main(tmp_path, "--init_from=resume", "--n_layer=3") == 2
+    assert "n_layer=2" in capsys.readouterr().err
+    other = tmp_path / "other.txt"
+    other.write_text("abc\n" * 100)
+    assert run_main(tmp_path, "--init_from=resume", f"--input_path={other}", "--prompt=a") == 2
+    assert "vocabulary" in capsys.readouterr().err
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    ckpt["model"]["transformer.wpe.weight"] = torch.zeros(3, 16)
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    assert run_main(tmp_path, "--init_from=resume") == 2
+    assert "does not fit" in capsys.readouterr().err
