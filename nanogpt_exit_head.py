@@ -85,6 +85,13 @@ class Config:
     exit_layers: str = "all"  # which layers check for an exit: 'all' or a comma list like '1,3'
     kv_strategy: str = "backfill"  # how skipped layers' KV entries are filled: backfill, deferred, state_copy, holes
     confidence: str = "top1"  # confidence measure: top1, margin (top1 - top2) or entropy (1 - H / log V)
+    draft_exit: int = 1  # self-speculative: the last layer of the draft (its exit head drafts)
+    num_draft: int = 4  # self-speculative: tokens drafted per verify pass
+    # evaluation and benchmarks
+    quality_positions: int = 2000  # test positions decoded teacher-forced per strategy; more is steadier and slower
+    bench_tokens: int = 300  # tokens generated per timed run
+    bench_repeats: int = 5  # timed runs per strategy, interleaved; the median is reported
+    strategies_threshold: float = -1.0  # threshold of the strategies table; -1 picks on val the highest with >= 30% early exits
 
 
 ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias")
@@ -153,12 +160,17 @@ def validate(config):
         raise ValueError(f"confidence={config.confidence!r} is not one of {', '.join(CONFIDENCE_MEASURES)}")
     if config.init_from not in ("scratch", "resume"):
         raise ValueError(f"init_from={config.init_from!r} must be 'scratch' or 'resume'")
-    for name in ("n_layer", "n_head", "block_size", "batch_size", "eval_iters", "eval_interval"):
+    for name in ("n_head", "block_size", "batch_size", "eval_iters", "eval_interval"):
         if getattr(config, name) < 1:
             raise ValueError(f"{name}={getattr(config, name)} must be at least 1")
-    if config.block_size < 2:
-        raise ValueError("block_size must be at least 2")
+    if config.block_size < 2 or config.n_layer < 2:
+        raise ValueError("block_size and n_layer must be at least 2 (one exit below the final layer)")
     parse_exit_layers(config.exit_layers, config.n_layer)
+    if not 0 <= config.draft_exit < config.n_layer - 1:
+        raise ValueError(f"draft_exit={config.draft_exit} must be a layer below the last (0..{config.n_layer - 2})")
+    for name in ("num_draft", "quality_positions", "bench_tokens", "bench_repeats"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name}={getattr(config, name)} must be at least 1")
 
 
 def parse_exit_layers(text, n_layer):
@@ -257,13 +269,6 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
-    def kv_only(self, x):
-        """Keys and values of x without the query or the attention (CALM's state copy)."""
-        C = self.n_embd
-        w = self.c_attn.weight[C:]  # (2C, C): the K and V rows of the fused projection
-        b = None if self.c_attn.bias is None else self.c_attn.bias[C:]
-        k, v = F.linear(x, w, b).split(C, dim=2)
-        return self.heads(k), self.heads(v)  # (B, nh, T, hs) each
 
 
 class MLP(nn.Module):
@@ -294,10 +299,20 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x), cache, layer)
         return x + self.mlp(self.ln_2(x))
 
-    def write_kv(self, x, cache, layer):
-        """Fill this layer's cache entries for x without running the block."""
-        k, v = self.attn.kv_only(self.ln_1(x))
-        cache.append(layer, k, v)
+    def kv_projection(self):
+        """This block's x -> (K, V) map with ln_1's gain and bias folded in: (2C, C) weight, (2C,) bias.
+
+        K and V of a state x are W_kv (g * norm(x) + beta) + b_kv = (W_kv g) norm(x)
+        + (W_kv beta + b_kv): one matrix per layer, applied to one shared norm(x).
+        """
+        C = self.ln_1.normalized_shape[0]
+        w = self.attn.c_attn.weight[C:]  # (2C, C): the K and V rows of the fused projection
+        bias = torch.zeros(2 * C, device=w.device, dtype=w.dtype)
+        if self.ln_1.bias is not None:
+            bias = bias + w @ self.ln_1.bias
+        if self.attn.c_attn.bias is not None:
+            bias = bias + self.attn.c_attn.bias[C:]
+        return w * self.ln_1.weight, bias
 
 
 class ExitHead(nn.Module):
@@ -309,7 +324,8 @@ class ExitHead(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
 
     def forward(self, x):
-        return self.lm_head(self.ln(x))
+        # the functional calls skip two module dispatches: this runs once per layer per decoded token
+        return F.linear(F.layer_norm(x, self.ln.normalized_shape, self.ln.weight, self.ln.bias), self.lm_head.weight)
 
 
 class GPT(nn.Module):
@@ -420,8 +436,26 @@ class KVCache:
         self.frontier = torch.zeros(batch_size, config.block_size, config.n_embd, device=device, dtype=dtype)
         self.lengths = [0] * config.n_layer
         self.layer_evals = [0] * config.n_layer  # how many (position, layer) block runs, per layer
-        self.trace = None  # set to a list to record (layer, absolute position) of every block run
+        self.trace = None  # set to a list to record (layer, window start, window position) of every block run
         self.start = 0  # absolute position of window position 0
+        self.kv_projections = None  # state copy: every layer's folded K/V projection, set by generate()
+
+    def write_state_copy(self, first_layer, x, weight, bias):
+        """CALM's state propagation: entries for layers first_layer.. computed from one hidden state.
+
+        x (B, 1, C) is the exit state; weight (L, 2C, C) and bias (L, 2C) are every
+        layer's folded K/V projection (Block.kv_projection). One batched matmul
+        writes all skipped layers at once, instead of one small projection each.
+        """
+        n, (B, nh, hs) = self.lengths[first_layer], self.k.shape[1:3] + self.k.shape[4:]
+        assert all(m == n for m in self.lengths[first_layer:]), "state copy needs the skipped layers level"
+        xn = F.layer_norm(x[:, 0], x.shape[-1:])  # (B, C): the normalisation shared by every ln_1
+        kv = torch.matmul(xn, weight[first_layer:].transpose(1, 2)) + bias[first_layer:, None]  # (J, B, 2C)
+        k, v = kv.split(nh * hs, dim=-1)
+        self.k[first_layer:, :, :, n] = k.view(-1, B, nh, hs)  # (J, B, nh, hs)
+        self.v[first_layer:, :, :, n] = v.view(-1, B, nh, hs)
+        for layer in range(first_layer, len(self.lengths)):
+            self.lengths[layer] = n + 1
 
     def reset(self, start=0):
         self.lengths = [0] * len(self.lengths)
@@ -434,8 +468,8 @@ class KVCache:
     def count(self, layer, T):
         self.layer_evals[layer] += T
         if self.trace is not None:
-            n = self.start + self.lengths[layer]
-            self.trace.extend((layer, n + t) for t in range(T))
+            n = self.lengths[layer]
+            self.trace.extend((layer, self.start, n + t) for t in range(T))
 
     def append(self, layer, k, v):
         """Write k, v (B, nh, T, hs) after this layer's entries; return all entries and the mask."""
@@ -494,11 +528,11 @@ def format_eval(it, losses):
 
 
 def train(model, optimizer, splits, config, device, ctx, start_iter=0):
-    """The training loop; returns the seconds it took. Evaluates every eval_interval steps."""
+    """The training loop; returns (seconds, median ms per step). Evaluates every eval_interval steps."""
     gen = torch.Generator().manual_seed(config.seed + start_iter)
     step_model = torch.compile(model) if config.compile else model
     tokens_per_step = config.batch_size * config.block_size
-    t_start = time.time()
+    t_start, step_ms = time.time(), []
     bar = tqdm(range(start_iter, config.max_iters), initial=start_iter, total=config.max_iters,
                mininterval=1.0 if sys.stderr.isatty() else 30.0, desc="training")
     for it in bar:
@@ -515,12 +549,13 @@ def train(model, optimizer, splits, config, device, ctx, start_iter=0):
         if config.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()
+        step_ms.append(1000 * (time.time() - t0))
         if it % 10 == 0:  # .item() waits for the device, so read the loss only now and then
             dt = time.time() - t0
             bar.set_postfix_str(f"joint loss {loss.item():.3f} | {dt * 1000:.0f} ms | {tokens_per_step / dt:,.0f} tok/s",
                                 refresh=False)
     bar.close()
-    return time.time() - t_start
+    return time.time() - t_start, float(np.median(step_ms)) if step_ms else 0.0
 
 
 # -----------------------------------------------------------------------------
@@ -585,7 +620,7 @@ def confidence(logits, measure="top1"):
     """How sure a head is, in [0, 1], higher is surer: (B, V) logits -> (B,)."""
     probs = logits.float().softmax(-1)
     if measure == "top1":
-        return probs.max(-1).values
+        return probs.amax(-1)
     if measure == "margin":
         top2 = probs.topk(2, dim=-1).values  # (B, 2)
         return top2[:, 0] - top2[:, 1]
@@ -653,6 +688,12 @@ def catch_up(model, cache, end):
             catch_up_layer(block, cache, l, end)
 
 
+@torch.inference_mode()
+def flush(model, cache):
+    """Run all pending deferred work now; generation itself drops what is pending at the end."""
+    catch_up(model, cache, cache.lengths[0])  # layer 0 always holds every position
+
+
 def run_layer(block, cache, layer, x, pos, strategy):
     """Block `layer` for the newest token x (B, 1, C) at window position pos."""
     if strategy != "deferred" or cache.lengths[layer] == pos:
@@ -667,8 +708,7 @@ def skip_layers(model, cache, x, pos, layer, strategy):
     if strategy == "deferred":
         cache.frontier[:, pos] = x[:, 0]  # the state the pending layers will start from
     elif strategy == "state_copy":
-        for j in range(layer + 1, model.config.n_layer):
-            model.transformer.h[j].write_kv(x, cache, j)
+        cache.write_state_copy(layer + 1, x, *cache.kv_projections)
     # holes: write nothing; later tokens attend only to the entries that exist
 
 
@@ -680,24 +720,27 @@ def decode_step(model, cache, idx, pos, strategy="backfill", exit_threshold=1.0,
     deepest row, and backfill runs every layer regardless.
     """
     L = model.config.n_layer
+    checks = exit_layers if exit_threshold < 1 else ()  # a confidence never exceeds 1: skip the checks
     x = model.embed(idx, pos)  # (B, 1, C)
-    logits = None
+    logits, exited = None, None
     exit_layer = torch.full((idx.size(0),), L - 1, dtype=torch.long, device=idx.device)
-    exited = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
     for l, block in enumerate(model.transformer.h):
         x = run_layer(block, cache, l, x, pos, strategy)
-        if l == L - 1 or exit_threshold >= 1 or l not in exit_layers:
+        if l == L - 1 or l not in checks:
             continue
         head_logits = model.exit_logits(x[:, 0], l)  # (B, V): the newest position only
-        newly = (confidence(head_logits, measure) > exit_threshold) & ~exited
+        conf = confidence(head_logits, measure)  # (B,)
+        if conf.max().item() <= exit_threshold:  # the common case: nobody is sure yet, one host sync
+            continue
+        newly = conf > exit_threshold if exited is None else (conf > exit_threshold) & ~exited
         logits = head_logits if logits is None else torch.where(newly[:, None], head_logits, logits)
         exit_layer.masked_fill_(newly, l)
-        exited |= newly
+        exited = newly if exited is None else exited | newly
         if strategy != "backfill" and bool(exited.all()):
             skip_layers(model, cache, x, pos, l, strategy)
             return logits, exit_layer
     final = model.exit_logits(x[:, 0], L - 1)  # (B, V)
-    return (final if logits is None else torch.where(exited[:, None], logits, final)), exit_layer
+    return (final if exited is None else torch.where(exited[:, None], logits, final)), exit_layer
 
 
 @dataclass
@@ -707,6 +750,7 @@ class Generation:
     logits: torch.Tensor  # (B, N, V) emitted logits when teacher-forced, else None
     layers_run: int  # block runs per row over all decode steps, catch-up included, prefill excluded
     cache: KVCache
+    stats: dict = None  # self-speculative counts: rounds, drafted, accepted
 
 
 @torch.inference_mode()
@@ -720,6 +764,9 @@ def generate(model, idx, max_new_tokens, strategy="backfill", exit_threshold=1.0
     exits = idx.new_zeros(B, max_new_tokens)
     emitted, prefilled = [], 0
     cache = KVCache(cfg, B, idx.device)
+    if strategy == "state_copy":  # fold every layer's ln_1 into its K/V projection once per generation
+        projections = [block.kv_projection() for block in model.transformer.h]
+        cache.kv_projections = tuple(torch.stack(t) for t in zip(*projections))  # (L, 2C, C), (L, 2C)
     start = None
     for i in range(max_new_tokens):
         n = T0 + i
@@ -737,6 +784,298 @@ def generate(model, idx, max_new_tokens, strategy="backfill", exit_threshold=1.0
             tokens[:, n] = sample(logits, temperature, top_k, generator)
     logits = torch.stack(emitted, dim=1) if emitted else None
     return Generation(tokens, exits, logits, sum(cache.layer_evals) - prefilled, cache)
+
+
+# -----------------------------------------------------------------------------
+# Decoding, part 3: self-speculative decoding (LayerSkip): the early layers draft, the rest verify
+
+
+def speculative_accept(drafts, q, p, temperature, generator):
+    """How many of the k drafted tokens to keep, and the full model's token after them.
+
+    Greedy (q, p are logits): keep the longest prefix that matches the full
+    model's argmax, then take the full model's choice. Sampling (q, p are
+    probabilities): keep draft d with probability min(1, p(d) / q(d)); at the
+    first rejection draw from max(p - q, 0), renormalised. Either way each
+    emitted token has exactly the full model's distribution (speculative
+    sampling, Leviathan et al. 2023 and Chen et al. 2023). drafts (k,), q and
+    p (k, V). Returns (accepted, next token), next token None when all k were kept.
+    """
+    k = drafts.size(0)
+    if temperature == 0:
+        target = p.argmax(-1)  # (k,)
+        accepted = int((target == drafts).long().cumprod(0).sum())
+        return accepted, (int(target[accepted]) if accepted < k else None)
+    rows = torch.arange(k, device=drafts.device)
+    ratio = p[rows, drafts] / q[rows, drafts]  # (k,)
+    u = torch.rand(k, generator=generator, device=drafts.device)
+    accepted = int((u < ratio).long().cumprod(0).sum())
+    if accepted == k:
+        return k, None
+    residual = (p[accepted] - q[accepted]).clamp_min(0)  # (V,): where the full model wants more mass
+    return accepted, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+
+
+def draft(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, generator):
+    """Feed tokens[n-1] and then each new draft through layers 0..draft_exit only; returns (k, V) draft logits."""
+    q = []
+    for j in range(k):
+        # the deferred strategy, forced to exit at draft_exit: the state waits in cache.frontier
+        logits, _ = decode_step(model, cache, tokens[:, n - 1 + j : n + j], pos + j, "deferred", 0.0, (draft_exit,))
+        tokens[:, n + j] = sample(logits, temperature, top_k, generator)
+        q.append(logits[0])
+    return torch.stack(q)  # (k, V)
+
+
+def verify(model, cache, pos, k):
+    """The remaining layers run once over the k drafted positions, from their saved states."""
+    catch_up(model, cache, pos + k)
+    return model.exit_logits(cache.frontier[0, pos : pos + k], model.config.n_layer - 1)  # (k, V)
+
+
+@torch.inference_mode()
+def generate_self_speculative(model, idx, max_new_tokens, draft_exit, num_draft, temperature=0.0, top_k=0,
+                              generator=None):
+    """Draft num_draft tokens with layers 0..draft_exit, verify them with the rest; output as the full model's."""
+    cfg = model.config
+    if idx.size(0) != 1:
+        raise ValueError("self-speculative decoding runs one sequence at a time (batch size 1)")
+    if not 0 <= draft_exit < cfg.n_layer - 1 or num_draft < 1:
+        raise ValueError(f"need 0 <= draft_exit < {cfg.n_layer - 1} and num_draft >= 1, "
+                         f"got draft_exit={draft_exit}, num_draft={num_draft}")
+    T0, end = idx.size(1), idx.size(1) + max_new_tokens
+    tokens = torch.cat([idx, idx.new_zeros(1, max_new_tokens + num_draft)], dim=1)
+    exits = idx.new_full((1, end), cfg.n_layer - 1)
+    cache, start, n, prefilled = KVCache(cfg, 1, idx.device), None, T0, 0
+    stats = {"rounds": 0, "drafted": 0, "accepted": 0}
+    while n < end:
+        s = window_start(start, n, cfg.block_size)
+        if s != start:
+            start = s
+            prefill(model, cache, tokens[:, s : n - 1], s)
+            prefilled += (n - 1 - s) * cfg.n_layer
+        pos = n - 1 - start  # window position of the first token fed this round
+        k = min(num_draft, cfg.block_size - pos, end - n)  # no fed position may pass block_size
+        q = draft(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, generator)
+        p = verify(model, cache, pos, k)
+        if temperature > 0:
+            q, p = probs_from_logits(q, temperature, top_k), probs_from_logits(p, temperature, top_k)
+        accepted, nxt = speculative_accept(tokens[0, n : n + k], q, p, temperature, generator)
+        exits[0, n : n + accepted] = draft_exit
+        if nxt is not None:
+            tokens[0, n + accepted] = nxt
+            cache.truncate(pos + accepted + 1)  # roll back every layer past the first rejected draft
+        n += accepted + (nxt is not None)
+        stats = {"rounds": stats["rounds"] + 1, "drafted": stats["drafted"] + k, "accepted": stats["accepted"] + accepted}
+    return Generation(tokens[:, :end], exits[:, T0:], None, sum(cache.layer_evals) - prefilled, cache, stats)
+
+
+# -----------------------------------------------------------------------------
+# Evaluation, part 1: record every exit once, teacher-forced, then sweep without the model
+
+
+@dataclass
+class ExitRecords:
+    """What every exit says at each position of a text, read in the decoder's own windows."""
+
+    confidence: dict  # measure -> (L, N): each exit's confidence in its top prediction
+    pred: torch.Tensor  # (L, N): each exit's top prediction
+    nll: torch.Tensor  # (L, N): -log p(true next character) at each exit
+    targets: torch.Tensor  # (N,): the true next characters
+
+
+@torch.inference_mode()
+def record_exits(model, data, n_positions):
+    """One parallel pass: what every exit predicts for data[1 : n_positions + 1].
+
+    The windows are exactly those of sequential decoding fed data[0], data[1],
+    ... (window_start), so a decoder that keeps its cache exact (backfill,
+    deferred) makes exactly these predictions; that is tested.
+    """
+    n_positions = min(n_positions, len(data) - 1)
+    logits, start, i = [], None, 0
+    while i < n_positions:
+        start = window_start(start, i + 1, model.config.block_size)
+        end = min(start + model.config.block_size, n_positions)
+        window = model.all_exit_logits(data[None, start:end])  # (L, 1, W, V)
+        logits.append(window[:, 0, i - start :].float())
+        i = end
+    logits = torch.cat(logits, dim=1)  # (L, N, V)
+    targets = data[1 : n_positions + 1].to(logits.device)
+    conf = {m: torch.stack([confidence(lg, m) for lg in logits]) for m in CONFIDENCE_MEASURES}
+    nll = -logits.log_softmax(-1).gather(-1, targets[None, :, None].expand(len(logits), -1, 1))[..., 0]
+    return ExitRecords(conf, logits.argmax(-1), nll, targets)
+
+
+def exit_layers_at(records, measure, threshold, exit_layers):
+    """(N,): the layer each position exits at: the first checked exit above threshold, else the last."""
+    conf = records.confidence[measure]
+    L = conf.size(0)
+    if threshold >= 1 or not exit_layers:
+        return torch.full((conf.size(1),), L - 1, dtype=torch.long, device=conf.device)
+    layers = torch.tensor(exit_layers, device=conf.device)
+    hit = conf[layers] > threshold  # (E, N)
+    first = hit.float().argmax(0)  # the first checked exit that is confident enough
+    return torch.where(hit.any(0), layers[first], L - 1)
+
+
+def exit_summary(records, exits):
+    """Quality and compute of emitting each position from its exit layer."""
+    L, N = records.pred.shape
+    cols = torch.arange(N, device=exits.device)
+    pred = records.pred[exits, cols]
+    counts = torch.bincount(exits, minlength=L)
+    mean_layers = (exits + 1).float().mean().item()
+    return {
+        "exit_fractions": (counts.float() / N).tolist(),
+        "mean_layers": mean_layers,
+        "compute_saved": 1.0 - mean_layers / L,
+        "loss": records.nll[exits, cols].mean().item(),
+        "full_loss": records.nll[-1].mean().item(),
+        "accuracy": (pred == records.targets).float().mean().item(),
+        "disagreement": (pred != records.pred[-1]).float().mean().item(),
+    }
+
+
+def threshold_for_exit_fraction(records, measure, exit_layers, fraction, grid):
+    """The highest threshold of grid at which at least `fraction` of positions exit early."""
+    L = records.pred.size(0)
+    for t in sorted(grid, reverse=True):
+        if (exit_layers_at(records, measure, t, exit_layers) < L - 1).float().mean() >= fraction:
+            return t
+    return min(grid)
+
+
+# -----------------------------------------------------------------------------
+# Evaluation, part 2: the KV-cache strategies side by side, quality then wall-clock
+
+
+STRATEGY_NAMES = ("full",) + KV_STRATEGIES
+
+
+def strategy_runner(model, name, threshold, exit_layers, measure):
+    """A function (idx, n, generator, temperature, forced) -> Generation for one table row."""
+    if name == "full":
+        kw = dict(strategy="backfill", exit_threshold=1.0)
+    else:
+        kw = dict(strategy=name, exit_threshold=threshold, exit_layers=exit_layers, measure=measure)
+
+    def run(idx, n, generator=None, temperature=0.0, forced=None, top_k=0):
+        return generate(model, idx, n, temperature=temperature, top_k=top_k, generator=generator, forced=forced, **kw)
+
+    return run
+
+
+def quality_pass(run, data, n_positions, n_layer):
+    """Teacher-forced sequential decoding of data: every strategy sees the same text and cache effects."""
+    out = run(data[None, :1], n_positions, forced=data[None, 1 : n_positions + 1])
+    logits, targets = out.logits[0], data[1 : n_positions + 1].to(out.logits.device)  # (N, V), (N,)
+    counts = torch.bincount(out.exit_layers[0].cpu(), minlength=n_layer)
+    return {
+        "pred": logits.argmax(-1),
+        "exit_layers": out.exit_layers[0].cpu(),
+        "exit_fractions": (counts.float() / n_positions).tolist(),
+        "mean_layers": out.layers_run / n_positions,
+        "test_loss": F.cross_entropy(logits, targets).item(),
+        "test_accuracy": (logits.argmax(-1) == targets).float().mean().item(),
+    }
+
+
+def speed_pass(runs, idx, n_tokens, repeats, seed, temperature, top_k):
+    """Each run timed in turn, repeats times, interleaved; median tokens/s and mean layers per token."""
+    times = {name: [] for name in runs}
+    layers, outputs = {}, {}
+    for _ in range(repeats):
+        for name, (run, temp) in runs.items():
+            gen = torch.Generator(device=idx.device).manual_seed(seed)
+            t0 = time.perf_counter()
+            out = run(idx, n_tokens, generator=gen, temperature=temp, top_k=top_k)
+            times[name].append(time.perf_counter() - t0)
+            layers[name], outputs[name] = out.layers_run / n_tokens, out
+    tps = {name: n_tokens / float(np.median(t)) for name, t in times.items()}
+    return tps, layers, outputs
+
+
+def expected_batch_depth(exit_layers, batch_sizes, n_layer):
+    """Mean of the deepest exit among B independent draws from the recorded per-token exit layers."""
+    cdf = torch.bincount(exit_layers, minlength=n_layer).double().cumsum(0) / len(exit_layers)  # P(exit <= l)
+    out = {}
+    for B in batch_sizes:
+        p_max = cdf**B - torch.cat([cdf.new_zeros(1), cdf[:-1] ** B])  # P(deepest row exits at l)
+        out[B] = float((p_max * torch.arange(1, n_layer + 1, dtype=torch.float64)).sum())
+    return out
+
+
+@torch.inference_mode()
+def exit_check_cost(model, repeats=300):
+    """Median time of one exit check (head + confidence + decision) over one block, one new token."""
+    cache = KVCache(model.config, 1, next(model.parameters()).device)
+    x = torch.zeros(1, 1, model.config.n_embd, device=cache.k.device)
+    block, head = model.transformer.h[0], model.exit_heads[0]
+    t_block, t_check = [], []
+    for _ in range(repeats):
+        cache.reset()
+        t0 = time.perf_counter()
+        block(x, cache, 0)
+        t1 = time.perf_counter()
+        bool((confidence(head(x[:, 0])) > 0.9).any())
+        t2 = time.perf_counter()
+        t_block.append(t1 - t0)
+        t_check.append(t2 - t1)
+    return float(np.median(t_check) / np.median(t_block))
+
+
+THRESHOLD_GRID = tuple(round(0.05 * i, 2) for i in range(20, 0, -1)) + (0.0,)  # 1.0, 0.95, ..., 0.05, 0
+
+
+def spec_runner(model, draft_exit, num_draft):
+    def run(idx, n, generator=None, temperature=0.0, top_k=0, forced=None):
+        return generate_self_speculative(model, idx, n, draft_exit, num_draft, temperature, top_k, generator)
+
+    return run
+
+
+def compare_strategies(model, splits, config, idx):
+    """The strategies table: quality teacher-forced on test, speed timed side by side. Returns (rows, extras)."""
+    L, measure = config.n_layer, config.confidence
+    exit_layers = parse_exit_layers(config.exit_layers, L)
+    threshold = config.strategies_threshold
+    if threshold < 0:  # chosen on val, never on test
+        val = record_exits(model, splits["val"].to(idx.device), config.quality_positions)
+        threshold = threshold_for_exit_fraction(val, measure, exit_layers, 0.3, THRESHOLD_GRID)
+    runs = {name: strategy_runner(model, name, threshold, exit_layers, measure) for name in STRATEGY_NAMES}
+    test = splits["test"].to(idx.device)
+    quality = {name: quality_pass(run, test, config.quality_positions, L) for name, run in runs.items()}
+    timed = {name: (run, config.temperature) for name, run in runs.items()}
+    timed["full_greedy"] = (runs["full"], 0.0)  # self-speculative's figure is greedy: time its baseline too
+    timed["self_speculative"] = (spec_runner(model, config.draft_exit, config.num_draft), 0.0)
+    tps, layers, outputs = speed_pass(timed, idx, config.bench_tokens, config.bench_repeats, config.seed,
+                                      config.temperature, config.top_k)
+    full = quality["full"]
+    rows = []
+    for name in STRATEGY_NAMES:
+        q = quality[name]
+        rows.append({"name": name, "tokens_per_second": tps[name], "speedup": tps[name] / tps["full"],
+                     "ideal_speedup": L / layers[name], "mean_layers": layers[name], "test_loss": q["test_loss"],
+                     "test_accuracy": q["test_accuracy"], "agreement": (q["pred"] == full["pred"]).float().mean().item()})
+    rows.append(spec_row(outputs, tps, layers, full, config))
+    return threshold, rows, quality
+
+
+def spec_row(outputs, tps, layers, full, config):
+    """The self_speculative row: timed greedy against greedy full depth in the same run."""
+    spec, ref = outputs["self_speculative"], outputs["full_greedy"]
+    same = spec.tokens.shape == ref.tokens.shape and bool((spec.tokens == ref.tokens).all())
+    stats = spec.stats
+    return {"name": "self_speculative", "tokens_per_second": tps["self_speculative"],
+            "speedup": tps["self_speculative"] / tps["full_greedy"],
+            "ideal_speedup": config.n_layer / layers["self_speculative"], "mean_layers": layers["self_speculative"],
+            # its output distribution is the full model's by construction (tested), so its quality is full depth's
+            "test_loss": full["test_loss"], "test_accuracy": full["test_accuracy"],
+            "agreement": (spec.tokens == ref.tokens).float().mean().item(),
+            "acceptance_rate": stats["accepted"] / stats["drafted"],
+            "tokens_per_verify": config.bench_tokens / stats["rounds"],
+            "draft_exit": config.draft_exit, "num_draft": config.num_draft, "identical_to_full": same}
 
 
 # -----------------------------------------------------------------------------
@@ -789,6 +1128,39 @@ def print_table(rows, columns, title=None):
     print("  ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths)))
     for c in cells:
         print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
+
+
+STRATEGY_COLUMNS = (
+    ("name", "strategy", "{}"),
+    ("tokens_per_second", "tok/s", "{:,.0f}"),
+    ("speedup", "speed-up", "{:.2f}x"),
+    ("ideal_speedup", "ideal L/layers", "{:.2f}x"),
+    ("mean_layers", "layers/token", "{:.2f}"),
+    ("test_loss", "test loss", "{:.4f}"),
+    ("test_accuracy", "accuracy", "{:.3f}"),
+    ("agreement", "agree w/ full", "{:.3f}"),
+)
+
+
+def print_strategies(threshold, rows, quality, config, check_cost, depths):
+    L = config.n_layer
+    print(f"\n=== KV-cache strategies: exit when {config.confidence} > {threshold:g}, exits at layers {config.exit_layers} ===")
+    print(f"quality: {config.quality_positions} test positions, teacher-forced through the sequential decoder; "
+          f"speed: {config.bench_tokens} tokens from the prompt, batch 1, median of {config.bench_repeats} interleaved runs")
+    print("(self_speculative: greedy, against greedy full depth timed in the same loop; its output is the full model's)")
+    print_table(rows, STRATEGY_COLUMNS)
+    spec = rows[-1]
+    print(f"self_speculative: draft_exit={spec['draft_exit']}, num_draft={spec['num_draft']}, acceptance rate "
+          f"{spec['acceptance_rate']:.3f}, {spec['tokens_per_verify']:.2f} tokens per verify pass, "
+          f"identical to full depth: {spec['identical_to_full']}")
+    print("\nwhere test tokens exit (teacher-forced), and layers run per token counting catch-up work:")
+    for name, q in quality.items():
+        fr = " ".join(f"{100 * f:5.1f}%" for f in q["exit_fractions"])
+        print(f"  {name:<11} {fr}  | {q['mean_layers']:.2f} layers/token")
+    print(f"one exit check costs {check_cost:.2f} of a block (median, one token, batch 1)")
+    print("a batch runs as deep as its deepest row: expected layers per step from the recorded exits:")
+    for B, d in depths.items():
+        print(f"  B = {B:>2}: {d:.2f} of {L} layers ({100 * (1 - d / L):4.1f}% saved)")
 
 
 # -----------------------------------------------------------------------------
@@ -884,9 +1256,12 @@ def run(config, overridden):
           f"train/val/test: {len(splits['train']):,}/{len(splits['val']):,}/{len(splits['test']):,} characters")
     print_param_counts(model)
     os.makedirs(config.out_dir, exist_ok=True)
+    ms_per_iter = None
     if iter_num < config.max_iters:
-        train_seconds += train(model, optimizer, splits, config, device, ctx, iter_num)
+        seconds, ms_per_iter = train(model, optimizer, splits, config, device, ctx, iter_num)
+        train_seconds += seconds
         iter_num = config.max_iters
+        print(f"median step time: {ms_per_iter:.1f} ms/iter")
     else:
         print(f"checkpoint already at iteration {iter_num} (max_iters={config.max_iters}): no training")
     losses = estimate_loss(model, splits, config, device, ctx)
@@ -900,10 +1275,18 @@ def run(config, overridden):
         "n_params": model.num_params()[0],
         "n_params_exit_heads": model.num_params()[1],
         "train_seconds": train_seconds,
+        "ms_per_iter": ms_per_iter,
         "val_loss": {"final": losses["val"][-1], "exits": losses["val"][:-1]},
         "train_loss": losses["train"][-1],
     }
     report["generation"] = demo_generation(model, tokenizer, config, device, config.exit_threshold)
+    idx = torch.tensor([tokenizer.encode(config.prompt)], dtype=torch.long, device=device)
+    threshold, rows, quality = compare_strategies(model, splits, config, idx)
+    check_cost = exit_check_cost(model)
+    depths = expected_batch_depth(quality["backfill"]["exit_layers"], (1, 4, 16), config.n_layer)
+    print_strategies(threshold, rows, quality, config, check_cost, depths)
+    report.update(strategies=rows, strategies_threshold=threshold, exit_check_cost=check_cost,
+                  batch_depth={str(b): d for b, d in depths.items()})
     write_json(report, os.path.join(config.out_dir, "report.json"))
     print(f"\nreport: {os.path.join(config.out_dir, 'report.json')}")
     return report

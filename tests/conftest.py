@@ -52,3 +52,25 @@ def no_grad():
     """Tests compare outputs of inference-mode decoding with plain forward passes."""
     with torch.no_grad():
         yield
+
+
+@pytest.fixture(scope="session")
+def trained():
+    """A tiny model trained for a few seconds on input.txt, so its exit heads mostly agree with the final one."""
+    with open(os.path.join(ROOT, "input.txt")) as f:
+        text = f.read()[:200_000]
+    tok = m.CharTokenizer(text)
+    cfg = tiny_config(vocab_size=tok.vocab_size, n_embd=32, block_size=32, learning_rate=3e-3)
+    torch.manual_seed(0)
+    model = m.GPT(cfg)
+    opt = m.configure_optimizer(model, cfg)
+    data = torch.tensor(tok.encode(text))
+    gen = torch.Generator().manual_seed(0)
+    with torch.enable_grad():
+        for _ in range(300):
+            x, y = m.get_batch(data, cfg.block_size, 16, gen, "cpu")
+            _, loss = model(x, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model.eval(), data

@@ -11,7 +11,8 @@ from conftest import m
 # --- command line, checkpoints, bad input --------------------------------------------
 
 TINY_ARGS = ["--n_layer=2", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4",
-             "--eval_iters=1", "--eval_interval=2", "--max_new_tokens=20", "--device=cpu"]
+             "--eval_iters=1", "--eval_interval=2", "--max_new_tokens=20", "--device=cpu",
+             "--draft_exit=0", "--quality_positions=50", "--bench_tokens=20", "--bench_repeats=1"]
 
 
 def run_main(tmp_path, *args):

@@ -1,0 +1,137 @@
+"""The KV-cache strategies: deferred is exact, state copy writes what it claims, holes leaves holes."""
+
+import pytest
+import torch
+
+from conftest import m, tiny_model
+
+pytestmark = pytest.mark.usefixtures("no_grad")
+
+
+def flushed(model, cache):
+    m.flush(model, cache)
+    return cache
+
+
+@pytest.mark.parametrize("n_new", [12, 50])  # inside one window, and across two re-prefills
+@pytest.mark.parametrize("batch", [1, 2])
+def test_deferred_equals_backfill_tokens_and_cache(n_new, batch):
+    model = tiny_model()
+    idx = torch.randint(0, 11, (batch, 3))
+    kw = dict(exit_threshold=0.6, temperature=1.0)
+    back = m.generate(model, idx, n_new, strategy="backfill", generator=torch.Generator().manual_seed(3), **kw)
+    defer = m.generate(model, idx, n_new, strategy="deferred", generator=torch.Generator().manual_seed(3), **kw)
+    assert torch.equal(back.tokens, defer.tokens)
+    assert torch.equal(back.exit_layers, defer.exit_layers)
+    assert (defer.exit_layers < 3).all(0).any(), "the test needs steps where every row exits early"
+    cache = flushed(model, defer.cache)
+    n = back.cache.lengths[0]
+    assert cache.lengths == back.cache.lengths == [n] * 4
+    assert torch.allclose(cache.k[:, :, :, :n], back.cache.k[:, :, :, :n], atol=1e-5)
+    assert torch.allclose(cache.v[:, :, :, :n], back.cache.v[:, :, :, :n], atol=1e-5)
+
+
+def test_deferred_never_runs_a_layer_twice_for_a_position():
+    model = tiny_model()
+    cache_trace = []
+    original = m.KVCache.__init__
+
+    def traced(self, *a, **k):
+        original(self, *a, **k)
+        self.trace = cache_trace
+
+    m.KVCache.__init__ = traced
+    try:
+        out = m.generate(model, torch.zeros(1, 1, dtype=torch.long), 45, strategy="deferred", exit_threshold=0.6,
+                         temperature=1.0, generator=torch.Generator().manual_seed(0))
+        flushed(model, out.cache)
+    finally:
+        m.KVCache.__init__ = original
+    assert (out.exit_layers < 3).float().mean() > 0.2
+    assert len(cache_trace) == len(set(cache_trace)), "a (layer, window, position) ran twice"
+    # and after the flush every position of the last window ran every layer exactly once
+    last = [t for t in cache_trace if t[1] == out.cache.start]
+    for layer in range(4):
+        assert sorted(p for l, _, p in last if l == layer) == list(range(out.cache.lengths[0]))
+
+
+def test_deferred_batches_the_catch_up():
+    """A token after an early exit runs the skipped layers for both positions in one block call."""
+    model = tiny_model()
+    out = m.generate(model, torch.zeros(1, 1, dtype=torch.long), 15, strategy="deferred", exit_threshold=0.6,
+                     forced=torch.randint(0, 11, (1, 15)))
+    back = m.generate(model, torch.zeros(1, 1, dtype=torch.long), 15, strategy="backfill", exit_threshold=0.6,
+                      forced=out.tokens[:, 1:])
+    assert torch.allclose(out.logits, back.logits, atol=1e-5)
+    assert out.layers_run < back.layers_run  # the work still pending at the end is dropped
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_state_copy_writes_kv_from_the_exit_state(bias):
+    model = tiny_model(bias=bias)
+    cache = m.KVCache(model.config, 1, "cpu")
+    cache.kv_projections = tuple(torch.stack(t) for t in zip(*[b.kv_projection() for b in model.transformer.h]))
+    idx = torch.tensor([[4]])
+    logits, layer = m.decode_step(model, cache, idx, 0, "state_copy", 0.0, [1])
+    assert int(layer) == 1 and cache.lengths == [1, 1, 1, 1]
+    x = model.embed(idx)
+    for l in range(2):
+        x = model.transformer.h[l](x)
+    for j in (2, 3):
+        block = model.transformer.h[j]
+        C = model.config.n_embd
+        k, v = block.attn.c_attn(block.ln_1(x))[..., C:].split(C, dim=-1)  # the plain, unfolded way
+        k, v = block.attn.heads(k), block.attn.heads(v)
+        assert torch.allclose(cache.k[j, :, :, :1], k, atol=1e-6)
+        assert torch.allclose(cache.v[j, :, :, :1], v, atol=1e-6)
+    assert cache.layer_evals == [1, 1, 0, 0]  # the skipped blocks did not run
+
+
+def test_holes_leave_the_upper_layers_short():
+    model = tiny_model()
+    out = m.generate(model, torch.zeros(1, 1, dtype=torch.long), 12, strategy="holes", exit_threshold=0.6,
+                     forced=torch.randint(0, 11, (1, 12)))
+    early = (out.exit_layers[0] < 3).sum().item()
+    assert early > 0
+    assert out.cache.lengths[0] == 12 and out.cache.lengths[3] == 12 - early
+    assert out.cache.lengths == sorted(out.cache.lengths, reverse=True)
+
+
+@pytest.mark.parametrize("strategy", m.KV_STRATEGIES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_every_strategy_generates_three_block_sizes(strategy, batch):
+    model = tiny_model()
+    out = m.generate(model, torch.zeros(batch, 1, dtype=torch.long), 48, strategy=strategy, exit_threshold=0.6,
+                     temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert out.tokens.shape == (batch, 49)
+    assert ((0 <= out.exit_layers) & (out.exit_layers < 4)).all()
+
+
+def test_batch_step_runs_as_deep_as_its_deepest_row():
+    model = tiny_model()
+    out = m.generate(model, torch.tensor([[1], [7], [3]]), 10, strategy="state_copy", exit_threshold=0.6,
+                     forced=torch.randint(0, 11, (3, 10)))
+    deepest = out.exit_layers.max(0).values + 1  # (N,) layers each step needed
+    assert out.layers_run == deepest.sum().item()
+
+
+def test_expected_batch_depth_matches_simulation():
+    exits = torch.tensor([0] * 50 + [1] * 20 + [3] * 30)
+    depth = m.expected_batch_depth(exits, (1, 4), 4)
+    assert depth[1] == pytest.approx((exits + 1).float().mean().item())
+    gen = torch.Generator().manual_seed(0)
+    draws = exits[torch.randint(0, 100, (20000, 4), generator=gen)]
+    assert depth[4] == pytest.approx((draws.max(1).values + 1).float().mean().item(), abs=0.03)
+
+
+def test_quality_pass_and_speed_pass_report_what_they_ran():
+    model = tiny_model()
+    data = torch.randint(0, 11, (100,))
+    runs = {n: m.strategy_runner(model, n, 0.6, [0, 1, 2], "top1") for n in m.STRATEGY_NAMES}
+    quality = {n: m.quality_pass(r, data, 40, 4) for n, r in runs.items()}
+    assert quality["full"]["mean_layers"] == 4.0 and quality["full"]["exit_fractions"][3] == 1.0
+    assert quality["deferred"]["test_loss"] == pytest.approx(quality["backfill"]["test_loss"], abs=1e-5)
+    assert quality["state_copy"]["mean_layers"] < 4.0
+    tps, layers, _ = m.speed_pass({n: (r, 1.0) for n, r in runs.items()}, data[None, :2], 20, 2, 0, 1.0, 0)
+    assert set(tps) == set(runs) and all(v > 0 for v in tps.values())
+    assert layers["full"] == 4.0 and layers["holes"] <= 4.0
