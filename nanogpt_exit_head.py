@@ -85,12 +85,16 @@ class Config:
     exit_layers: str = "all"  # which layers check for an exit: 'all' or a comma list like '1,3'
     kv_strategy: str = "backfill"  # how skipped layers' KV entries are filled: backfill, deferred, state_copy, holes
     confidence: str = "top1"  # confidence measure: top1, margin (top1 - top2) or entropy (1 - H / log V)
-    draft_exit: int = 1  # self-speculative: the last layer of the draft (its exit head drafts)
-    num_draft: int = 4  # self-speculative: tokens drafted per verify pass
+    draft_exit: int = 0  # self-speculative: the last layer of the draft (its exit head drafts); set by --spec_sweep
+    num_draft: int = 4  # self-speculative: tokens drafted per verify pass; set by --spec_sweep
     # evaluation and benchmarks
     quality_positions: int = 2000  # test positions decoded teacher-forced per strategy; more is steadier and slower
     bench_tokens: int = 300  # tokens generated per timed run
     bench_repeats: int = 5  # timed runs per strategy, interleaved; the median is reported
+    epsilon: float = 0.01  # calibration: tolerated rate of disagreement with full depth; lower is more cautious
+    delta: float = 0.05  # calibration: allowed chance that the chosen threshold breaks epsilon
+    sweep_positions: int = 20000  # val and test positions recorded for the sweep and calibration
+    spec_sweep: bool = False  # also time self-speculative decoding for every (draft_exit, num_draft) (about a minute)
     strategies_threshold: float = -1.0  # threshold of the strategies table; -1 picks on val the highest with >= 30% early exits
 
 
@@ -168,7 +172,9 @@ def validate(config):
     parse_exit_layers(config.exit_layers, config.n_layer)
     if not 0 <= config.draft_exit < config.n_layer - 1:
         raise ValueError(f"draft_exit={config.draft_exit} must be a layer below the last (0..{config.n_layer - 2})")
-    for name in ("num_draft", "quality_positions", "bench_tokens", "bench_repeats"):
+    if not (0 < config.epsilon < 1 and 0 < config.delta < 1):
+        raise ValueError(f"epsilon={config.epsilon} and delta={config.delta} must both lie strictly between 0 and 1")
+    for name in ("num_draft", "quality_positions", "bench_tokens", "bench_repeats", "sweep_positions"):
         if getattr(config, name) < 1:
             raise ValueError(f"{name}={getattr(config, name)} must be at least 1")
 
@@ -884,27 +890,46 @@ class ExitRecords:
     targets: torch.Tensor  # (N,): the true next characters
 
 
+def decoder_windows(n_positions, block_size):
+    """(start, end, first) of each window sequential decoding uses to predict positions first..end-1."""
+    windows, start, i = [], None, 0
+    while i < n_positions:
+        start = window_start(start, i + 1, block_size)
+        end = min(start + block_size, n_positions)
+        windows.append((start, end, i))
+        i = end
+    return windows
+
+
+def summarise_logits(logits, targets):
+    """(L, N, V) exit logits -> what ExitRecords keeps of them."""
+    conf = {m: torch.stack([confidence(lg, m) for lg in logits]) for m in CONFIDENCE_MEASURES}
+    nll = -logits.log_softmax(-1).gather(-1, targets[None, :, None].expand(len(logits), -1, 1))[..., 0]
+    return conf, logits.argmax(-1), nll
+
+
 @torch.inference_mode()
-def record_exits(model, data, n_positions):
+def record_exits(model, data, n_positions, batch_size=64):
     """One parallel pass: what every exit predicts for data[1 : n_positions + 1].
 
     The windows are exactly those of sequential decoding fed data[0], data[1],
     ... (window_start), so a decoder that keeps its cache exact (backfill,
-    deferred) makes exactly these predictions; that is tested.
+    deferred) makes exactly these predictions; that is tested. Windows of equal
+    length run together, batch_size at a time.
     """
     n_positions = min(n_positions, len(data) - 1)
-    logits, start, i = [], None, 0
-    while i < n_positions:
-        start = window_start(start, i + 1, model.config.block_size)
-        end = min(start + model.config.block_size, n_positions)
-        window = model.all_exit_logits(data[None, start:end])  # (L, 1, W, V)
-        logits.append(window[:, 0, i - start :].float())
-        i = end
-    logits = torch.cat(logits, dim=1)  # (L, N, V)
+    windows = decoder_windows(n_positions, model.config.block_size)
+    # every window is block_size long but perhaps the last: run the others batch_size at a time
+    full = windows[:-1]
+    groups = [full[b : b + batch_size] for b in range(0, len(full), batch_size)] + [windows[-1:]]
+    parts = []
+    for group in groups:
+        x = torch.stack([data[s:e] for s, e, _ in group])  # (b, W)
+        logits = model.all_exit_logits(x).float()  # (L, b, W, V)
+        parts += [logits[:, r, first - s :] for r, (s, _, first) in enumerate(group)]
+    logits = torch.cat(parts, dim=1)  # (L, N, V)
     targets = data[1 : n_positions + 1].to(logits.device)
-    conf = {m: torch.stack([confidence(lg, m) for lg in logits]) for m in CONFIDENCE_MEASURES}
-    nll = -logits.log_softmax(-1).gather(-1, targets[None, :, None].expand(len(logits), -1, 1))[..., 0]
-    return ExitRecords(conf, logits.argmax(-1), nll, targets)
+    return ExitRecords(*summarise_logits(logits, targets), targets)
 
 
 def exit_layers_at(records, measure, threshold, exit_layers):
@@ -947,7 +972,108 @@ def threshold_for_exit_fraction(records, measure, exit_layers, fraction, grid):
 
 
 # -----------------------------------------------------------------------------
-# Evaluation, part 2: the KV-cache strategies side by side, quality then wall-clock
+# Evaluation, part 2: the threshold sweep on val, and a threshold calibrated with a guarantee
+
+
+CALIBRATION_GRID = tuple(round(1 - 0.01 * i, 2) for i in range(101))  # 1.00, 0.99, ..., 0.00: cautious first
+
+
+def sweep(records, measure, exit_layers, grid):
+    """One row per threshold: where positions exit, compute saved, loss and disagreement with full depth."""
+    return [{"threshold": t, **exit_summary(records, exit_layers_at(records, measure, t, exit_layers))} for t in grid]
+
+
+def binomial_tail(k, n, epsilon):
+    """P(Binomial(n, epsilon) <= k): the p-value of 'risk > epsilon' after k failures in n trials."""
+    i = torch.arange(k + 1, dtype=torch.float64)
+    log_pmf = (math.lgamma(n + 1) - torch.lgamma(i + 1) - torch.lgamma(n - i + 1)
+               + i * math.log(epsilon) + (n - i) * math.log1p(-epsilon))
+    return float(torch.logsumexp(log_pmf, 0).exp())
+
+
+def fixed_sequence_test(failures, n, epsilon, delta):
+    """Learn then Test with fixed-sequence testing (CALM, arXiv:2207.07061, section 4).
+
+    failures[i] is the number of the n calibration positions that disagree
+    with full depth at the i-th threshold, ordered most cautious first. Test
+    H0: 'risk > epsilon' at each threshold in that order with the exact
+    binomial p-value; stop at the first that is not rejected at level delta.
+    Returns the index of the last rejected one (-1: none, so full depth).
+    Because the order is fixed in advance, the chance that the returned
+    threshold's true risk exceeds epsilon is at most delta (for i.i.d. positions).
+    """
+    chosen = -1
+    for i, k in enumerate(failures):
+        if binomial_tail(k, n, epsilon) > delta:
+            break
+        chosen = i
+    return chosen
+
+
+def calibrate(records, measure, exit_layers, epsilon, delta, grid=CALIBRATION_GRID):
+    """The lowest threshold of the grid whose disagreement with full depth is certified below epsilon."""
+    N = records.targets.numel()
+    failures = []
+    for t in grid:
+        exits = exit_layers_at(records, measure, t, exit_layers)
+        failures.append(int((records.pred[exits, torch.arange(N, device=exits.device)] != records.pred[-1]).sum()))
+    chosen = fixed_sequence_test(failures, N, epsilon, delta)
+    return 1.0 if chosen < 0 else grid[chosen]
+
+
+def calibration_report(val, test, measure, exit_layers, epsilon, delta):
+    """Calibrate on val, then report the chosen threshold's figures on test (never used to choose)."""
+    threshold = calibrate(val, measure, exit_layers, epsilon, delta)
+    figures = lambda r: exit_summary(r, exit_layers_at(r, measure, threshold, exit_layers))  # noqa: E731
+    keys = ("disagreement", "loss", "full_loss", "accuracy", "compute_saved", "mean_layers")
+    return {"measure": measure, "epsilon": epsilon, "delta": delta, "threshold": threshold,
+            "val": {k: figures(val)[k] for k in keys}, "test": {k: figures(test)[k] for k in keys}}
+
+
+# -----------------------------------------------------------------------------
+# Evaluation, part 3: the logit lens, and what "easy" means for this model
+
+
+@torch.inference_mode()
+def logit_lens(model, x):
+    """Each layer read through ln_f + lm_head (never trained for it) and through its own exit head."""
+    states = model.hidden_states(x)  # L x (B, T, C)
+    final = model.exit_logits(states[-1], model.config.n_layer - 1).float()
+    target = final.argmax(-1)  # (B, T): the final prediction
+    rows = []
+    for l, h in enumerate(states[:-1]):
+        for readout, logits in (("ln_f + lm_head", model.exit_logits(h, model.config.n_layer - 1)),
+                                ("exit head", model.exit_logits(h, l))):
+            logits = logits.float()
+            rank = (logits > logits.gather(-1, target[..., None])).sum(-1)  # 0 when it agrees
+            rows.append({"layer": l, "readout": readout,
+                         "agreement": (logits.argmax(-1) == target).float().mean().item(),
+                         "median_rank": rank.float().median().item(),
+                         "confidence": logits.softmax(-1).amax(-1).mean().item()})
+    return rows
+
+
+def exit_slices(records, exits, tokenizer, data, n_top=10):
+    """Accuracy of the tokens leaving at each layer, and the characters that leave at the first exit most."""
+    L, N = records.pred.shape
+    cols = torch.arange(N, device=exits.device)
+    correct = records.pred[exits, cols] == records.targets
+    per_layer = [{"layer": l, "tokens": int((exits == l).sum()),
+                  "accuracy": correct[exits == l].float().mean().item() if (exits == l).any() else None}
+                 for l in range(L)]
+    first = int(exits.min()) if N else 0
+    early = (exits == first).nonzero().flatten().tolist()
+    counts = {}
+    for i in early:  # position i predicts data[i + 1] from the context ending at data[i]
+        ch = tokenizer.decode([int(records.targets[i])])
+        counts.setdefault(ch, []).append(tokenizer.decode(data[max(0, i - 3) : i + 1].tolist()))
+    top = sorted(counts.items(), key=lambda kv: -len(kv[1]))[:n_top]
+    chars = [{"char": ch, "exits": len(ctx), "example_context": max(set(ctx), key=ctx.count)} for ch, ctx in top]
+    return {"per_layer": per_layer, "first_exit_layer": first, "earliest_chars": chars}
+
+
+# -----------------------------------------------------------------------------
+# Evaluation, part 4: the KV-cache strategies side by side, quality then wall-clock
 
 
 STRATEGY_NAMES = ("full",) + KV_STRATEGIES
@@ -1078,6 +1204,21 @@ def spec_row(outputs, tps, layers, full, config):
             "draft_exit": config.draft_exit, "num_draft": config.num_draft, "identical_to_full": same}
 
 
+def sweep_speculative(model, idx, config, draft_exits, num_drafts):
+    """Greedy speed-up over full depth for every (draft_exit, num_draft), each timed beside full depth."""
+    grid = []
+    for E in draft_exits:
+        for k in num_drafts:
+            runs = {"full": (strategy_runner(model, "full", 1.0, [], "top1"), 0.0),
+                    "spec": (spec_runner(model, E, k), 0.0)}
+            tps, _, out = speed_pass(runs, idx, config.bench_tokens, config.bench_repeats, config.seed, 0.0, 0)
+            stats = out["spec"].stats
+            grid.append({"draft_exit": E, "num_draft": k, "speedup": tps["spec"] / tps["full"],
+                         "acceptance_rate": stats["accepted"] / stats["drafted"],
+                         "identical_to_full": bool(torch.equal(out["spec"].tokens, out["full"].tokens))})
+    return grid
+
+
 # -----------------------------------------------------------------------------
 # Reports: exit statistics, coloured text, tables for people, JSON for programs
 
@@ -1161,6 +1302,64 @@ def print_strategies(threshold, rows, quality, config, check_cost, depths):
     print("a batch runs as deep as its deepest row: expected layers per step from the recorded exits:")
     for B, d in depths.items():
         print(f"  B = {B:>2}: {d:.2f} of {L} layers ({100 * (1 - d / L):4.1f}% saved)")
+
+
+def print_spec_sweep(grid):
+    """Speed-up over full depth (acceptance rate) for each draft_exit (rows) and num_draft (columns)."""
+    exits, drafts = sorted({g["draft_exit"] for g in grid}), sorted({g["num_draft"] for g in grid})
+    cell = {(g["draft_exit"], g["num_draft"]): g for g in grid}
+    print("\nself-speculative sweep: greedy speed-up over full depth (acceptance rate), same-run medians")
+    print("draft_exit " + "".join(f"{'k=' + str(k):>16}" for k in drafts))
+    for E in exits:
+        print(f"{E:>10} " + "".join(f"{cell[E, k]['speedup']:>9.2f}x ({cell[E, k]['acceptance_rate']:.2f})" for k in drafts))
+    best = max(grid, key=lambda g: g["speedup"])
+    print(f"best: draft_exit={best['draft_exit']}, num_draft={best['num_draft']} ({best['speedup']:.2f}x); "
+          f"output identical to full depth in every cell: {all(g['identical_to_full'] for g in grid)}")
+
+
+SWEEP_SHOWN = (1.0, 0.99, 0.98, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
+
+
+def print_sweep(rows, measure, n_layer):
+    print(f"\n=== threshold sweep on val ({measure}): compute against quality ===")
+    shown = [dict(r, fractions=" ".join(f"{100 * f:4.1f}" for f in r["exit_fractions"]))
+             for r in rows if r["threshold"] in SWEEP_SHOWN]
+    print_table(shown, (("threshold", "threshold", "{:.2f}"), ("fractions", f"% exiting at layer 0..{n_layer - 1}", "{}"),
+                        ("mean_layers", "layers", "{:.2f}"), ("compute_saved", "saved", "{:.1%}"),
+                        ("loss", "val loss", "{:.4f}"), ("disagreement", "disagree", "{:.2%}")))
+    print("text plot: compute saved (#) and disagreement with full depth (x), one row per threshold")
+    for r in shown:
+        print(f"  {r['threshold']:4.2f} |{bar(r['compute_saved'], 40):<40}| {r['compute_saved']:6.1%}")
+        print(f"       |{'x' * round(r['disagreement'] * 40):<40}| {r['disagreement']:6.2%}")
+
+
+def print_calibration(cals, chosen):
+    print(f"\n=== calibrated thresholds (Learn then Test: disagreement <= {chosen['epsilon']:.0%} "
+          f"with probability >= {1 - chosen['delta']:.0%}; chosen on val, reported on test) ===")
+    rows = [{"measure": c["measure"], "threshold": c["threshold"], **c["test"]} for c in cals]
+    print_table(rows, (("measure", "measure", "{}"), ("threshold", "threshold", "{:.2f}"),
+                       ("compute_saved", "test saved", "{:.1%}"), ("disagreement", "disagree", "{:.2%}"),
+                       ("loss", "test loss", "{:.4f}"), ("full_loss", "full loss", "{:.4f}"),
+                       ("accuracy", "accuracy", "{:.3f}")))
+    best = max(cals, key=lambda c: c["test"]["compute_saved"])
+    print(f"most compute saved at the same guarantee: {best['measure']}")
+
+
+def print_logit_lens(rows):
+    print("\n=== logit lens: each layer read through the final head (untrained for it) vs its own exit head ===")
+    print_table(rows, (("layer", "layer", "{}"), ("readout", "readout", "{}"),
+                       ("agreement", "top-1 = final", "{:.3f}"), ("median_rank", "median rank", "{:.0f}"),
+                       ("confidence", "mean confidence", "{:.3f}")))
+
+
+def print_slices(slices):
+    print("\naccuracy of the test tokens leaving at each layer (calibrated threshold):")
+    for r in slices["per_layer"]:
+        acc = "-" if r["accuracy"] is None else f"{r['accuracy']:.3f}"
+        print(f"  layer {r['layer']}: {r['tokens']:>6} tokens, accuracy {acc}")
+    print(f"characters that most often leave at layer {slices['first_exit_layer']} (with a typical preceding context):")
+    for c in slices["earliest_chars"]:
+        print(f"  {c['char']!r:>6}: {c['exits']:>5} times, e.g. after {c['example_context']!r}")
 
 
 # -----------------------------------------------------------------------------
@@ -1279,7 +1478,29 @@ def run(config, overridden):
         "val_loss": {"final": losses["val"][-1], "exits": losses["val"][:-1]},
         "train_loss": losses["train"][-1],
     }
-    report["generation"] = demo_generation(model, tokenizer, config, device, config.exit_threshold)
+    val = record_exits(model, splits["val"].to(device), config.sweep_positions)
+    test = record_exits(model, splits["test"].to(device), config.sweep_positions)
+    exit_layers = parse_exit_layers(config.exit_layers, config.n_layer)
+    report["sweep"] = sweep(val, config.confidence, exit_layers, CALIBRATION_GRID)
+    print_sweep(report["sweep"], config.confidence, config.n_layer)
+    cals = [calibration_report(val, test, m, exit_layers, config.epsilon, config.delta) for m in CONFIDENCE_MEASURES]
+    report["calibration"] = next(c for c in cals if c["measure"] == config.confidence)
+    report["calibration_by_measure"] = cals
+    print_calibration(cals, report["calibration"])
+    lens_x = torch.stack([splits["val"][i : i + config.block_size] for i in range(0, 64 * config.block_size, config.block_size)])
+    report["logit_lens"] = logit_lens(model, lens_x.to(device))
+    print_logit_lens(report["logit_lens"])
+    threshold = report["calibration"]["threshold"]
+    if "exit_threshold" in overridden:
+        threshold = config.exit_threshold
+        print(f"\n(--exit_threshold={threshold:g} overrides the calibrated threshold for the demonstration)")
+    else:
+        print(f"\nthe early-exit demonstration below uses the calibrated threshold {threshold:g}")
+    slices = exit_slices(test, exit_layers_at(test, config.confidence, report["calibration"]["threshold"], exit_layers),
+                         tokenizer, splits["test"])
+    report["slices"] = slices
+    print_slices(slices)
+    report["generation"] = demo_generation(model, tokenizer, config, device, threshold)
     idx = torch.tensor([tokenizer.encode(config.prompt)], dtype=torch.long, device=device)
     threshold, rows, quality = compare_strategies(model, splits, config, idx)
     check_cost = exit_check_cost(model)
@@ -1287,6 +1508,9 @@ def run(config, overridden):
     print_strategies(threshold, rows, quality, config, check_cost, depths)
     report.update(strategies=rows, strategies_threshold=threshold, exit_check_cost=check_cost,
                   batch_depth={str(b): d for b, d in depths.items()})
+    if config.spec_sweep:
+        report["spec_sweep"] = sweep_speculative(model, idx, config, range(config.n_layer - 1), (2, 3, 4, 6, 8))
+        print_spec_sweep(report["spec_sweep"])
     write_json(report, os.path.join(config.out_dir, "report.json"))
     print(f"\nreport: {os.path.join(config.out_dir, 'report.json')}")
     return report

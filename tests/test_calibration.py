@@ -1,0 +1,102 @@
+"""Choosing the exit rule: records equal the decoder, the calibration keeps its guarantee."""
+
+import pytest
+import torch
+
+from conftest import m
+
+pytestmark = pytest.mark.usefixtures("no_grad")
+
+
+@pytest.mark.parametrize("measure", m.CONFIDENCE_MEASURES)
+def test_parallel_records_equal_the_sequential_decoder(trained, measure):
+    model, data = trained
+    text = data[5000:5200]
+    records = m.record_exits(model, text, 150)  # 150 positions: several windows of 32, re-prefills included
+    threshold = {"top1": 0.3, "margin": 0.2, "entropy": 0.4}[measure]
+    for strategy in ("backfill", "deferred"):
+        out = m.generate(model, text[None, :1], 150, strategy=strategy, exit_threshold=threshold, measure=measure,
+                         forced=text[None, 1:151])
+        exits = m.exit_layers_at(records, measure, threshold, [0, 1, 2])
+        assert torch.equal(out.exit_layers[0], exits)
+        assert 0.1 < (exits < 3).float().mean() < 0.9
+        emitted = records.pred[exits, torch.arange(150)]
+        assert torch.equal(out.logits[0].argmax(-1), emitted)
+
+
+def test_record_batching_does_not_change_records(trained):
+    model, data = trained
+    a = m.record_exits(model, data[:400], 300, batch_size=64)
+    b = m.record_exits(model, data[:400], 300, batch_size=2)
+    assert torch.equal(a.pred, b.pred) and torch.allclose(a.nll, b.nll, atol=1e-5)
+
+
+def simulate_choices(rule, n=400, sets=400, epsilon=0.05, delta=0.1, seed=0):
+    """Known per-threshold risks; many calibration sets; how often the chosen threshold's true risk > epsilon."""
+    grid = torch.linspace(1, 0, 21)
+    risk = 0.12 * (1 - grid)  # true disagreement rate at each threshold: crosses epsilon near the middle
+    gen = torch.Generator().manual_seed(seed)
+    bad = 0
+    for _ in range(sets):
+        u = torch.rand(n, generator=gen)
+        failures = [int((u < r).sum()) for r in risk]  # nested: a lower threshold fails wherever a higher one does
+        i = rule(failures, n, epsilon, delta)
+        bad += i >= 0 and risk[i] > epsilon
+    return bad / sets
+
+
+def naive_rule(failures, n, epsilon, delta):
+    """The invalid rule: the lowest threshold whose empirical risk is within epsilon."""
+    ok = [i for i, k in enumerate(failures) if k / n <= epsilon]
+    return max(ok) if ok else -1
+
+
+def test_calibration_keeps_its_guarantee_and_the_naive_rule_does_not():
+    assert simulate_choices(m.fixed_sequence_test) <= 0.1 + 0.03
+    assert simulate_choices(naive_rule) > 0.1 + 0.1  # the test can tell a rule that breaks the promise
+
+
+def test_binomial_tail_is_exact():
+    from math import comb
+
+    n, k, eps = 30, 2, 0.1
+    exact = sum(comb(n, i) * eps**i * (1 - eps) ** (n - i) for i in range(k + 1))
+    assert m.binomial_tail(k, n, eps) == pytest.approx(exact, rel=1e-9)
+
+
+def test_smaller_epsilon_never_gives_a_lower_threshold(trained):
+    model, data = trained
+    records = m.record_exits(model, data[10000:12001], 2000)
+    chosen = [m.calibrate(records, "top1", [0, 1, 2], eps, 0.05) for eps in (0.3, 0.2, 0.1, 0.05, 0.02, 0.01, 0.005)]
+    assert chosen == sorted(chosen)
+    assert chosen[0] < 1.0 and chosen[-1] > chosen[0], "the sweep should move"
+
+
+def test_calibration_report_says_what_it_chose(trained):
+    model, data = trained
+    val = m.record_exits(model, data[10000:12001], 2000)
+    test = m.record_exits(model, data[20000:22001], 2000)
+    cal = m.calibration_report(val, test, "margin", [0, 1, 2], 0.05, 0.05)
+    assert set(cal) == {"measure", "epsilon", "delta", "threshold", "val", "test"}
+    assert {"disagreement", "loss", "full_loss", "accuracy", "compute_saved"} <= set(cal["test"])
+    assert cal["val"]["disagreement"] <= 0.05
+    exits = m.exit_layers_at(test, "margin", cal["threshold"], [0, 1, 2])
+    assert cal["test"]["compute_saved"] == pytest.approx(1 - (exits + 1).float().mean().item() / 4)
+
+
+def test_sweep_trades_compute_for_quality(trained):
+    model, data = trained
+    rows = m.sweep(m.record_exits(model, data[:1001], 1000), "top1", [0, 1, 2], (1.0, 0.8, 0.5, 0.0))
+    saved = [r["compute_saved"] for r in rows]
+    assert saved == sorted(saved) and saved[0] == 0.0 and saved[-1] == pytest.approx(0.75)
+    assert rows[0]["disagreement"] == 0.0 and rows[0]["loss"] == pytest.approx(rows[0]["full_loss"])
+
+
+def test_logit_lens_reads_each_layer_two_ways(trained):
+    model, data = trained
+    rows = m.logit_lens(model, data[:256].view(8, 32))
+    assert [(r["layer"], r["readout"]) for r in rows[:2]] == [(0, "ln_f + lm_head"), (0, "exit head")]
+    assert len(rows) == 2 * 3
+    exit_rows = [r for r in rows if r["readout"] == "exit head"]
+    lens_rows = [r for r in rows if r["readout"] != "exit head"]
+    assert all(e["agreement"] > l["agreement"] for e, l in zip(exit_rows, lens_rows))
