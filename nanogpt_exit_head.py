@@ -32,6 +32,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 
@@ -64,6 +65,11 @@ class Config:
     vocab_size: int = 0  # set from the distinct characters of input_path; not an override
     # exit heads
     alpha: float = 0.3  # weight of each exit head's loss; 0 trains a plain GPT and skips the heads
+    exit_weights: str = "constant"  # per-exit loss weights: constant (alpha each), linear or geometric in depth, layerskip
+    exit_head: str = "separate"  # 'separate' heads, one 'shared' head, or 'final': ln_f + lm_head read at every exit
+    distill_weight: float = 0.0  # self-distillation: weight of KL(final || exit), the final head detached
+    distill_temperature: float = 1.0  # temperature of that distillation; higher matches more of the distribution
+    layer_dropout: float = 0.0  # LayerSkip's p_max: in training skip block l with p_max * (2^(l / (L-1)) - 1)
     # training
     batch_size: int = 12  # how many independent sequences per optimizer step?
     max_iters: int = 2000  # total optimizer steps
@@ -94,12 +100,15 @@ class Config:
     epsilon: float = 0.01  # calibration: tolerated rate of disagreement with full depth; lower is more cautious
     delta: float = 0.05  # calibration: allowed chance that the chosen threshold breaks epsilon
     sweep_positions: int = 20000  # val and test positions recorded for the sweep and calibration
+    compare_recipes: bool = False  # train every recipe in RECIPES at this budget and compare them (long: ~2 min each)
     spec_sweep: bool = False  # also time self-speculative decoding for every (draft_exit, num_draft) (about a minute)
     strategies_threshold: float = -1.0  # threshold of the strategies table; -1 picks on val the highest with >= 30% early exits
 
 
-ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias")
+ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "exit_head")
 KV_STRATEGIES = ("backfill", "deferred", "state_copy", "holes")
+EXIT_WEIGHTS = ("constant", "linear", "geometric", "layerskip")
+EXIT_HEADS = ("separate", "shared", "final")
 CONFIDENCE_MEASURES = ("top1", "margin", "entropy")
 
 
@@ -162,6 +171,11 @@ def validate(config):
         raise ValueError(f"kv_strategy={config.kv_strategy!r} is not one of {', '.join(KV_STRATEGIES)}")
     if config.confidence not in CONFIDENCE_MEASURES:
         raise ValueError(f"confidence={config.confidence!r} is not one of {', '.join(CONFIDENCE_MEASURES)}")
+    for name, allowed in (("exit_weights", EXIT_WEIGHTS), ("exit_head", EXIT_HEADS)):
+        if getattr(config, name) not in allowed:
+            raise ValueError(f"{name}={getattr(config, name)!r} is not one of {', '.join(allowed)}")
+    if not 0 <= config.layer_dropout < 1 or config.distill_weight < 0 or config.distill_temperature <= 0:
+        raise ValueError("need 0 <= layer_dropout < 1, distill_weight >= 0 and distill_temperature > 0")
     if config.init_from not in ("scratch", "resume"):
         raise ValueError(f"init_from={config.init_from!r} must be 'scratch' or 'resume'")
     for name in ("n_head", "block_size", "batch_size", "eval_iters", "eval_interval"):
@@ -351,7 +365,7 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
-        self.exit_heads = nn.ModuleList([ExitHead(config) for _ in range(config.n_layer - 1)])
+        self.exit_heads = nn.ModuleList(exit_head_modules(config))
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
@@ -379,15 +393,20 @@ class GPT(nn.Module):
 
     def exit_logits(self, x, layer):
         """Logits of hidden state x read at `layer`: its exit head, or ln_f + lm_head at the top."""
-        if layer == self.config.n_layer - 1:
+        if layer == self.config.n_layer - 1 or self.config.exit_head == "final":
             return self.lm_head(self.transformer.ln_f(x))
         return self.exit_heads[layer](x)
 
     def hidden_states(self, idx):
         """The output of every block for a whole sequence, no cache: a list of (B, T, C)."""
         x, states = self.embed(idx), []
-        for block in self.transformer.h:
-            x = block(x)
+        for l, block in enumerate(self.transformer.h):
+            p = layer_dropout_prob(l, self.config) if self.training else 0.0
+            y = block(x)
+            if p > 0:  # LayerSkip's layer dropout: each sequence skips this block with probability p
+                keep = torch.rand(x.size(0), 1, 1, device=x.device) >= p  # (B, 1, 1)
+                y = torch.where(keep, y, x)
+            x = y
             states.append(x)
         return states
 
@@ -405,16 +424,68 @@ class GPT(nn.Module):
         return logits, self.joint_loss(states, logits, targets)
 
     def joint_loss(self, states, logits, targets):
-        """CE(final) + alpha * sum over exits of CE(exit_l); alpha = 0 skips the heads entirely."""
-        loss = cross_entropy(logits, targets)
-        if self.config.alpha > 0:
-            for l, head in enumerate(self.exit_heads):
-                loss = loss + self.config.alpha * cross_entropy(head(states[l]), targets)
+        """w_final CE(final) + sum_l w_l CE(exit_l) [+ distillation]; the seed: w_final = 1, w_l = alpha.
+
+        Exits with nothing to learn (alpha = 0 and no distillation) are not computed at all.
+        """
+        cfg = self.config
+        w_exits, w_final = exit_loss_weights(cfg)
+        loss = w_final * cross_entropy(logits, targets)
+        teacher = None
+        if cfg.distill_weight > 0:  # the final head's distribution, detached: the exits chase it, not vice versa
+            teacher = (logits.detach().float() / cfg.distill_temperature).log_softmax(-1)
+        for l, w in enumerate(w_exits):
+            if w == 0 and teacher is None:
+                continue
+            exit_logits = self.exit_logits(states[l], l)
+            loss = loss + w * cross_entropy(exit_logits, targets)
+            if teacher is not None:
+                loss = loss + cfg.distill_weight * distillation(exit_logits, teacher, cfg.distill_temperature)
         return loss
+
+
+def exit_head_modules(config):
+    """The exit heads below the last layer: one each, one shared by all, or none (ln_f + lm_head serve)."""
+    if config.exit_head == "final":
+        return []
+    if config.exit_head == "shared":
+        return [ExitHead(config)] * (config.n_layer - 1)  # one module: its parameters count once
+    return [ExitHead(config) for _ in range(config.n_layer - 1)]
+
+
+def exit_loss_weights(config):
+    """(weight of each exit's CE, weight of the final CE) under config.exit_weights.
+
+    constant: alpha each (the seed). linear / geometric: the same total, alpha
+    * (L - 1), spread in proportion to l + 1 or 2^l (CALM's depth-weighted
+    schemes). layerskip: e_l = alpha * sum_{i<=l} i for the exits and (L - 1) +
+    sum_{i<L-1} i for the last layer, normalised to sum to 1 (LayerSkip, eq. 5).
+    """
+    L, alpha = config.n_layer, config.alpha
+    if config.exit_weights == "constant":
+        return [alpha] * (L - 1), 1.0
+    if config.exit_weights == "layerskip":
+        e = [alpha * l * (l + 1) / 2 for l in range(L - 1)] + [(L - 1) + (L - 2) * (L - 1) / 2]
+        return [w / sum(e) for w in e[:-1]], e[-1] / sum(e)
+    shape = [l + 1 for l in range(L - 1)] if config.exit_weights == "linear" else [2.0**l for l in range(L - 1)]
+    return [alpha * (L - 1) * s / sum(shape) for s in shape], 1.0
+
+
+def layer_dropout_prob(layer, config):
+    """LayerSkip's rate for block `layer`: 0 at the bottom, rising exponentially to layer_dropout at the top."""
+    return config.layer_dropout * (math.exp(layer * math.log(2) / (config.n_layer - 1)) - 1)
 
 
 def cross_entropy(logits, targets):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+def distillation(logits, teacher_log_probs, temperature):
+    """T^2 * KL(teacher || student) per position, the usual scaling so gradients match across T."""
+    student = (logits.float() / temperature).log_softmax(-1)
+    kl = F.kl_div(student.reshape(-1, student.size(-1)), teacher_log_probs.reshape(-1, student.size(-1)),
+                  log_target=True, reduction="batchmean")
+    return temperature**2 * kl
 
 
 # -----------------------------------------------------------------------------
@@ -1068,7 +1139,7 @@ def exit_slices(records, exits, tokenizer, data, n_top=10):
         ch = tokenizer.decode([int(records.targets[i])])
         counts.setdefault(ch, []).append(tokenizer.decode(data[max(0, i - 3) : i + 1].tolist()))
     top = sorted(counts.items(), key=lambda kv: -len(kv[1]))[:n_top]
-    chars = [{"char": ch, "exits": len(ctx), "example_context": max(set(ctx), key=ctx.count)} for ch, ctx in top]
+    chars = [{"char": ch, "exits": len(ctx), "example_context": Counter(ctx).most_common(1)[0][0]} for ch, ctx in top]
     return {"per_layer": per_layer, "first_exit_layer": first, "earliest_chars": chars}
 
 
@@ -1137,14 +1208,14 @@ def exit_check_cost(model, repeats=300):
     """Median time of one exit check (head + confidence + decision) over one block, one new token."""
     cache = KVCache(model.config, 1, next(model.parameters()).device)
     x = torch.zeros(1, 1, model.config.n_embd, device=cache.k.device)
-    block, head = model.transformer.h[0], model.exit_heads[0]
+    block = model.transformer.h[0]
     t_block, t_check = [], []
     for _ in range(repeats):
         cache.reset()
         t0 = time.perf_counter()
         block(x, cache, 0)
         t1 = time.perf_counter()
-        bool((confidence(head(x[:, 0])) > 0.9).any())
+        bool((confidence(model.exit_logits(x[:, 0], 0)) > 0.9).any())
         t2 = time.perf_counter()
         t_block.append(t1 - t0)
         t_check.append(t2 - t1)
@@ -1217,6 +1288,56 @@ def sweep_speculative(model, idx, config, draft_exits, num_drafts):
                          "acceptance_rate": stats["accepted"] / stats["drafted"],
                          "identical_to_full": bool(torch.equal(out["spec"].tokens, out["full"].tokens))})
     return grid
+
+
+# -----------------------------------------------------------------------------
+# Evaluation, part 5: training recipes compared at the same budget
+
+SEED_RECIPE = dict(alpha=0.3, exit_weights="constant", exit_head="separate", distill_weight=0.0,
+                   distill_temperature=1.0, layer_dropout=0.0)
+RECIPES = {  # each is the seed recipe with these fields changed
+    "baseline": dict(alpha=0.0),  # a plain GPT: no exit is trained
+    "seed": dict(),
+    "linear": dict(exit_weights="linear"),
+    "geometric": dict(exit_weights="geometric"),
+    "layerskip": dict(exit_weights="layerskip", exit_head="final", layer_dropout=0.2),
+    "distill": dict(distill_weight=1.0),
+    "shared_head": dict(exit_head="shared"),
+    "final_head": dict(exit_head="final"),
+    "layer_dropout": dict(layer_dropout=0.2),
+}
+
+
+def evaluate_recipe(name, model, splits, config, device, ctx, idx):
+    """The figures a recipe is judged on: losses, calibrated compute saved, self-speculative speed."""
+    model.eval()
+    losses = estimate_loss(model, splits, config, device, ctx)
+    exit_layers = list(range(config.n_layer - 1))
+    val = record_exits(model, splits["val"].to(device), config.sweep_positions)
+    test = record_exits(model, splits["test"].to(device), config.sweep_positions)
+    cal = calibration_report(val, test, "top1", exit_layers, 0.01, 0.05)
+    runs = {"full": (strategy_runner(model, "full", 1.0, [], "top1"), 0.0),
+            "spec": (spec_runner(model, config.draft_exit, config.num_draft), 0.0)}
+    tps, _, out = speed_pass(runs, idx, config.bench_tokens, config.bench_repeats, config.seed, 0.0, 0)
+    stats = out["spec"].stats
+    return {"recipe": name, **RECIPES[name], "val_loss_final": losses["val"][-1], "val_loss_exits": losses["val"][:-1],
+            "calibrated_threshold": cal["threshold"], "compute_saved": cal["test"]["compute_saved"],
+            "test_loss": cal["test"]["loss"], "test_full_loss": cal["test"]["full_loss"],
+            "spec_speedup": tps["spec"] / tps["full"], "spec_acceptance_rate": stats["accepted"] / stats["drafted"],
+            "spec_identical_to_full": bool(torch.equal(out["spec"].tokens, out["full"].tokens))}
+
+
+def compare_recipes(config, splits, device, ctx, idx):
+    """Train every recipe from scratch with the same data, seed and budget; evaluate each the same way."""
+    rows = []
+    for name, fields_ in RECIPES.items():
+        cfg = Config(**{**asdict(config), **SEED_RECIPE, **fields_})
+        print(f"\n--- recipe {name}: {fields_ or 'the seed recipe'} ---")
+        torch.manual_seed(cfg.seed)
+        model = GPT(cfg).to(device)
+        seconds, _ = train(model, configure_optimizer(model, cfg), splits, cfg, device, ctx)
+        rows.append({**evaluate_recipe(name, model, splits, cfg, device, ctx, idx), "train_seconds": seconds})
+    return rows
 
 
 # -----------------------------------------------------------------------------
@@ -1362,6 +1483,20 @@ def print_slices(slices):
         print(f"  {c['char']!r:>6}: {c['exits']:>5} times, e.g. after {c['example_context']!r}")
 
 
+def print_recipes(rows, config):
+    base = next(r for r in rows if r["recipe"] == "baseline")["val_loss_final"]
+    print(f"\n=== training recipes at the same budget ({config.max_iters} steps, seed {config.seed}) ===")
+    print("compute saved and test loss at the calibrated top-1 threshold (epsilon 1%, delta 0.05, chosen on val); "
+          f"self-speculative greedy at draft_exit={config.draft_exit}, num_draft={config.num_draft}")
+    shown = [dict(r, vs_base=r["val_loss_final"] / base - 1, exits=" ".join(f"{v:.2f}" for v in r["val_loss_exits"]))
+             for r in rows]
+    print_table(shown, (("recipe", "recipe", "{}"), ("val_loss_final", "val loss", "{:.4f}"), ("vs_base", "vs baseline", "{:+.2%}"),
+                        ("exits", "val loss per exit", "{}"), ("calibrated_threshold", "threshold", "{:.2f}"),
+                        ("compute_saved", "test saved", "{:.1%}"), ("test_loss", "test loss", "{:.4f}"),
+                        ("test_full_loss", "full", "{:.4f}"), ("spec_acceptance_rate", "accept", "{:.3f}"),
+                        ("spec_speedup", "spec speed-up", "{:.2f}x")))
+
+
 # -----------------------------------------------------------------------------
 # Main: train (or resume), evaluate, generate, report
 
@@ -1401,7 +1536,7 @@ def build_model(config, overridden, tokenizer, device):
 def print_param_counts(model):
     base, heads = model.num_params()
     print(f"parameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in "
-          f"{len(model.exit_heads)} exit heads ({100 * heads / base:.2f}% overhead)")
+          f"{model.config.n_layer - 1} exit heads ({model.config.exit_head}; {100 * heads / base:.2f}% overhead)")
 
 
 def timed_generate(model, idx, config, seed, **kw):
@@ -1438,18 +1573,37 @@ def demo_generation(model, tokenizer, config, device, threshold):
             "full_depth_tokens_per_second": full_tps, "sample": text}
 
 
-def run(config, overridden):
-    """The default job: every step the module docstring promises, in order."""
-    torch.manual_seed(config.seed)
-    device = pick_device(config.device)
-    ctx = autocast_context(device)
+def run_recipe_comparison(config, device):
+    """--compare_recipes=1: every recipe trained and judged alike; a table, and recipes.json in out_dir."""
+    tokenizer, splits = load_data(config)
+    idx = torch.tensor([tokenizer.encode(config.prompt)], dtype=torch.long, device=device)
+    rows = compare_recipes(config, splits, device, autocast_context(device), idx)
+    print_recipes(rows, config)
+    os.makedirs(config.out_dir, exist_ok=True)
+    write_json(rows, os.path.join(config.out_dir, "recipes.json"))
+    print(f"\nrecipes: {os.path.join(config.out_dir, 'recipes.json')}")
+    return rows
+
+
+def load_data(config):
+    """The text, its vocabulary (which also sets config.vocab_size), and the three splits."""
     text = load_text(config.input_path)
     tokenizer = CharTokenizer(text)
     config.vocab_size = tokenizer.vocab_size
     if not config.prompt:
         raise ValueError("--prompt must hold at least one character")
     tokenizer.encode(config.prompt)  # reject a bad prompt before any training
-    splits = split_data(torch.tensor(tokenizer.encode(text), dtype=torch.long))
+    return tokenizer, split_data(torch.tensor(tokenizer.encode(text), dtype=torch.long))
+
+
+def run(config, overridden):
+    """The default job: every step the module docstring promises, in order."""
+    torch.manual_seed(config.seed)
+    device = pick_device(config.device)
+    if config.compare_recipes:
+        return run_recipe_comparison(config, device)
+    ctx = autocast_context(device)
+    tokenizer, splits = load_data(config)
     model, optimizer, iter_num, train_seconds = build_model(config, overridden, tokenizer, device)
     print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | "
           f"train/val/test: {len(splits['train']):,}/{len(splits['val']):,}/{len(splits['test']):,} characters")

@@ -1,0 +1,131 @@
+"""Training recipes: each option changes the loss exactly as it claims; all off is the seed recipe."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import m, tiny_model
+
+V = 11
+
+
+def batch(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (3, 9), generator=gen), torch.randint(0, V, (3, 9), generator=gen)
+
+
+def ce(logits, y):
+    return F.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
+
+
+def per_exit_ce(model, idx, y):
+    states = model.hidden_states(idx)
+    final = ce(model.lm_head(model.transformer.ln_f(states[-1])), y)
+    return final, [ce(model.exit_logits(states[l], l), y) for l in range(3)]
+
+
+def loss_with(model, **fields):
+    for k, v in fields.items():
+        setattr(model.config, k, v)
+    idx, y = batch()
+    return model(idx, y)[1]
+
+
+def test_all_options_off_is_the_seed_recipe_exactly():
+    model = tiny_model()
+    seed = loss_with(model)
+    assert torch.equal(loss_with(model, **m.SEED_RECIPE), seed)
+    final, exits = per_exit_ce(model, *batch())
+    assert torch.allclose(seed, final + 0.3 * sum(exits), atol=1e-6)
+
+
+@pytest.mark.parametrize("scheme,weights,final_weight", [
+    ("linear", [0.15, 0.30, 0.45], 1.0),  # total 0.3 * 3 spread as 1:2:3
+    ("geometric", [0.9 / 7, 1.8 / 7, 3.6 / 7], 1.0),  # spread as 1:2:4
+    ("layerskip", [0.0, 0.3 / 7.2, 0.9 / 7.2], 6 / 7.2),  # e = 0.3 * (0, 1, 3) and 3 + 3, normalised
+])
+def test_exit_weight_schemes(scheme, weights, final_weight):
+    model = tiny_model()
+    loss = loss_with(model, exit_weights=scheme)
+    final, exits = per_exit_ce(model, *batch())
+    expected = final_weight * final + sum(w * e for w, e in zip(weights, exits))
+    assert torch.allclose(loss, expected, atol=1e-6)
+    w, wf = m.exit_loss_weights(model.config)
+    assert w == pytest.approx(weights) and wf == pytest.approx(final_weight)
+
+
+def test_self_distillation_term():
+    model = tiny_model()
+    loss = loss_with(model, distill_weight=0.5, distill_temperature=2.0)
+    idx, y = batch()
+    states = model.hidden_states(idx)
+    final_logits = model.lm_head(model.transformer.ln_f(states[-1]))
+    teacher = (final_logits / 2).softmax(-1)
+    kl = 0
+    for l in range(3):
+        student = (model.exit_logits(states[l], l) / 2).log_softmax(-1)
+        kl = kl + (teacher * (teacher.log() - student)).sum(-1).mean()
+    final, exits = per_exit_ce(model, idx, y)
+    assert torch.allclose(loss, final + 0.3 * sum(exits) + 0.5 * 4 * kl, atol=1e-5)
+
+
+def test_distillation_does_not_pull_the_final_head():
+    grads = []
+    for distill in (0.0, 1.0):
+        model = tiny_model(alpha=0.0, distill_weight=distill)
+        model.train()
+        idx, y = batch()
+        model(idx, y)[1].backward()
+        grads.append(model.transformer.ln_f.weight.grad.clone())
+    assert torch.allclose(grads[0], grads[1])  # the teacher is detached
+
+
+def test_shared_head_is_one_set_of_parameters():
+    model = tiny_model(exit_head="shared")
+    assert model.exit_heads[0] is model.exit_heads[2]
+    C = model.config.n_embd
+    assert model.num_params()[1] == C + C * V
+    model.exit_heads[0].ln.weight.data.mul_(2)
+    assert torch.equal(model.exit_heads[1].ln.weight, model.exit_heads[0].ln.weight)
+
+
+def test_final_head_reads_every_exit():
+    model = tiny_model(exit_head="final")
+    assert model.num_params()[1] == 0 and len(model.exit_heads) == 0
+    x = torch.randn(2, 5, model.config.n_embd)
+    assert torch.equal(model.exit_logits(x, 0), model.lm_head(model.transformer.ln_f(x)))
+    loss = loss_with(model)
+    final, exits = per_exit_ce(model, *batch())
+    assert torch.allclose(loss, final + 0.3 * sum(exits), atol=1e-6)
+
+
+def test_layer_dropout_skips_blocks_in_training_only():
+    assert [m.layer_dropout_prob(l, m.Config(n_layer=4, layer_dropout=0.9)) for l in range(4)] == pytest.approx(
+        [0.0, 0.9 * (2 ** (1 / 3) - 1), 0.9 * (2 ** (2 / 3) - 1), 0.9])
+    model = tiny_model(layer_dropout=0.99)
+    idx, _ = batch()
+    torch.manual_seed(0)
+    model.train()
+    states = model.hidden_states(idx)
+    skipped_top = (states[3] == states[2]).all(-1).all(-1)  # (B,): sequences whose top block was skipped
+    assert skipped_top.sum() >= 2
+    assert not (states[0] == model.embed(idx)).all(-1).all(-1).any()  # block 0 is never skipped
+    model.eval()
+    plain = tiny_model(layer_dropout=0.0)
+    for a, b in zip(model.hidden_states(idx), plain.hidden_states(idx)):
+        assert torch.equal(a, b)
+
+
+def test_compare_recipes_writes_the_table(tmp_path, capsys):
+    args = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--eval_iters=1",
+            "--max_iters=3", "--device=cpu", "--draft_exit=0", "--sweep_positions=200", "--bench_tokens=10",
+            "--bench_repeats=1", "--compare_recipes=1", f"--out_dir={tmp_path}"]
+    assert m.main(args) == 0
+    rows = json.loads((tmp_path / "recipes.json").read_text())
+    assert [r["recipe"] for r in rows] == list(m.RECIPES)
+    keys = {"recipe", "val_loss_final", "val_loss_exits", "compute_saved", "test_loss", "spec_speedup",
+            "spec_acceptance_rate"}
+    assert all(keys <= set(r) for r in rows)
+    assert "training recipes at the same budget" in capsys.readouterr().out
