@@ -100,6 +100,7 @@ class Config:
     epsilon: float = 0.01  # calibration: tolerated rate of disagreement with full depth; lower is more cautious
     delta: float = 0.05  # calibration: allowed chance that the chosen threshold breaks epsilon
     sweep_positions: int = 20000  # val and test positions recorded for the sweep and calibration
+    bench_train: bool = False  # time training steps with exit heads on and off, interleaved, then stop
     compare_recipes: bool = False  # train every recipe in RECIPES at this budget and compare them (long: ~2 min each)
     spec_sweep: bool = False  # also time self-speculative decoding for every (draft_exit, num_draft) (about a minute)
     strategies_threshold: float = -1.0  # threshold of the strategies table; -1 picks on val the highest with >= 30% early exits
@@ -604,6 +605,17 @@ def format_eval(it, losses):
     return f"step {it}: train loss {losses['train'][-1]:.4f}, val loss {losses['val'][-1]:.4f} | val loss per exit: {exits}"
 
 
+def train_step(model, optimizer, x, y, config, ctx):
+    with ctx:
+        _, loss = model(x, y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if config.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+    optimizer.step()
+    return loss
+
+
 def train(model, optimizer, splits, config, device, ctx, start_iter=0):
     """The training loop; returns (seconds, median ms per step). Evaluates every eval_interval steps."""
     gen = torch.Generator().manual_seed(config.seed + start_iter)
@@ -619,13 +631,7 @@ def train(model, optimizer, splits, config, device, ctx, start_iter=0):
             group["lr"] = get_lr(it, config)
         t0 = time.time()
         x, y = get_batch(splits["train"], config.block_size, config.batch_size, gen, device)
-        with ctx:
-            _, loss = step_model(x, y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if config.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
+        loss = train_step(step_model, optimizer, x, y, config, ctx)
         step_ms.append(1000 * (time.time() - t0))
         if it % 10 == 0:  # .item() waits for the device, so read the loss only now and then
             dt = time.time() - t0
@@ -633,6 +639,26 @@ def train(model, optimizer, splits, config, device, ctx, start_iter=0):
                                 refresh=False)
     bar.close()
     return time.time() - t_start, float(np.median(step_ms)) if step_ms else 0.0
+
+
+def benchmark_training(config, splits, device, ctx, rounds=5, steps=40):
+    """Median ms per training step with the exit heads trained (config.alpha) and skipped (alpha = 0),
+    timed in alternating blocks of steps on the same batches, so the ratio comes from one run."""
+    setups = {}
+    for name, alpha in (("exit heads", config.alpha), ("plain GPT", 0.0)):
+        cfg = Config(**{**asdict(config), "alpha": alpha})
+        torch.manual_seed(cfg.seed)
+        model = GPT(cfg).to(device)
+        setups[name] = (model, configure_optimizer(model, cfg), cfg, [])
+    gen = torch.Generator().manual_seed(config.seed)
+    batches = [get_batch(splits["train"], config.block_size, config.batch_size, gen, device) for _ in range(steps)]
+    for _ in range(rounds + 1):  # the first round warms up and is not counted
+        for model, optimizer, cfg, times in setups.values():
+            for x, y in batches:
+                t0 = time.perf_counter()
+                train_step(model, optimizer, x, y, cfg, ctx)
+                times.append(1000 * (time.perf_counter() - t0))
+    return {name: float(np.median(times[steps:])) for name, (_, _, _, times) in setups.items()}
 
 
 # -----------------------------------------------------------------------------
@@ -897,8 +923,11 @@ def draft(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, gener
     """Feed tokens[n-1] and then each new draft through layers 0..draft_exit only; returns (k, V) draft logits."""
     q = []
     for j in range(k):
-        # the deferred strategy, forced to exit at draft_exit: the state waits in cache.frontier
-        logits, _ = decode_step(model, cache, tokens[:, n - 1 + j : n + j], pos + j, "deferred", 0.0, (draft_exit,))
+        x = model.embed(tokens[:, n - 1 + j : n + j], pos + j)  # (1, 1, C)
+        for l in range(draft_exit + 1):
+            x = model.transformer.h[l](x, cache, l)
+        cache.frontier[:, pos + j] = x[:, 0]  # the layers above pick up from here in the verify pass
+        logits = model.exit_logits(x[:, 0], draft_exit)  # (1, V)
         tokens[:, n + j] = sample(logits, temperature, top_k, generator)
         q.append(logits[0])
     return torch.stack(q)  # (k, V)
@@ -1302,6 +1331,7 @@ RECIPES = {  # each is the seed recipe with these fields changed
     "geometric": dict(exit_weights="geometric"),
     "layerskip": dict(exit_weights="layerskip", exit_head="final", layer_dropout=0.2),
     "distill": dict(distill_weight=1.0),
+    "distill_x3": dict(distill_weight=3.0),
     "shared_head": dict(exit_head="shared"),
     "final_head": dict(exit_head="final"),
     "layer_dropout": dict(layer_dropout=0.2),
@@ -1602,6 +1632,11 @@ def run(config, overridden):
     device = pick_device(config.device)
     if config.compare_recipes:
         return run_recipe_comparison(config, device)
+    if config.bench_train:
+        ms = benchmark_training(config, load_data(config)[1], device, autocast_context(device))
+        print("median ms per training step, interleaved: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items())
+              + f" | ratio {ms['exit heads'] / ms['plain GPT']:.3f}")
+        return ms
     ctx = autocast_context(device)
     tokenizer, splits = load_data(config)
     model, optimizer, iter_num, train_seconds = build_model(config, overridden, tokenizer, device)
