@@ -8,7 +8,18 @@ Run it (trains, evaluates, generates, prints the tables, writes out/):
     pip install -r requirements.txt && python nanogpt_exit_head.py
     python nanogpt_exit_head.py --max_iters=300 --exit_threshold=0.8   # any field
     python nanogpt_exit_head.py --help                                 # every field
+    python nanogpt_exit_head.py --init_from=resume --spec_sweep=1      # + the (E, k) grid
+    python nanogpt_exit_head.py --compare_recipes=1                    # training recipes
+    python nanogpt_exit_head.py --bench_train=1                        # exit-head training cost
     python -m pytest -q tests                                          # the tests
+
+The tutorial, in the order of the sections below: a GPT with an exit head per
+layer and its joint loss; a KV cache whose layers may hold different lengths;
+decoding that exits when a head is confident, and the four answers to the
+holes an exit leaves in the cache (backfill, deferred recompute, state copy,
+holes); self-speculative decoding; then how to choose the threshold (a sweep
+on val, a calibrated threshold with a guarantee, figures on test), and what
+each strategy buys in wall-clock time, measured side by side.
 
 The ideas it follows:
 - Early exit with a trained head per layer and a joint loss
@@ -21,9 +32,9 @@ The ideas it follows:
 
 What it leaves out on purpose: BPE tokenisation (characters keep the vocabulary
 tiny so the exit heads are cheap to read), multi-GPU training, mixed-precision
-on CPU, rotary embeddings (absolute positions make the KV cache easy to reason
-about: a cached key never depends on where the window starts), and any
-dependency beyond torch, numpy and tqdm.
+on CPU and in decoding, rotary embeddings (GPT-2's learned absolute positions
+keep the model nanoGPT's), PABEE-style patience, batched self-speculative
+decoding, and any dependency beyond torch, numpy and tqdm.
 """
 
 import inspect
@@ -765,7 +776,7 @@ def window_start(start, n, block_size):
 
 
 # -----------------------------------------------------------------------------
-# Decoding, part 2: one token through the layers, exiting when confident
+# Decoding, part 2: one token through the layers, exiting when confident (backfill)
 
 
 def prefill(model, cache, idx, start):
@@ -776,43 +787,6 @@ def prefill(model, cache, idx, start):
     x = model.embed(idx)  # (B, T, C)
     for l, block in enumerate(model.transformer.h):
         x = block(x, cache, l)
-
-
-def catch_up_layer(block, cache, layer, end):
-    """Deferred recompute: positions [lengths[layer], end) run this layer now, as one causal chunk."""
-    n = cache.lengths[layer]
-    cache.frontier[:, n:end] = block(cache.frontier[:, n:end], cache, layer)  # (B, end - n, C)
-
-
-def catch_up(model, cache, end):
-    """Fill every layer's holes up to window position `end` (a flush, or a speculative verify)."""
-    for l, block in enumerate(model.transformer.h):
-        if cache.lengths[l] < end:
-            catch_up_layer(block, cache, l, end)
-
-
-@torch.inference_mode()
-def flush(model, cache):
-    """Run all pending deferred work now; generation itself drops what is pending at the end."""
-    catch_up(model, cache, cache.lengths[0])  # layer 0 always holds every position
-
-
-def run_layer(block, cache, layer, x, pos, strategy):
-    """Block `layer` for the newest token x (B, 1, C) at window position pos."""
-    if strategy != "deferred" or cache.lengths[layer] == pos:
-        return block(x, cache, layer)  # holes: this layer's cache simply has fewer entries
-    cache.frontier[:, pos] = x[:, 0]
-    catch_up_layer(block, cache, layer, pos + 1)
-    return cache.frontier[:, pos : pos + 1]
-
-
-def skip_layers(model, cache, x, pos, layer, strategy):
-    """After every row exited at `layer`, do what the strategy does for the layers above."""
-    if strategy == "deferred":
-        cache.frontier[:, pos] = x[:, 0]  # the state the pending layers will start from
-    elif strategy == "state_copy":
-        cache.write_state_copy(layer + 1, x, *cache.kv_projections)
-    # holes: write nothing; later tokens attend only to the entries that exist
 
 
 def decode_step(model, cache, idx, pos, strategy="backfill", exit_threshold=1.0, exit_layers=(), measure="top1"):
@@ -867,9 +841,8 @@ def generate(model, idx, max_new_tokens, strategy="backfill", exit_threshold=1.0
     exits = idx.new_zeros(B, max_new_tokens)
     emitted, prefilled = [], 0
     cache = KVCache(cfg, B, idx.device)
-    if strategy == "state_copy":  # fold every layer's ln_1 into its K/V projection once per generation
-        projections = [block.kv_projection() for block in model.transformer.h]
-        cache.kv_projections = tuple(torch.stack(t) for t in zip(*projections))  # (L, 2C, C), (L, 2C)
+    if strategy == "state_copy":
+        cache.kv_projections = state_copy_projections(model)
     start = None
     for i in range(max_new_tokens):
         n = T0 + i
@@ -890,7 +863,58 @@ def generate(model, idx, max_new_tokens, strategy="backfill", exit_threshold=1.0
 
 
 # -----------------------------------------------------------------------------
-# Decoding, part 3: self-speculative decoding (LayerSkip): the early layers draft, the rest verify
+# Decoding, part 3: deferred recompute: fill the holes later, in one chunk with the next token
+
+
+def catch_up_layer(block, cache, layer, end):
+    """Deferred recompute: positions [lengths[layer], end) run this layer now, as one causal chunk."""
+    n = cache.lengths[layer]
+    cache.frontier[:, n:end] = block(cache.frontier[:, n:end], cache, layer)  # (B, end - n, C)
+
+
+def catch_up(model, cache, end):
+    """Fill every layer's holes up to window position `end` (a flush, or a speculative verify)."""
+    for l, block in enumerate(model.transformer.h):
+        if cache.lengths[l] < end:
+            catch_up_layer(block, cache, l, end)
+
+
+@torch.inference_mode()
+def flush(model, cache):
+    """Run all pending deferred work now; generation itself drops what is pending at the end."""
+    catch_up(model, cache, cache.lengths[0])  # layer 0 always holds every position
+
+
+def run_layer(block, cache, layer, x, pos, strategy):
+    """Block `layer` for the newest token x (B, 1, C) at window position pos."""
+    if strategy != "deferred" or cache.lengths[layer] == pos:
+        return block(x, cache, layer)  # holes: this layer's cache simply has fewer entries
+    cache.frontier[:, pos] = x[:, 0]
+    catch_up_layer(block, cache, layer, pos + 1)
+    return cache.frontier[:, pos : pos + 1]
+
+
+# -----------------------------------------------------------------------------
+# Decoding, part 4: state copy (CALM) and holes: what happens to the layers an exit skips
+
+
+def state_copy_projections(model):
+    """Every layer's ln_1 folded into its K/V projection, stacked: (L, 2C, C) and (L, 2C), once per generation."""
+    projections = [block.kv_projection() for block in model.transformer.h]
+    return tuple(torch.stack(t) for t in zip(*projections))
+
+
+def skip_layers(model, cache, x, pos, layer, strategy):
+    """After every row exited at `layer`, do what the strategy does for the layers above."""
+    if strategy == "deferred":
+        cache.frontier[:, pos] = x[:, 0]  # the state the pending layers will start from
+    elif strategy == "state_copy":
+        cache.write_state_copy(layer + 1, x, *cache.kv_projections)
+    # holes: write nothing; later tokens attend only to the entries that exist
+
+
+# -----------------------------------------------------------------------------
+# Decoding, part 5: self-speculative decoding (LayerSkip): the early layers draft, the rest verify
 
 
 def speculative_accept(drafts, q, p, temperature, generator):
@@ -1615,6 +1639,14 @@ def run_recipe_comparison(config, device):
     return rows
 
 
+def run_training_benchmark(config, device):
+    """--bench_train=1: the exit heads' training overhead, measured in one run."""
+    ms = benchmark_training(config, load_data(config)[1], device, autocast_context(device))
+    print("median ms per training step, interleaved: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items())
+          + f" | ratio {ms['exit heads'] / ms['plain GPT']:.3f}")
+    return ms
+
+
 def load_data(config):
     """The text, its vocabulary (which also sets config.vocab_size), and the three splits."""
     text = load_text(config.input_path)
@@ -1626,19 +1658,8 @@ def load_data(config):
     return tokenizer, split_data(torch.tensor(tokenizer.encode(text), dtype=torch.long))
 
 
-def run(config, overridden):
-    """The default job: every step the module docstring promises, in order."""
-    torch.manual_seed(config.seed)
-    device = pick_device(config.device)
-    if config.compare_recipes:
-        return run_recipe_comparison(config, device)
-    if config.bench_train:
-        ms = benchmark_training(config, load_data(config)[1], device, autocast_context(device))
-        print("median ms per training step, interleaved: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items())
-              + f" | ratio {ms['exit heads'] / ms['plain GPT']:.3f}")
-        return ms
-    ctx = autocast_context(device)
-    tokenizer, splits = load_data(config)
+def train_or_resume(config, overridden, tokenizer, splits, device, ctx):
+    """Build or load the model, train it up to max_iters, save the checkpoint; returns (model, report)."""
     model, optimizer, iter_num, train_seconds = build_model(config, overridden, tokenizer, device)
     print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | "
           f"train/val/test: {len(splits['train']):,}/{len(splits['val']):,}/{len(splits['test']):,} characters")
@@ -1647,8 +1668,7 @@ def run(config, overridden):
     ms_per_iter = None
     if iter_num < config.max_iters:
         seconds, ms_per_iter = train(model, optimizer, splits, config, device, ctx, iter_num)
-        train_seconds += seconds
-        iter_num = config.max_iters
+        train_seconds, iter_num = train_seconds + seconds, config.max_iters
         print(f"median step time: {ms_per_iter:.1f} ms/iter")
     else:
         print(f"checkpoint already at iteration {iter_num} (max_iters={config.max_iters}): no training")
@@ -1657,49 +1677,69 @@ def run(config, overridden):
     ckpt_path = os.path.join(config.out_dir, "ckpt.pt")
     save_checkpoint(ckpt_path, model, optimizer, config, iter_num, tokenizer, losses["val"][-1], train_seconds)
     print(f"training took {train_seconds:.1f} s; checkpoint: {ckpt_path}")
-    model.eval()
-    report = {
-        "config": asdict(config),
-        "n_params": model.num_params()[0],
-        "n_params_exit_heads": model.num_params()[1],
-        "train_seconds": train_seconds,
-        "ms_per_iter": ms_per_iter,
-        "val_loss": {"final": losses["val"][-1], "exits": losses["val"][:-1]},
+    base, heads = model.num_params()
+    return model.eval(), {
+        "config": asdict(config), "n_params": base, "n_params_exit_heads": heads, "train_seconds": train_seconds,
+        "ms_per_iter": ms_per_iter, "val_loss": {"final": losses["val"][-1], "exits": losses["val"][:-1]},
         "train_loss": losses["train"][-1],
     }
+
+
+def choose_exit_rule(model, tokenizer, splits, config, device):
+    """Sweep on val, calibrate per measure, report on test; the logit lens and the exit slices."""
     val = record_exits(model, splits["val"].to(device), config.sweep_positions)
     test = record_exits(model, splits["test"].to(device), config.sweep_positions)
     exit_layers = parse_exit_layers(config.exit_layers, config.n_layer)
-    report["sweep"] = sweep(val, config.confidence, exit_layers, CALIBRATION_GRID)
+    report = {"sweep": sweep(val, config.confidence, exit_layers, CALIBRATION_GRID)}
     print_sweep(report["sweep"], config.confidence, config.n_layer)
     cals = [calibration_report(val, test, m, exit_layers, config.epsilon, config.delta) for m in CONFIDENCE_MEASURES]
     report["calibration"] = next(c for c in cals if c["measure"] == config.confidence)
     report["calibration_by_measure"] = cals
     print_calibration(cals, report["calibration"])
-    lens_x = torch.stack([splits["val"][i : i + config.block_size] for i in range(0, 64 * config.block_size, config.block_size)])
-    report["logit_lens"] = logit_lens(model, lens_x.to(device))
+    starts = range(0, 64 * config.block_size, config.block_size)  # 64 val windows
+    lens_x = torch.stack([splits["val"][i : i + config.block_size] for i in starts]).to(device)
+    report["logit_lens"] = logit_lens(model, lens_x)
     print_logit_lens(report["logit_lens"])
+    exits = exit_layers_at(test, config.confidence, report["calibration"]["threshold"], exit_layers)
+    report["slices"] = exit_slices(test, exits, tokenizer, splits["test"])
+    print_slices(report["slices"])
+    return report
+
+
+def measure_strategies(model, idx, splits, config):
+    """The strategies table, the cost of an exit check, batch depth, and (--spec_sweep) the (E, k) grid."""
+    threshold, rows, quality = compare_strategies(model, splits, config, idx)
+    check_cost = exit_check_cost(model)
+    depths = expected_batch_depth(quality["backfill"]["exit_layers"], (1, 4, 16), config.n_layer)
+    print_strategies(threshold, rows, quality, config, check_cost, depths)
+    report = {"strategies": rows, "strategies_threshold": threshold, "exit_check_cost": check_cost,
+              "batch_depth": {str(b): d for b, d in depths.items()}}
+    if config.spec_sweep:
+        report["spec_sweep"] = sweep_speculative(model, idx, config, range(config.n_layer - 1), (2, 3, 4, 6, 8))
+        print_spec_sweep(report["spec_sweep"])
+    return report
+
+
+def run(config, overridden):
+    """The default job: every step the module docstring promises, in order."""
+    torch.manual_seed(config.seed)
+    device = pick_device(config.device)
+    if config.compare_recipes:
+        return run_recipe_comparison(config, device)
+    if config.bench_train:
+        return run_training_benchmark(config, device)
+    tokenizer, splits = load_data(config)
+    model, report = train_or_resume(config, overridden, tokenizer, splits, device, autocast_context(device))
+    report.update(choose_exit_rule(model, tokenizer, splits, config, device))
     threshold = report["calibration"]["threshold"]
     if "exit_threshold" in overridden:
         threshold = config.exit_threshold
         print(f"\n(--exit_threshold={threshold:g} overrides the calibrated threshold for the demonstration)")
     else:
         print(f"\nthe early-exit demonstration below uses the calibrated threshold {threshold:g}")
-    slices = exit_slices(test, exit_layers_at(test, config.confidence, report["calibration"]["threshold"], exit_layers),
-                         tokenizer, splits["test"])
-    report["slices"] = slices
-    print_slices(slices)
     report["generation"] = demo_generation(model, tokenizer, config, device, threshold)
     idx = torch.tensor([tokenizer.encode(config.prompt)], dtype=torch.long, device=device)
-    threshold, rows, quality = compare_strategies(model, splits, config, idx)
-    check_cost = exit_check_cost(model)
-    depths = expected_batch_depth(quality["backfill"]["exit_layers"], (1, 4, 16), config.n_layer)
-    print_strategies(threshold, rows, quality, config, check_cost, depths)
-    report.update(strategies=rows, strategies_threshold=threshold, exit_check_cost=check_cost,
-                  batch_depth={str(b): d for b, d in depths.items()})
-    if config.spec_sweep:
-        report["spec_sweep"] = sweep_speculative(model, idx, config, range(config.n_layer - 1), (2, 3, 4, 6, 8))
-        print_spec_sweep(report["spec_sweep"])
+    report.update(measure_strategies(model, idx, splits, config))
     write_json(report, os.path.join(config.out_dir, "report.json"))
     print(f"\nreport: {os.path.join(config.out_dir, 'report.json')}")
     return report

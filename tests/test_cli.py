@@ -110,3 +110,37 @@ def test_mismatched_checkpoint(tmp_path, capsys):
     torch.save(ckpt, tmp_path / "ckpt.pt")
     assert run_main(tmp_path, "--init_from=resume") == 2
     assert "does not fit" in capsys.readouterr().err
+
+
+def test_training_benchmark_times_both_setups(tmp_path, capsys):
+    assert run_main(tmp_path, "--bench_train=1") == 0
+    out = capsys.readouterr().out
+    assert "exit heads" in out and "plain GPT" in out and "ratio" in out
+    assert not (tmp_path / "ckpt.pt").exists()
+
+
+def test_spec_sweep_prints_the_grid(tmp_path, capsys):
+    assert run_main(tmp_path, "--n_layer=3", "--max_iters=2", "--spec_sweep=1") == 0
+    out = capsys.readouterr().out
+    assert "self-speculative sweep" in out and "best: draft_exit=" in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert len(report["spec_sweep"]) == 2 * 5
+    assert all(g["identical_to_full"] for g in report["spec_sweep"])
+
+
+def test_report_has_the_strategies_and_calibration(tmp_path):
+    assert run_main(tmp_path, "--n_layer=3", "--max_iters=2") == 0
+    r = json.loads((tmp_path / "report.json").read_text())
+    names = [row["name"] for row in r["strategies"]]
+    assert names == ["full", "backfill", "deferred", "state_copy", "holes", "self_speculative"]
+    keys = {"name", "tokens_per_second", "speedup", "ideal_speedup", "mean_layers", "test_loss", "test_accuracy",
+            "agreement"}
+    assert all(set(row) == keys for row in r["strategies"][:-1])
+    spec = r["strategies"][-1]
+    assert keys | {"acceptance_rate", "draft_exit", "num_draft", "identical_to_full"} <= set(spec)
+    assert spec["identical_to_full"] is True
+    assert 0 <= r["strategies_threshold"] <= 1
+    cal = r["calibration"]
+    assert {"measure", "epsilon", "delta", "threshold", "val", "test"} <= set(cal)
+    assert {"disagreement", "loss", "full_loss", "accuracy", "compute_saved"} <= set(cal["test"])
+    assert len(r["sweep"]) == len(m.CALIBRATION_GRID)

@@ -70,7 +70,7 @@ def test_deferred_batches_the_catch_up():
 def test_state_copy_writes_kv_from_the_exit_state(bias):
     model = tiny_model(bias=bias)
     cache = m.KVCache(model.config, 1, "cpu")
-    cache.kv_projections = tuple(torch.stack(t) for t in zip(*[b.kv_projection() for b in model.transformer.h]))
+    cache.kv_projections = m.state_copy_projections(model)
     idx = torch.tensor([[4]])
     logits, layer = m.decode_step(model, cache, idx, 0, "state_copy", 0.0, [1])
     assert int(layer) == 1 and cache.lengths == [1, 1, 1, 1]
