@@ -78,9 +78,9 @@ class Config:
     alpha: float = 0.3  # weight of each exit head's loss; 0 trains a plain GPT and skips the heads
     exit_weights: str = "constant"  # per-exit loss weights: constant (alpha each), linear or geometric in depth, layerskip
     exit_head: str = "separate"  # 'separate' heads, one 'shared' head, or 'final': ln_f + lm_head read at every exit
-    distill_weight: float = 0.0  # self-distillation: weight of KL(final || exit), the final head detached
+    distill_weight: float = 0.1  # self-distillation: weight of KL(final || exit), the final head detached (seed: 0)
     distill_temperature: float = 1.0  # temperature of that distillation; higher matches more of the distribution
-    layer_dropout: float = 0.0  # LayerSkip's p_max: in training skip block l with p_max * (2^(l / (L-1)) - 1)
+    layer_dropout: float = 0.2  # LayerSkip's p_max: in training skip block l with p_max * (2^(l / (L-1)) - 1) (seed: 0)
     # training
     batch_size: int = 12  # how many independent sequences per optimizer step?
     max_iters: int = 2000  # total optimizer steps
@@ -103,7 +103,7 @@ class Config:
     kv_strategy: str = "backfill"  # how skipped layers' KV entries are filled: backfill, deferred, state_copy, holes
     confidence: str = "top1"  # confidence measure: top1, margin (top1 - top2) or entropy (1 - H / log V)
     draft_exit: int = 0  # self-speculative: the last layer of the draft (its exit head drafts); set by --spec_sweep
-    num_draft: int = 4  # self-speculative: tokens drafted per verify pass; set by --spec_sweep
+    num_draft: int = 8  # self-speculative: tokens drafted per verify pass; set by --spec_sweep
     # evaluation and benchmarks
     quality_positions: int = 2000  # test positions decoded teacher-forced per strategy; more is steadier and slower
     bench_tokens: int = 300  # tokens generated per timed run
@@ -1354,11 +1354,11 @@ RECIPES = {  # each is the seed recipe with these fields changed
     "linear": dict(exit_weights="linear"),
     "geometric": dict(exit_weights="geometric"),
     "layerskip": dict(exit_weights="layerskip", exit_head="final", layer_dropout=0.2),
-    "distill": dict(distill_weight=1.0),
-    "distill_x3": dict(distill_weight=3.0),
+    "distill": dict(distill_weight=0.2),
     "shared_head": dict(exit_head="shared"),
     "final_head": dict(exit_head="final"),
     "layer_dropout": dict(layer_dropout=0.2),
+    "dropout_distill": dict(layer_dropout=0.2, distill_weight=0.1),  # the default since the comparison
 }
 
 
@@ -1715,7 +1715,7 @@ def measure_strategies(model, idx, splits, config):
     report = {"strategies": rows, "strategies_threshold": threshold, "exit_check_cost": check_cost,
               "batch_depth": {str(b): d for b, d in depths.items()}}
     if config.spec_sweep:
-        report["spec_sweep"] = sweep_speculative(model, idx, config, range(config.n_layer - 1), (2, 3, 4, 6, 8))
+        report["spec_sweep"] = sweep_speculative(model, idx, config, range(config.n_layer - 1), (2, 3, 4, 6, 8, 12))
         print_spec_sweep(report["spec_sweep"])
     return report
 

@@ -14,7 +14,7 @@ torch.set_num_threads(1)  # tiny models: threads only add overhead and noise
 
 def tiny_config(**overrides):
     """A model small enough that every test runs in well under a second."""
-    cfg = m.Config(n_layer=4, n_head=2, n_embd=16, block_size=16, vocab_size=11, alpha=0.3)
+    cfg = m.Config(n_layer=4, n_head=2, n_embd=16, block_size=16, vocab_size=11, **m.SEED_RECIPE)
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg

@@ -124,7 +124,7 @@ def test_spec_sweep_prints_the_grid(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "self-speculative sweep" in out and "best: draft_exit=" in out
     report = json.loads((tmp_path / "report.json").read_text())
-    assert len(report["spec_sweep"]) == 2 * 5
+    assert len(report["spec_sweep"]) == 2 * 6
     assert all(g["identical_to_full"] for g in report["spec_sweep"])
 
 

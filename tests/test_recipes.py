@@ -34,11 +34,18 @@ def loss_with(model, **fields):
 
 
 def test_all_options_off_is_the_seed_recipe_exactly():
-    model = tiny_model()
+    model = tiny_model(**m.SEED_RECIPE)
     seed = loss_with(model)
-    assert torch.equal(loss_with(model, **m.SEED_RECIPE), seed)
     final, exits = per_exit_ce(model, *batch())
     assert torch.allclose(seed, final + 0.3 * sum(exits), atol=1e-6)
+    model.train()  # in training too: with layer_dropout 0 nothing is random
+    assert torch.equal(loss_with(model), seed)
+
+
+def test_the_default_recipe_differs_from_the_seed_only_where_it_says():
+    default = m.Config()
+    changed = {k for k, v in m.SEED_RECIPE.items() if getattr(default, k) != v}
+    assert changed == set(m.RECIPES["dropout_distill"])
 
 
 @pytest.mark.parametrize("scheme,weights,final_weight", [
