@@ -596,6 +596,7 @@ def configure_optimizer(model, config):
 @torch.inference_mode()
 def estimate_loss(model, splits, config, device, ctx):
     """Mean loss of every exit (the final one last) on eval_iters fixed batches per split."""
+    was_training = model.training
     model.eval()
     out = {}
     for name in ("train", "val"):
@@ -607,7 +608,7 @@ def estimate_loss(model, splits, config, device, ctx):
                 logits = model.all_exit_logits(x)  # (L, B, T, V)
             losses += torch.stack([cross_entropy(lg, y) for lg in logits]).cpu()
         out[name] = (losses / config.eval_iters).tolist()
-    model.train()
+    model.train(was_training)  # back to the mode it came in: evaluation never leaves layer dropout on
     return out
 
 

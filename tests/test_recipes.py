@@ -136,3 +136,14 @@ def test_compare_recipes_writes_the_table(tmp_path, capsys):
             "spec_acceptance_rate"}
     assert all(keys <= set(r) for r in rows)
     assert "training recipes at the same budget" in capsys.readouterr().out
+
+
+def test_evaluation_leaves_the_model_in_the_mode_it_found():
+    model = tiny_model(layer_dropout=0.5)
+    data = torch.randint(0, V, (500,))
+    cfg = model.config
+    cfg.eval_iters, cfg.batch_size = 1, 2
+    for mode in (False, True):
+        model.train(mode)
+        m.estimate_loss(model, {"train": data, "val": data}, cfg, "cpu", m.nullcontext())
+        assert model.training is mode
