@@ -98,7 +98,7 @@ class Config:
     max_new_tokens: int = 500  # characters generated per sample
     temperature: float = 0.8  # sampling temperature; 0 means greedy
     top_k: int = 0  # sample only from the k most likely characters; 0 means all
-    exit_threshold: float = 0.9  # exit when the head's confidence exceeds this; 1 never exits, 0 always exits
+    exit_threshold: float = 0.9  # exit when confidence exceeds this (1 never, 0 always); unless given, the run calibrates one
     exit_layers: str = "all"  # which layers check for an exit: 'all' or a comma list like '1,3'
     kv_strategy: str = "backfill"  # how skipped layers' KV entries are filled: backfill, deferred, state_copy, holes
     confidence: str = "top1"  # confidence measure: top1, margin (top1 - top2) or entropy (1 - H / log V)

@@ -167,3 +167,17 @@ def test_confidence_measures_are_in_unit_range_and_ordered():
         assert c[0] > c[1]
 
 
+
+
+def test_coloured_text_on_a_terminal_and_digits_otherwise():
+    text, layers = "ab\ncd", [0, 2, 5, 1, 5]
+    plain = m.colour_text(text, layers, 6, tty=False).splitlines()
+    assert plain[1:] == ["ab", "02", "cd", "15"]
+    coloured = m.colour_text(text, layers, 6, tty=True)
+    assert "legend:" in coloured and "\033[31ma\033[0m" in coloured and "\033[32mb\033[0m" in coloured
+
+
+def test_exit_statistics_in_the_seed_format():
+    out = m.format_exit_stats([42, 0, 158])
+    assert "Layer 0:" in out and "42 tokens ( 21.0%)" in out and "Layer 2 (full):" in out
+    assert "mean exit depth: 2.58 of 3" in out
