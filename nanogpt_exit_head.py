@@ -791,6 +791,15 @@ def prefill(model, cache, idx, start):
         x = block(x, cache, l)
 
 
+def slide_window(model, cache, tokens, start, n):
+    """Place the window for feeding token n-1, re-prefilling if it moved; returns (start, block runs spent)."""
+    s = window_start(start, n, model.config.block_size)
+    if s == start:
+        return start, 0
+    prefill(model, cache, tokens[:, s : n - 1], s)
+    return s, (n - 1 - s) * model.config.n_layer
+
+
 def decode_step(model, cache, idx, pos, strategy="backfill", exit_threshold=1.0, exit_layers=(), measure="top1"):
     """Feed one token per row, idx (B, 1), at window position pos.
 
@@ -848,11 +857,8 @@ def generate(model, idx, max_new_tokens, strategy="backfill", exit_threshold=1.0
     start = None
     for i in range(max_new_tokens):
         n = T0 + i
-        s = window_start(start, n, cfg.block_size)
-        if s != start:
-            start = s
-            prefill(model, cache, tokens[:, s : n - 1], s)
-            prefilled += (n - 1 - s) * cfg.n_layer
+        start, runs = slide_window(model, cache, tokens, start, n)
+        prefilled += runs
         logits, exits[:, i] = decode_step(model, cache, tokens[:, n - 1 : n], n - 1 - start, strategy,
                                           exit_threshold, exit_layers, measure)
         if forced is not None:
@@ -981,11 +987,8 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit, num_draft,
     cache, start, n, prefilled = KVCache(cfg, 1, idx.device), None, T0, 0
     stats = {"rounds": 0, "drafted": 0, "accepted": 0}
     while n < end:
-        s = window_start(start, n, cfg.block_size)
-        if s != start:
-            start = s
-            prefill(model, cache, tokens[:, s : n - 1], s)
-            prefilled += (n - 1 - s) * cfg.n_layer
+        start, runs = slide_window(model, cache, tokens, start, n)
+        prefilled += runs
         pos = n - 1 - start  # window position of the first token fed this round
         k = min(num_draft, cfg.block_size - pos, end - n)  # no fed position may pass block_size
         q = draft(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, generator)
@@ -1330,19 +1333,20 @@ def spec_row(outputs, tps, layers, full, config):
             "draft_exit": config.draft_exit, "num_draft": config.num_draft, "identical_to_full": same}
 
 
+def time_speculative(model, idx, config, draft_exit, num_draft):
+    """Greedy self-speculative decoding timed beside greedy full depth: speed-up, acceptance, exactness."""
+    runs = {"full": (strategy_runner(model, "full", 1.0, [], "top1"), 0.0),
+            "spec": (spec_runner(model, draft_exit, num_draft), 0.0)}
+    tps, _, out = speed_pass(runs, idx, config.bench_tokens, config.bench_repeats, config.seed, 0.0, 0)
+    stats = out["spec"].stats
+    return {"draft_exit": draft_exit, "num_draft": num_draft, "speedup": tps["spec"] / tps["full"],
+            "acceptance_rate": stats["accepted"] / stats["drafted"],
+            "identical_to_full": bool(torch.equal(out["spec"].tokens, out["full"].tokens))}
+
+
 def sweep_speculative(model, idx, config, draft_exits, num_drafts):
-    """Greedy speed-up over full depth for every (draft_exit, num_draft), each timed beside full depth."""
-    grid = []
-    for E in draft_exits:
-        for k in num_drafts:
-            runs = {"full": (strategy_runner(model, "full", 1.0, [], "top1"), 0.0),
-                    "spec": (spec_runner(model, E, k), 0.0)}
-            tps, _, out = speed_pass(runs, idx, config.bench_tokens, config.bench_repeats, config.seed, 0.0, 0)
-            stats = out["spec"].stats
-            grid.append({"draft_exit": E, "num_draft": k, "speedup": tps["spec"] / tps["full"],
-                         "acceptance_rate": stats["accepted"] / stats["drafted"],
-                         "identical_to_full": bool(torch.equal(out["spec"].tokens, out["full"].tokens))})
-    return grid
+    """time_speculative for every (draft_exit, num_draft)."""
+    return [time_speculative(model, idx, config, E, k) for E in draft_exits for k in num_drafts]
 
 
 # -----------------------------------------------------------------------------
@@ -1372,15 +1376,12 @@ def evaluate_recipe(name, model, splits, config, device, ctx, idx):
     val = record_exits(model, splits["val"].to(device), config.sweep_positions)
     test = record_exits(model, splits["test"].to(device), config.sweep_positions)
     cal = calibration_report(val, test, "top1", exit_layers, 0.01, 0.05)
-    runs = {"full": (strategy_runner(model, "full", 1.0, [], "top1"), 0.0),
-            "spec": (spec_runner(model, config.draft_exit, config.num_draft), 0.0)}
-    tps, _, out = speed_pass(runs, idx, config.bench_tokens, config.bench_repeats, config.seed, 0.0, 0)
-    stats = out["spec"].stats
+    spec = time_speculative(model, idx, config, config.draft_exit, config.num_draft)
     return {"recipe": name, **RECIPES[name], "val_loss_final": losses["val"][-1], "val_loss_exits": losses["val"][:-1],
             "calibrated_threshold": cal["threshold"], "compute_saved": cal["test"]["compute_saved"],
             "test_loss": cal["test"]["loss"], "test_full_loss": cal["test"]["full_loss"],
-            "spec_speedup": tps["spec"] / tps["full"], "spec_acceptance_rate": stats["accepted"] / stats["drafted"],
-            "spec_identical_to_full": bool(torch.equal(out["spec"].tokens, out["full"].tokens))}
+            "spec_speedup": spec["speedup"], "spec_acceptance_rate": spec["acceptance_rate"],
+            "spec_identical_to_full": spec["identical_to_full"]}
 
 
 def compare_recipes(config, splits, device, ctx, idx):
