@@ -22,10 +22,16 @@ def test_greedy_equals_full_depth_past_block_size(trained, draft_exit, num_draft
 
 
 def test_rejections_happen_and_roll_back(trained):
+    """Over several prompts some drafts are rejected (a greedy loop alone could accept them all) and the
+    rolled-back cache still gives the full model's tokens."""
     model, data = trained
-    spec = m.generate_self_speculative(model, data[None, :5], 100, 0, 4, temperature=0.0)
-    s = spec.stats
-    assert 0 < s["accepted"] < s["drafted"], "need both accepted and rejected drafts"
+    accepted = drafted = 0
+    for p in range(6):
+        idx = data[None, 2000 * p : 2000 * p + 5]
+        spec = m.generate_self_speculative(model, idx, 100, 0, 4, temperature=0.0)
+        assert torch.equal(spec.tokens, m.generate(model, idx, 100, temperature=0.0).tokens)
+        accepted, drafted = accepted + spec.stats["accepted"], drafted + spec.stats["drafted"]
+    assert 0 < accepted < drafted, "need both accepted and rejected drafts"
 
 
 def test_each_layer_runs_once_per_fed_position(trained):
