@@ -1,40 +1,23 @@
 """
-nanogpt_exit_head.py: a character-level GPT with an exit head after every
-layer, decoded with confidence-gated early exit, and an honest measurement of
-what letting easy characters leave the network early buys.
+nanogpt_exit_head.py: a character-level GPT with an exit head after every layer,
+decoded with confidence-gated early exit, and an honest measurement of what
+letting easy characters leave the network early buys.
 
-Run it (trains, evaluates, generates, prints the tables, writes out/):
+    pip install -r requirements.txt && python nanogpt_exit_head.py   # train, sample, measure
+    python nanogpt_exit_head.py --help                                # every field, as --name=value
+    python nanogpt_exit_head.py --init_from=resume --spec_sweep=1     # + the self-speculative grid
+    python nanogpt_exit_head.py --compare_recipes=1                   # training recipes compared
+    python -m pytest -q tests                                         # the tests
 
-    pip install -r requirements.txt && python nanogpt_exit_head.py
-    python nanogpt_exit_head.py --max_iters=300 --exit_threshold=0.8   # any field
-    python nanogpt_exit_head.py --help                                 # every field
-    python nanogpt_exit_head.py --init_from=resume --spec_sweep=1      # + the (E, k) grid
-    python nanogpt_exit_head.py --compare_recipes=1                    # training recipes
-    python nanogpt_exit_head.py --bench_train=1                        # exit-head training cost
-    python -m pytest -q tests                                          # the tests
-
-The tutorial, in the order of the sections below: a GPT with an exit head per
-layer and its joint loss; a KV cache whose layers may hold different lengths;
-decoding that exits when a head is confident, and the four answers to the
-holes an exit leaves in the cache (backfill, deferred recompute, state copy,
-holes); self-speculative decoding; then how to choose the threshold (a sweep
-on val, a calibrated threshold with a guarantee, figures on test), and what
-each strategy buys in wall-clock time, measured side by side.
-
-The ideas it follows:
-- Early exit with a trained head per layer and a joint loss
-  CE(final) + alpha * sum_l CE(exit_l).
-- CALM, "Confident Adaptive Language Modeling" (Schuster et al., 2022,
-  arXiv:2207.07061): confidence measures, state propagation (copying the exit
-  state into the skipped layers' keys and values), calibrated thresholds.
-- LayerSkip (Elhoushi et al., 2024, arXiv:2404.16710): self-speculative
-  decoding, where the early layers draft and the remaining layers verify.
-
-What it leaves out on purpose: BPE tokenisation (characters keep the vocabulary
-tiny so the exit heads are cheap to read), multi-GPU training, mixed-precision
-on CPU and in decoding, rotary embeddings (GPT-2's learned absolute positions
-keep the model nanoGPT's), PABEE-style patience, batched self-speculative
-decoding, and any dependency beyond torch, numpy and tqdm.
+Part I, the seed end to end: exit heads and the joint loss CE(final) + alpha *
+sum_l CE(exit_l); a KV cache whose layers may hold different lengths; decoding
+that stops a token at its first confident exit, backfill keeping the cache
+whole; the per-layer exit statistics; training. Part II, one idea a section:
+deferred recompute, state copy (CALM, arXiv:2207.07061), holes, self-speculative
+decoding (LayerSkip, arXiv:2404.16710), choosing the threshold, measurement,
+reports, checkpoints, the command line. Left out on purpose: BPE, multi-GPU
+training, mixed precision in decoding, rotary embeddings, PABEE patience,
+batched self-speculative decoding, dependencies beyond torch, numpy and tqdm.
 """
 
 import inspect
@@ -53,9 +36,12 @@ import torch.nn as nn
 from torch.nn import functional as F
 from tqdm import tqdm
 
+# =============================================================================
+# Part I: the seed, end to end
+# =============================================================================
+
 # -----------------------------------------------------------------------------
 # Config: every hyperparameter, one per line; override any as --name=value
-
 
 @dataclass
 class Config:
@@ -116,111 +102,11 @@ class Config:
     spec_sweep: bool = False  # also time self-speculative decoding for every (draft_exit, num_draft) (about a minute)
     strategies_threshold: float = -1.0  # threshold of the strategies table; -1 picks on val the highest with >= 30% early exits
 
-
-ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "exit_head")
-KV_STRATEGIES = ("backfill", "deferred", "state_copy", "holes")
-EXIT_WEIGHTS = ("constant", "linear", "geometric", "layerskip")
-EXIT_HEADS = ("separate", "shared", "final")
 CONFIDENCE_MEASURES = ("top1", "margin", "entropy")
-
-
-def field_help():
-    """The trailing comment of every Config field, read from this file's source."""
-    helps = {}
-    for line in inspect.getsource(Config).splitlines():
-        name, sep, rest = line.strip().partition(":")
-        if sep and "#" in rest and name.isidentifier():
-            helps[name] = rest.split("#", 1)[1].strip()
-    return helps
-
-
-def parse_value(name, text, default):
-    """Turn the text of --name=text into the type of the field's default."""
-    if isinstance(default, bool):
-        if text.lower() in ("1", "true", "yes"):
-            return True
-        if text.lower() in ("0", "false", "no"):
-            return False
-        raise ValueError(f"--{name} takes true/false (or 1/0), not {text!r}")
-    try:
-        return type(default)(text)
-    except ValueError:
-        raise ValueError(f"--{name} takes a {type(default).__name__}, not {text!r}") from None
-
-
-def parse_args(argv):
-    """nanoGPT-style overrides: --name=value for any Config field; --help lists them."""
-    config, defaults, overridden = Config(), asdict(Config()), set()
-    for arg in argv:
-        if not arg.startswith("--") or "=" not in arg:
-            raise ValueError(f"arguments look like --name=value, got {arg!r} (see --help)")
-        name, text = arg[2:].split("=", 1)
-        if name not in defaults or name == "vocab_size":
-            close = [f for f in defaults if f.startswith(name[:3])]
-            hint = f" (did you mean {', '.join('--' + c for c in close)}?)" if close else ""
-            raise ValueError(f"unknown config field --{name}{hint}")
-        setattr(config, name, parse_value(name, text, defaults[name]))
-        overridden.add(name)
-    validate(config)
-    return config, overridden
-
-
-def usage():
-    helps = field_help()
-    lines = ["usage: python nanogpt_exit_head.py [--name=value ...]", "", "fields (default, what it does):"]
-    for f in fields(Config):
-        lines.append(f"  --{f.name:<16} {str(f.default)!r:<14} {helps.get(f.name, '')}")
-    return "\n".join(lines)
-
-
-def validate(config):
-    """Reject settings that cannot work, with a message that says what to change."""
-    if config.n_embd % config.n_head:
-        raise ValueError(f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}")
-    if not 0.0 <= config.exit_threshold <= 1.0:
-        raise ValueError(f"exit_threshold={config.exit_threshold} is outside [0, 1]")
-    if config.kv_strategy not in KV_STRATEGIES:
-        raise ValueError(f"kv_strategy={config.kv_strategy!r} is not one of {', '.join(KV_STRATEGIES)}")
-    if config.confidence not in CONFIDENCE_MEASURES:
-        raise ValueError(f"confidence={config.confidence!r} is not one of {', '.join(CONFIDENCE_MEASURES)}")
-    for name, allowed in (("exit_weights", EXIT_WEIGHTS), ("exit_head", EXIT_HEADS)):
-        if getattr(config, name) not in allowed:
-            raise ValueError(f"{name}={getattr(config, name)!r} is not one of {', '.join(allowed)}")
-    if not 0 <= config.layer_dropout < 1 or config.distill_weight < 0 or config.distill_temperature <= 0:
-        raise ValueError("need 0 <= layer_dropout < 1, distill_weight >= 0 and distill_temperature > 0")
-    if config.init_from not in ("scratch", "resume"):
-        raise ValueError(f"init_from={config.init_from!r} must be 'scratch' or 'resume'")
-    for name in ("n_head", "block_size", "batch_size", "eval_iters", "eval_interval"):
-        if getattr(config, name) < 1:
-            raise ValueError(f"{name}={getattr(config, name)} must be at least 1")
-    if config.block_size < 2 or config.n_layer < 2:
-        raise ValueError("block_size and n_layer must be at least 2 (one exit below the final layer)")
-    parse_exit_layers(config.exit_layers, config.n_layer)
-    if not 0 <= config.draft_exit < config.n_layer - 1:
-        raise ValueError(f"draft_exit={config.draft_exit} must be a layer below the last (0..{config.n_layer - 2})")
-    if not (0 < config.epsilon < 1 and 0 < config.delta < 1):
-        raise ValueError(f"epsilon={config.epsilon} and delta={config.delta} must both lie strictly between 0 and 1")
-    for name in ("num_draft", "quality_positions", "bench_tokens", "bench_repeats", "sweep_positions"):
-        if getattr(config, name) < 1:
-            raise ValueError(f"{name}={getattr(config, name)} must be at least 1")
-
-
-def parse_exit_layers(text, n_layer):
-    """'all' or '0,2' -> the sorted layers (below the last) whose exit head is checked."""
-    if text == "all":
-        return list(range(n_layer - 1))
-    try:
-        layers = sorted({int(t) for t in text.split(",") if t.strip()})
-    except ValueError:
-        raise ValueError(f"exit_layers={text!r} must be 'all' or a comma list of layer numbers") from None
-    if any(not 0 <= l < n_layer - 1 for l in layers):
-        raise ValueError(f"exit_layers={text!r}: exits live on layers 0..{n_layer - 2} (the last layer always exits)")
-    return layers
 
 
 # -----------------------------------------------------------------------------
 # Data: characters in, integers out; three contiguous splits
-
 
 def load_text(path):
     if not os.path.isfile(path):
@@ -231,17 +117,13 @@ def load_text(path):
         raise ValueError(f"input file {path!r} is empty")
     return text
 
-
 class CharTokenizer:
     """A vocabulary of the distinct characters of a text."""
 
     def __init__(self, chars):
         self.chars = "".join(sorted(set(chars)))
         self.stoi = {ch: i for i, ch in enumerate(self.chars)}
-
-    @property
-    def vocab_size(self):
-        return len(self.chars)
+        self.vocab_size = len(self.chars)
 
     def encode(self, s):
         unknown = sorted(set(s) - set(self.stoi))
@@ -252,13 +134,11 @@ class CharTokenizer:
     def decode(self, ids):
         return "".join(self.chars[i] for i in ids)
 
-
 def split_data(data):
     """Contiguous train 90% / val 5% / test 5%: val chooses things, test reports them."""
     n = len(data)
     a, b = int(0.9 * n), int(0.95 * n)
     return {"train": data[:a], "val": data[a:b], "test": data[b:]}
-
 
 def get_batch(data, block_size, batch_size, generator, device):
     """Random windows of block_size characters and the same windows shifted by one."""
@@ -270,7 +150,6 @@ def get_batch(data, block_size, batch_size, generator, device):
 
 # -----------------------------------------------------------------------------
 # Model: nanoGPT's GPT, plus an ExitHead after every block but the last
-
 
 class CausalSelfAttention(nn.Module):
     """All heads in one fused QKV projection and one scaled_dot_product_attention call."""
@@ -301,8 +180,6 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
-
-
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -313,7 +190,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
-
 
 class Block(nn.Module):
     """Pre-LayerNorm transformer block; with a cache it appends this layer's K/V for x."""
@@ -331,22 +207,6 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x), cache, layer)
         return x + self.mlp(self.ln_2(x))
 
-    def kv_projection(self):
-        """This block's x -> (K, V) map with ln_1's gain and bias folded in: (2C, C) weight, (2C,) bias.
-
-        K and V of a state x are W_kv (g * norm(x) + beta) + b_kv = (W_kv g) norm(x)
-        + (W_kv beta + b_kv): one matrix per layer, applied to one shared norm(x).
-        """
-        C = self.ln_1.normalized_shape[0]
-        w = self.attn.c_attn.weight[C:]  # (2C, C): the K and V rows of the fused projection
-        bias = torch.zeros(2 * C, device=w.device, dtype=w.dtype)
-        if self.ln_1.bias is not None:
-            bias = bias + w @ self.ln_1.bias
-        if self.attn.c_attn.bias is not None:
-            bias = bias + self.attn.c_attn.bias[C:]
-        return w * self.ln_1.weight, bias
-
-
 class ExitHead(nn.Module):
     """LayerNorm + Linear to the vocabulary: reads a middle layer's hidden state as logits."""
 
@@ -356,9 +216,44 @@ class ExitHead(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
 
     def forward(self, x):
-        # the functional calls skip two module dispatches: this runs once per layer per decoded token
-        return F.linear(F.layer_norm(x, self.ln.normalized_shape, self.ln.weight, self.ln.bias), self.lm_head.weight)
+        return self.lm_head(self.ln(x))
 
+def exit_head_modules(config):
+    """The exit heads below the last layer: one each, one shared by all, or none (ln_f + lm_head serve)."""
+    if config.exit_head == "final":
+        return []
+    if config.exit_head == "shared":
+        return [ExitHead(config)] * (config.n_layer - 1)  # one module: its parameters count once
+    return [ExitHead(config) for _ in range(config.n_layer - 1)]
+
+def exit_loss_weights(config):
+    """(weight of each exit's CE, weight of the final CE) under config.exit_weights.
+
+    constant: alpha each (the seed). linear / geometric: the total alpha * (L - 1) spread as l + 1 or 2^l.
+    layerskip: alpha * sum_{i<=l} i per exit, (L - 1) + sum_{i<L-1} i for the last, normalised (LayerSkip eq. 5).
+    """
+    L, alpha = config.n_layer, config.alpha
+    if config.exit_weights == "constant":
+        return [alpha] * (L - 1), 1.0
+    if config.exit_weights == "layerskip":
+        e = [alpha * l * (l + 1) / 2 for l in range(L - 1)] + [(L - 1) + (L - 2) * (L - 1) / 2]
+        return [w / sum(e) for w in e[:-1]], e[-1] / sum(e)
+    shape = [l + 1 for l in range(L - 1)] if config.exit_weights == "linear" else [2.0**l for l in range(L - 1)]
+    return [alpha * (L - 1) * s / sum(shape) for s in shape], 1.0
+
+def layer_dropout_prob(layer, config):
+    """LayerSkip's rate for block `layer`: 0 at the bottom, rising exponentially to layer_dropout at the top."""
+    return config.layer_dropout * (math.exp(layer * math.log(2) / (config.n_layer - 1)) - 1)
+
+def cross_entropy(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+def distillation(logits, teacher_log_probs, temperature):
+    """T^2 * KL(teacher || student) per position, the usual scaling so gradients match across T."""
+    student = (logits.float() / temperature).log_softmax(-1)
+    kl = F.kl_div(student.reshape(-1, student.size(-1)), teacher_log_probs.reshape(-1, student.size(-1)),
+                  log_target=True, reduction="batchmean")
+    return temperature**2 * kl
 
 class GPT(nn.Module):
     """nanoGPT with exit_heads[l] after block l for l < n_layer - 1; the last exit is ln_f + lm_head."""
@@ -392,7 +287,7 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def num_params(self):
-        """(base model, exit heads) parameter counts; position embeddings count, as in nanoGPT."""
+        """(base model, exit heads) parameter counts; unlike nanoGPT's, position embeddings are counted."""
         heads = sum(p.numel() for p in self.exit_heads.parameters())
         return sum(p.numel() for p in self.parameters()) - heads, heads
 
@@ -436,10 +331,9 @@ class GPT(nn.Module):
         return logits, self.joint_loss(states, logits, targets)
 
     def joint_loss(self, states, logits, targets):
-        """w_final CE(final) + sum_l w_l CE(exit_l) [+ distillation]; the seed: w_final = 1, w_l = alpha.
-
-        Exits with nothing to learn (alpha = 0 and no distillation) are not computed at all.
-        """
+        """The joint loss. The seed's: CE(final) + alpha * sum_l CE(exit_l), which is exit_weights='constant';
+        the other weightings and the distillation term are the recipes Part II compares. Exits with nothing to
+        learn (alpha = 0, no distillation) are not computed at all."""
         cfg = self.config
         w_exits, w_final = exit_loss_weights(cfg)
         loss = w_final * cross_entropy(logits, targets)
@@ -456,53 +350,8 @@ class GPT(nn.Module):
         return loss
 
 
-def exit_head_modules(config):
-    """The exit heads below the last layer: one each, one shared by all, or none (ln_f + lm_head serve)."""
-    if config.exit_head == "final":
-        return []
-    if config.exit_head == "shared":
-        return [ExitHead(config)] * (config.n_layer - 1)  # one module: its parameters count once
-    return [ExitHead(config) for _ in range(config.n_layer - 1)]
-
-
-def exit_loss_weights(config):
-    """(weight of each exit's CE, weight of the final CE) under config.exit_weights.
-
-    constant: alpha each (the seed). linear / geometric: the same total, alpha
-    * (L - 1), spread in proportion to l + 1 or 2^l (CALM's depth-weighted
-    schemes). layerskip: e_l = alpha * sum_{i<=l} i for the exits and (L - 1) +
-    sum_{i<L-1} i for the last layer, normalised to sum to 1 (LayerSkip, eq. 5).
-    """
-    L, alpha = config.n_layer, config.alpha
-    if config.exit_weights == "constant":
-        return [alpha] * (L - 1), 1.0
-    if config.exit_weights == "layerskip":
-        e = [alpha * l * (l + 1) / 2 for l in range(L - 1)] + [(L - 1) + (L - 2) * (L - 1) / 2]
-        return [w / sum(e) for w in e[:-1]], e[-1] / sum(e)
-    shape = [l + 1 for l in range(L - 1)] if config.exit_weights == "linear" else [2.0**l for l in range(L - 1)]
-    return [alpha * (L - 1) * s / sum(shape) for s in shape], 1.0
-
-
-def layer_dropout_prob(layer, config):
-    """LayerSkip's rate for block `layer`: 0 at the bottom, rising exponentially to layer_dropout at the top."""
-    return config.layer_dropout * (math.exp(layer * math.log(2) / (config.n_layer - 1)) - 1)
-
-
-def cross_entropy(logits, targets):
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
-
-
-def distillation(logits, teacher_log_probs, temperature):
-    """T^2 * KL(teacher || student) per position, the usual scaling so gradients match across T."""
-    student = (logits.float() / temperature).log_softmax(-1)
-    kl = F.kl_div(student.reshape(-1, student.size(-1)), teacher_log_probs.reshape(-1, student.size(-1)),
-                  log_target=True, reduction="batchmean")
-    return temperature**2 * kl
-
-
 # -----------------------------------------------------------------------------
 # The KV cache: one per-layer mechanism that every decoding strategy uses
-
 
 class KVCache:
     """Preallocated keys and values for every layer, each layer with its own filled length.
@@ -510,41 +359,20 @@ class KVCache:
     Invariant: layer l holds entries for window positions [0, lengths[l]) and
     nothing else, written in place. Full-depth decoding keeps all lengths
     equal. A token that exits early leaves the layers above it behind; what a
-    strategy does about those holes is the only thing that distinguishes it:
-    backfill never leaves them, deferred fills them later from `frontier` (the
-    hidden state each pending position reached), state_copy writes an
-    approximation at once, holes leaves them (that layer's cache just has
-    fewer entries), and self-speculative decoding rolls lengths back with
-    `truncate`.
+    KVStrategy does about those holes is the only thing that distinguishes it.
+    pending_states keeps the hidden state each position reached, for the
+    layers above that have not run it yet (deferred recompute and the
+    self-speculative verify pass, Part II); truncate rolls lengths back.
     """
 
     def __init__(self, config, batch_size, device, dtype=torch.float32):
         shape = (config.n_layer, batch_size, config.n_head, config.block_size, config.n_embd // config.n_head)
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nh, block_size, hs)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.frontier = torch.zeros(batch_size, config.block_size, config.n_embd, device=device, dtype=dtype)
+        self.pending_states = torch.zeros(batch_size, config.block_size, config.n_embd, device=device, dtype=dtype)
         self.lengths = [0] * config.n_layer
         self.layer_evals = [0] * config.n_layer  # how many (position, layer) block runs, per layer
-        self.trace = None  # set to a list to record (layer, window start, window position) of every block run
         self.start = 0  # absolute position of window position 0
-        self.kv_projections = None  # state copy: every layer's folded K/V projection, set by generate()
-
-    def write_state_copy(self, first_layer, x, weight, bias):
-        """CALM's state propagation: entries for layers first_layer.. computed from one hidden state.
-
-        x (B, 1, C) is the exit state; weight (L, 2C, C) and bias (L, 2C) are every
-        layer's folded K/V projection (Block.kv_projection). One batched matmul
-        writes all skipped layers at once, instead of one small projection each.
-        """
-        n, (B, nh, hs) = self.lengths[first_layer], self.k.shape[1:3] + self.k.shape[4:]
-        assert all(m == n for m in self.lengths[first_layer:]), "state copy needs the skipped layers level"
-        xn = F.layer_norm(x[:, 0], x.shape[-1:])  # (B, C): the normalisation shared by every ln_1
-        kv = torch.matmul(xn, weight[first_layer:].transpose(1, 2)) + bias[first_layer:, None]  # (J, B, 2C)
-        k, v = kv.split(nh * hs, dim=-1)
-        self.k[first_layer:, :, :, n] = k.view(-1, B, nh, hs)  # (J, B, nh, hs)
-        self.v[first_layer:, :, :, n] = v.view(-1, B, nh, hs)
-        for layer in range(first_layer, len(self.lengths)):
-            self.lengths[layer] = n + 1
 
     def reset(self, start=0):
         self.lengths = [0] * len(self.lengths)
@@ -556,9 +384,6 @@ class KVCache:
 
     def count(self, layer, T):
         self.layer_evals[layer] += T
-        if self.trace is not None:
-            n = self.lengths[layer]
-            self.trace.extend((layer, self.start, n + t) for t in range(T))
 
     def append(self, layer, k, v):
         """Write k, v (B, nh, T, hs) after this layer's entries; return all entries and the mask."""
@@ -573,8 +398,178 @@ class KVCache:
 
 
 # -----------------------------------------------------------------------------
-# Training: AdamW, warmup then cosine decay, the joint loss
+# Decoding: confidence, sampling, the context window, and the gated step with backfill
 
+def confidence(logits, measure="top1"):
+    """How sure a head is, in [0, 1], higher is surer: (B, V) logits -> (B,)."""
+    probs = logits.float().softmax(-1)
+    if measure == "top1":
+        return probs.amax(-1)
+    if measure == "margin":
+        top2 = probs.topk(2, dim=-1).values  # (B, 2)
+        return top2[:, 0] - top2[:, 1]
+    entropy = -(probs * probs.clamp_min(1e-12).log()).sum(-1)
+    return 1.0 - entropy / math.log(probs.size(-1))
+
+def probs_from_logits(logits, temperature, top_k):
+    """The distribution a sampler draws from: temperature, then the top_k most likely only."""
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return logits.softmax(-1)
+
+def sample(logits, temperature, top_k, generator):
+    """(B, V) logits -> (B,) tokens; temperature 0 is greedy."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = probs_from_logits(logits, temperature, top_k)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+def window_start(start, n, block_size):
+    """Where the context window begins when the sequence holds n tokens and token n-1 is fed next.
+
+    Positions never pass block_size: when the window is full, keep its newest
+    half and re-prefill it at full depth, one parallel pass every block_size/2
+    tokens. The uncached reference follows the same rule, so both see the same contexts.
+    """
+    if start is None:
+        return max(0, n - block_size)
+    if n - start > block_size:
+        return n - block_size // 2
+    return start
+
+def prefill(model, cache, idx, start):
+    """Run the window's tokens (B, T) through every layer; all lengths become T."""
+    cache.reset(start)
+    if idx.size(1) == 0:
+        return
+    x = model.embed(idx)  # (B, T, C)
+    for l, block in enumerate(model.transformer.h):
+        x = block(x, cache, l)
+
+def slide_window(model, cache, tokens, start, n):
+    """Place the window for feeding token n-1, re-prefilling if it moved; returns (start, block runs spent)."""
+    s = window_start(start, n, model.config.block_size)
+    if s == start:
+        return start, 0
+    prefill(model, cache, tokens[:, s : n - 1], s)
+    return s, (n - 1 - s) * model.config.n_layer
+
+KV_STRATEGY_CLASSES = {}  # name -> class: backfill below; deferred, state_copy and holes in Part II
+
+def register_strategy(cls):
+    """Class decorator: generate() finds a KV strategy by its name."""
+    KV_STRATEGY_CLASSES[cls.name] = cls
+    return cls
+
+@register_strategy
+class KVStrategy:
+    """Backfill, the seed's answer, and the hook Part II's strategies override: run_layer runs one block for
+    the newest token; skip_layers handles the layers above once every row has exited. Backfill runs them all,
+    so its cache never has a hole: exact, and no layer is saved."""
+
+    name = "backfill"
+    skips = False  # does a step stop running layers once every row has exited?
+
+    def __init__(self, model):
+        pass
+
+    def run_layer(self, block, cache, layer, x, pos):
+        return block(x, cache, layer)
+
+    def skip_layers(self, model, cache, x, pos, layer):
+        raise AssertionError("backfill never skips a layer")
+
+def decode_step(model, cache, idx, pos, strategy, exit_threshold=1.0, checked_exits=(), measure="top1"):
+    """Feed one token per row, idx (B, 1), at window position pos; returns emitted logits (B, V) and exit layers (B,).
+
+    Each row exits on its own confidence; the step runs as deep as its deepest row (backfill: every layer).
+    """
+    L = model.config.n_layer
+    checks = checked_exits if exit_threshold < 1 else ()  # a confidence never exceeds 1: skip the checks
+    x = model.embed(idx, pos)  # (B, 1, C)
+    logits, exited = None, None
+    exit_layer = torch.full((idx.size(0),), L - 1, dtype=torch.long, device=idx.device)
+    for l, block in enumerate(model.transformer.h):
+        x = strategy.run_layer(block, cache, l, x, pos)
+        if l == L - 1 or l not in checks:
+            continue
+        head_logits = model.exit_logits(x[:, 0], l)  # (B, V): the newest position only
+        conf = confidence(head_logits, measure)  # (B,)
+        if conf.max().item() <= exit_threshold:  # the common case: nobody is sure yet, one host sync
+            continue
+        newly = conf > exit_threshold if exited is None else (conf > exit_threshold) & ~exited
+        logits = head_logits if logits is None else torch.where(newly[:, None], head_logits, logits)
+        exit_layer.masked_fill_(newly, l)
+        exited = newly if exited is None else exited | newly
+        if strategy.skips and bool(exited.all()):
+            strategy.skip_layers(model, cache, x, pos, l)
+            return logits, exit_layer
+    final = model.exit_logits(x[:, 0], L - 1)  # (B, V)
+    return (final if exited is None else torch.where(exited[:, None], logits, final)), exit_layer
+
+@dataclass
+class Generation:
+    tokens: torch.Tensor  # (B, T0 + N): prompt and generated tokens
+    exited_at: torch.Tensor  # (B, N): the layer each new token left at
+    logits: torch.Tensor  # (B, N, V) emitted logits when teacher-forced, else None
+    layers_run: int  # block runs per row over all decode steps, catch-up included, prefill excluded
+    cache: "KVCache"
+    stats: dict = None  # self-speculative counts: rounds, drafted, accepted
+
+@torch.inference_mode()
+def generate(model, idx, max_new_tokens, strategy="backfill", exit_threshold=1.0, checked_exits=None,
+             measure="top1", temperature=1.0, top_k=0, generator=None, forced=None):
+    """Decode max_new_tokens after idx (B, T0) with the KV cache; forced (B, N) teacher-forces the tokens."""
+    cfg = model.config
+    B, T0 = idx.shape
+    checked_exits = range(cfg.n_layer - 1) if checked_exits is None else checked_exits
+    kv_strategy = KV_STRATEGY_CLASSES[strategy](model)
+    tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # (B, T0 + N)
+    exits = idx.new_zeros(B, max_new_tokens)
+    emitted, prefilled = [], 0
+    cache = KVCache(cfg, B, idx.device)
+    start = None
+    for i in range(max_new_tokens):
+        n = T0 + i
+        start, runs = slide_window(model, cache, tokens, start, n)
+        prefilled += runs
+        logits, exits[:, i] = decode_step(model, cache, tokens[:, n - 1 : n], n - 1 - start, kv_strategy,
+                                          exit_threshold, checked_exits, measure)
+        if forced is not None:
+            tokens[:, n] = forced[:, i]
+            emitted.append(logits.float())
+        else:
+            tokens[:, n] = sample(logits, temperature, top_k, generator)
+    logits = torch.stack(emitted, dim=1) if emitted else None
+    return Generation(tokens, exits, logits, sum(cache.layer_evals) - prefilled, cache)
+
+
+# -----------------------------------------------------------------------------
+# Exit statistics: where the tokens left, as the seed prints them
+
+def bar(fraction, width=30):
+    return "#" * round(fraction * width)
+
+def exit_counts(exited_at, n_layer):
+    """Tokens that left at each layer: (B, N) -> [int per layer]."""
+    return torch.bincount(exited_at.flatten().cpu(), minlength=n_layer).tolist()
+
+def format_exit_stats(counts):
+    """The seed's per-layer lines, 'Layer 0:   42 tokens (21.0%)', with a bar each."""
+    total, last = sum(counts), len(counts) - 1
+    lines = []
+    for l, c in enumerate(counts):
+        name = f"Layer {l}{' (full)' if l == last else ''}:"
+        lines.append(f"{name:<16}{c:>6} tokens ({100 * c / total:5.1f}%) {bar(c / total)}")
+    mean = sum((l + 1) * c for l, c in enumerate(counts)) / total
+    lines.append(f"mean exit depth: {mean:.2f} of {len(counts)} layers per token")
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# Training: AdamW, warmup then cosine decay, the joint loss
 
 def get_lr(it, config):
     if it < config.warmup_iters:
@@ -583,7 +578,6 @@ def get_lr(it, config):
     coeff = 0.5 * (1.0 + math.cos(math.pi * min(1.0, ratio)))  # 1 -> 0
     return config.min_lr + coeff * (config.learning_rate - config.min_lr)
 
-
 def configure_optimizer(model, config):
     """AdamW with weight decay on matrices only, as nanoGPT does."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -591,7 +585,6 @@ def configure_optimizer(model, config):
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.beta1, config.beta2))
-
 
 @torch.inference_mode()
 def estimate_loss(model, splits, config, device, ctx):
@@ -611,11 +604,9 @@ def estimate_loss(model, splits, config, device, ctx):
     model.train(was_training)  # back to the mode it came in: evaluation never leaves layer dropout on
     return out
 
-
 def format_eval(it, losses):
     exits = " ".join(f"{l:.3f}" for l in losses["val"][:-1])
     return f"step {it}: train loss {losses['train'][-1]:.4f}, val loss {losses['val'][-1]:.4f} | val loss per exit: {exits}"
-
 
 def train_step(model, optimizer, x, y, config, ctx):
     with ctx:
@@ -626,7 +617,6 @@ def train_step(model, optimizer, x, y, config, ctx):
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
     optimizer.step()
     return loss
-
 
 def train(model, optimizer, splits, config, device, ctx, start_iter=0):
     """The training loop; returns (seconds, median ms per step). Evaluates every eval_interval steps."""
@@ -653,232 +643,17 @@ def train(model, optimizer, splits, config, device, ctx, start_iter=0):
     return time.time() - t_start, float(np.median(step_ms)) if step_ms else 0.0
 
 
-def benchmark_training(config, splits, device, ctx, rounds=5, steps=40):
-    """Median ms per training step with this recipe's exit heads and with none (a plain GPT: alpha 0,
-    no distillation, no layer dropout), in alternating blocks of steps on the same batches: one run, one ratio."""
-    setups = {}
-    plain = dict(alpha=0.0, distill_weight=0.0, layer_dropout=0.0)
-    for name, fields_ in (("exit heads", {}), ("plain GPT", plain)):
-        cfg = Config(**{**asdict(config), **fields_})
-        torch.manual_seed(cfg.seed)
-        model = GPT(cfg).to(device)
-        setups[name] = (model, configure_optimizer(model, cfg), cfg, [])
-    gen = torch.Generator().manual_seed(config.seed)
-    batches = [get_batch(splits["train"], config.block_size, config.batch_size, gen, device) for _ in range(steps)]
-    for _ in range(rounds + 1):  # the first round warms up and is not counted
-        for model, optimizer, cfg, times in setups.values():
-            for x, y in batches:
-                t0 = time.perf_counter()
-                train_step(model, optimizer, x, y, cfg, ctx)
-                times.append(1000 * (time.perf_counter() - t0))
-    return {name: float(np.median(times[steps:])) for name, (_, _, _, times) in setups.items()}
-
+# -----------------------------------------------------------------------------
+# Part II: beyond the seed, one idea per section
+# =============================================================================
 
 # -----------------------------------------------------------------------------
-# Checkpoints: written to a temporary file, then renamed, so none is ever half-written
-
-
-def atomic_save(obj, path, writer):
-    tmp = path + ".tmp"
-    writer(obj, tmp)
-    os.replace(tmp, path)
-
-
-def save_checkpoint(path, model, optimizer, config, iter_num, tokenizer, best_val_loss, train_seconds):
-    ckpt = {
-        "train_seconds": train_seconds,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "config": asdict(config),
-        "iter_num": iter_num,
-        "best_val_loss": best_val_loss,
-        "vocab": tokenizer.chars,
-    }
-    atomic_save(ckpt, path, torch.save)
-
-
-def write_json(obj, path):
-    def dump(o, p):
-        with open(p, "w") as f:
-            json.dump(o, f, indent=2)
-
-    atomic_save(obj, path, dump)
-
-
-def load_checkpoint(path, config, overridden, tokenizer):
-    """Load ckpt.pt; architecture fields come from it, and must agree with explicit overrides."""
-    if not os.path.isfile(path):
-        raise ValueError(f"--init_from=resume but there is no checkpoint at {path!r}")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    if ckpt["vocab"] != tokenizer.chars:
-        raise ValueError(f"checkpoint vocabulary ({len(ckpt['vocab'])} chars) does not match {config.input_path!r}")
-    for name in ARCH_FIELDS:
-        if name in overridden and getattr(config, name) != ckpt["config"][name]:
-            raise ValueError(f"checkpoint has {name}={ckpt['config'][name]}, but --{name}={getattr(config, name)} was given")
-        setattr(config, name, ckpt["config"][name])
-    return ckpt
-
-
-def restore_model(ckpt, config, device):
-    model = GPT(config)
-    try:
-        model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:  # shapes or names that do not fit this model
-        raise ValueError(f"checkpoint does not fit the model: {str(e).splitlines()[0]}") from None
-    return model.to(device)
-
-
-# -----------------------------------------------------------------------------
-# Decoding, part 1: confidence, sampling, and the context window
-
-
-def confidence(logits, measure="top1"):
-    """How sure a head is, in [0, 1], higher is surer: (B, V) logits -> (B,)."""
-    probs = logits.float().softmax(-1)
-    if measure == "top1":
-        return probs.amax(-1)
-    if measure == "margin":
-        top2 = probs.topk(2, dim=-1).values  # (B, 2)
-        return top2[:, 0] - top2[:, 1]
-    entropy = -(probs * probs.clamp_min(1e-12).log()).sum(-1)
-    return 1.0 - entropy / math.log(probs.size(-1))
-
-
-def probs_from_logits(logits, temperature, top_k):
-    """The distribution a sampler draws from: temperature, then the top_k most likely only."""
-    logits = logits.float() / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., [-1]]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return logits.softmax(-1)
-
-
-def sample(logits, temperature, top_k, generator):
-    """(B, V) logits -> (B,) tokens; temperature 0 is greedy."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = probs_from_logits(logits, temperature, top_k)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def window_start(start, n, block_size):
-    """Where the context window begins when the sequence holds n tokens and token n-1 is fed next.
-
-    Positions never pass block_size. When the window is full, keep the newest
-    half of it and re-prefill those tokens at full depth: one parallel pass
-    every block_size/2 tokens instead of a re-encode at every step. The
-    uncached reference applies the same rule, so cached and uncached decoding
-    see exactly the same contexts.
-    """
-    if start is None:
-        return max(0, n - block_size)
-    if n - start > block_size:
-        return n - block_size // 2
-    return start
-
-
-# -----------------------------------------------------------------------------
-# Decoding, part 2: one token through the layers, exiting when confident (backfill)
-
-
-def prefill(model, cache, idx, start):
-    """Run the window's tokens (B, T) through every layer; all lengths become T."""
-    cache.reset(start)
-    if idx.size(1) == 0:
-        return
-    x = model.embed(idx)  # (B, T, C)
-    for l, block in enumerate(model.transformer.h):
-        x = block(x, cache, l)
-
-
-def slide_window(model, cache, tokens, start, n):
-    """Place the window for feeding token n-1, re-prefilling if it moved; returns (start, block runs spent)."""
-    s = window_start(start, n, model.config.block_size)
-    if s == start:
-        return start, 0
-    prefill(model, cache, tokens[:, s : n - 1], s)
-    return s, (n - 1 - s) * model.config.n_layer
-
-
-def decode_step(model, cache, idx, pos, strategy="backfill", exit_threshold=1.0, exit_layers=(), measure="top1"):
-    """Feed one token per row, idx (B, 1), at window position pos.
-
-    Returns the emitted logits (B, V) and the layer each row exited at (B,).
-    Each row exits on its own confidence; the step itself runs as deep as its
-    deepest row, and backfill runs every layer regardless.
-    """
-    L = model.config.n_layer
-    checks = exit_layers if exit_threshold < 1 else ()  # a confidence never exceeds 1: skip the checks
-    x = model.embed(idx, pos)  # (B, 1, C)
-    logits, exited = None, None
-    exit_layer = torch.full((idx.size(0),), L - 1, dtype=torch.long, device=idx.device)
-    for l, block in enumerate(model.transformer.h):
-        x = run_layer(block, cache, l, x, pos, strategy)
-        if l == L - 1 or l not in checks:
-            continue
-        head_logits = model.exit_logits(x[:, 0], l)  # (B, V): the newest position only
-        conf = confidence(head_logits, measure)  # (B,)
-        if conf.max().item() <= exit_threshold:  # the common case: nobody is sure yet, one host sync
-            continue
-        newly = conf > exit_threshold if exited is None else (conf > exit_threshold) & ~exited
-        logits = head_logits if logits is None else torch.where(newly[:, None], head_logits, logits)
-        exit_layer.masked_fill_(newly, l)
-        exited = newly if exited is None else exited | newly
-        if strategy != "backfill" and bool(exited.all()):
-            skip_layers(model, cache, x, pos, l, strategy)
-            return logits, exit_layer
-    final = model.exit_logits(x[:, 0], L - 1)  # (B, V)
-    return (final if exited is None else torch.where(exited[:, None], logits, final)), exit_layer
-
-
-@dataclass
-class Generation:
-    tokens: torch.Tensor  # (B, T0 + N): prompt and generated tokens
-    exit_layers: torch.Tensor  # (B, N): the layer each new token left at
-    logits: torch.Tensor  # (B, N, V) emitted logits when teacher-forced, else None
-    layers_run: int  # block runs per row over all decode steps, catch-up included, prefill excluded
-    cache: KVCache
-    stats: dict = None  # self-speculative counts: rounds, drafted, accepted
-
-
-@torch.inference_mode()
-def generate(model, idx, max_new_tokens, strategy="backfill", exit_threshold=1.0, exit_layers=None,
-             measure="top1", temperature=1.0, top_k=0, generator=None, forced=None):
-    """Decode max_new_tokens after idx (B, T0) with the KV cache; forced (B, N) teacher-forces the tokens."""
-    cfg = model.config
-    B, T0 = idx.shape
-    exit_layers = range(cfg.n_layer - 1) if exit_layers is None else exit_layers
-    tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # (B, T0 + N)
-    exits = idx.new_zeros(B, max_new_tokens)
-    emitted, prefilled = [], 0
-    cache = KVCache(cfg, B, idx.device)
-    if strategy == "state_copy":
-        cache.kv_projections = state_copy_projections(model)
-    start = None
-    for i in range(max_new_tokens):
-        n = T0 + i
-        start, runs = slide_window(model, cache, tokens, start, n)
-        prefilled += runs
-        logits, exits[:, i] = decode_step(model, cache, tokens[:, n - 1 : n], n - 1 - start, strategy,
-                                          exit_threshold, exit_layers, measure)
-        if forced is not None:
-            tokens[:, n] = forced[:, i]
-            emitted.append(logits.float())
-        else:
-            tokens[:, n] = sample(logits, temperature, top_k, generator)
-    logits = torch.stack(emitted, dim=1) if emitted else None
-    return Generation(tokens, exits, logits, sum(cache.layer_evals) - prefilled, cache)
-
-
-# -----------------------------------------------------------------------------
-# Decoding, part 3: deferred recompute: fill the holes later, in one chunk with the next token
-
+# Deferred recompute: fill the holes later, in one chunk with the next token that needs them
 
 def catch_up_layer(block, cache, layer, end):
     """Deferred recompute: positions [lengths[layer], end) run this layer now, as one causal chunk."""
     n = cache.lengths[layer]
-    cache.frontier[:, n:end] = block(cache.frontier[:, n:end], cache, layer)  # (B, end - n, C)
-
+    cache.pending_states[:, n:end] = block(cache.pending_states[:, n:end], cache, layer)  # (B, end - n, C)
 
 def catch_up(model, cache, end):
     """Fill every layer's holes up to window position `end` (a flush, or a speculative verify)."""
@@ -886,44 +661,100 @@ def catch_up(model, cache, end):
         if cache.lengths[l] < end:
             catch_up_layer(block, cache, l, end)
 
-
 @torch.inference_mode()
 def flush(model, cache):
     """Run all pending deferred work now; generation itself drops what is pending at the end."""
     catch_up(model, cache, cache.lengths[0])  # layer 0 always holds every position
 
+@register_strategy
+class Deferred(KVStrategy):
+    """An exit parks its state in pending_states; the next token that needs a layer runs the pending
+    positions and itself there as one causal chunk. Exact, like backfill, with the work postponed."""
 
-def run_layer(block, cache, layer, x, pos, strategy):
-    """Block `layer` for the newest token x (B, 1, C) at window position pos."""
-    if strategy != "deferred" or cache.lengths[layer] == pos:
-        return block(x, cache, layer)  # holes: this layer's cache simply has fewer entries
-    cache.frontier[:, pos] = x[:, 0]
-    catch_up_layer(block, cache, layer, pos + 1)
-    return cache.frontier[:, pos : pos + 1]
+    name, skips = "deferred", True
+
+    def run_layer(self, block, cache, layer, x, pos):
+        if cache.lengths[layer] == pos:  # nothing pending here
+            return block(x, cache, layer)
+        cache.pending_states[:, pos] = x[:, 0]
+        catch_up_layer(block, cache, layer, pos + 1)
+        return cache.pending_states[:, pos : pos + 1]
+
+    def skip_layers(self, model, cache, x, pos, layer):
+        cache.pending_states[:, pos] = x[:, 0]  # the state the pending layers will start from
 
 
 # -----------------------------------------------------------------------------
-# Decoding, part 4: state copy (CALM) and holes: what happens to the layers an exit skips
+# State copy (CALM): the skipped layers' keys and values computed from the exit state
 
+def kv_projection(block):
+    """A block's x -> (K, V) map with ln_1's gain and bias folded in: (2C, C) weight, (2C,) bias.
+
+    K and V of a state x are W_kv (g * norm(x) + beta) + b_kv = (W_kv g) norm(x)
+    + (W_kv beta + b_kv): one matrix per layer, applied to one shared norm(x).
+    """
+    C = block.ln_1.normalized_shape[0]
+    w = block.attn.c_attn.weight[C:]  # (2C, C): the K and V rows of the fused projection
+    bias = torch.zeros(2 * C, device=w.device, dtype=w.dtype)
+    if block.ln_1.bias is not None:
+        bias = bias + w @ block.ln_1.bias
+    if block.attn.c_attn.bias is not None:
+        bias = bias + block.attn.c_attn.bias[C:]
+    return w * block.ln_1.weight, bias
 
 def state_copy_projections(model):
-    """Every layer's ln_1 folded into its K/V projection, stacked: (L, 2C, C) and (L, 2C), once per generation."""
-    projections = [block.kv_projection() for block in model.transformer.h]
+    """Every layer's folded K/V projection, stacked: (L, 2C, C) and (L, 2C), once per generation."""
+    projections = [kv_projection(block) for block in model.transformer.h]
     return tuple(torch.stack(t) for t in zip(*projections))
 
+def write_state_copy(cache, first_layer, x, weight, bias):
+    """CALM's state propagation: entries for layers first_layer.. computed from one hidden state.
 
-def skip_layers(model, cache, x, pos, layer, strategy):
-    """After every row exited at `layer`, do what the strategy does for the layers above."""
-    if strategy == "deferred":
-        cache.frontier[:, pos] = x[:, 0]  # the state the pending layers will start from
-    elif strategy == "state_copy":
-        cache.write_state_copy(layer + 1, x, *cache.kv_projections)
-    # holes: write nothing; later tokens attend only to the entries that exist
+    x (B, 1, C) is the exit state; weight (L, 2C, C) and bias (L, 2C) are every
+    layer's folded K/V projection. One batched matmul writes all skipped layers
+    at once, instead of one small projection each.
+    """
+    n, (B, nh, hs) = cache.lengths[first_layer], cache.k.shape[1:3] + cache.k.shape[4:]
+    assert all(m == n for m in cache.lengths[first_layer:]), "state copy needs the skipped layers level"
+    xn = F.layer_norm(x[:, 0], x.shape[-1:])  # (B, C): the normalisation shared by every ln_1
+    kv = torch.matmul(xn, weight[first_layer:].transpose(1, 2)) + bias[first_layer:, None]  # (J, B, 2C)
+    k, v = kv.split(nh * hs, dim=-1)
+    cache.k[first_layer:, :, :, n] = k.view(-1, B, nh, hs)  # (J, B, nh, hs)
+    cache.v[first_layer:, :, :, n] = v.view(-1, B, nh, hs)
+    for layer in range(first_layer, len(cache.lengths)):
+        cache.lengths[layer] = n + 1
+
+@register_strategy
+class StateCopy(KVStrategy):
+    """Approximate: the skipped layers see the exit state where their own input would have been."""
+
+    name, skips = "state_copy", True
+
+    def __init__(self, model):
+        self.weight, self.bias = state_copy_projections(model)
+
+    def skip_layers(self, model, cache, x, pos, layer):
+        write_state_copy(cache, layer + 1, x, self.weight, self.bias)
 
 
 # -----------------------------------------------------------------------------
-# Decoding, part 5: self-speculative decoding (LayerSkip): the early layers draft, the rest verify
+# Holes: the failure case, where the skipped layers write nothing
 
+@register_strategy
+class Holes(KVStrategy):
+    """Later tokens attend only to the entries that exist: the skipped layers' caches just have fewer."""
+
+    name, skips = "holes", True
+
+    def skip_layers(self, model, cache, x, pos, layer):
+        pass
+
+
+KV_STRATEGIES = tuple(KV_STRATEGY_CLASSES)  # backfill, deferred, state_copy, holes
+
+
+# -----------------------------------------------------------------------------
+# Self-speculative decoding (LayerSkip): the early layers draft, the rest verify
 
 def speculative_accept(drafts, q, p, temperature, generator):
     """How many of the k drafted tokens to keep, and the full model's token after them.
@@ -950,7 +781,6 @@ def speculative_accept(drafts, q, p, temperature, generator):
     residual = (p[accepted] - q[accepted]).clamp_min(0)  # (V,): where the full model wants more mass
     return accepted, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
 
-
 def draft(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, generator):
     """Feed tokens[n-1] and then each new draft through layers 0..draft_exit only; returns (k, V) draft logits."""
     q = []
@@ -958,18 +788,16 @@ def draft(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, gener
         x = model.embed(tokens[:, n - 1 + j : n + j], pos + j)  # (1, 1, C)
         for l in range(draft_exit + 1):
             x = model.transformer.h[l](x, cache, l)
-        cache.frontier[:, pos + j] = x[:, 0]  # the layers above pick up from here in the verify pass
+        cache.pending_states[:, pos + j] = x[:, 0]  # the layers above pick up from here in the verify pass
         logits = model.exit_logits(x[:, 0], draft_exit)  # (1, V)
         tokens[:, n + j] = sample(logits, temperature, top_k, generator)
         q.append(logits[0])
     return torch.stack(q)  # (k, V)
 
-
 def verify(model, cache, pos, k):
     """The remaining layers run once over the k drafted positions, from their saved states."""
     catch_up(model, cache, pos + k)
-    return model.exit_logits(cache.frontier[0, pos : pos + k], model.config.n_layer - 1)  # (k, V)
-
+    return model.exit_logits(cache.pending_states[0, pos : pos + k], model.config.n_layer - 1)  # (k, V)
 
 @torch.inference_mode()
 def generate_self_speculative(model, idx, max_new_tokens, draft_exit, num_draft, temperature=0.0, top_k=0,
@@ -1006,8 +834,7 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit, num_draft,
 
 
 # -----------------------------------------------------------------------------
-# Evaluation, part 1: record every exit once, teacher-forced, then sweep without the model
-
+# Choosing the exit rule, 1: record every exit once, teacher-forced, then sweep without the model
 
 @dataclass
 class ExitRecords:
@@ -1017,7 +844,6 @@ class ExitRecords:
     pred: torch.Tensor  # (L, N): each exit's top prediction
     nll: torch.Tensor  # (L, N): -log p(true next character) at each exit
     targets: torch.Tensor  # (N,): the true next characters
-
 
 def decoder_windows(n_positions, block_size):
     """(start, end, first) of each window sequential decoding uses to predict positions first..end-1."""
@@ -1029,13 +855,11 @@ def decoder_windows(n_positions, block_size):
         i = end
     return windows
 
-
 def summarise_logits(logits, targets):
     """(L, N, V) exit logits -> what ExitRecords keeps of them."""
     conf = {m: torch.stack([confidence(lg, m) for lg in logits]) for m in CONFIDENCE_MEASURES}
     nll = -logits.log_softmax(-1).gather(-1, targets[None, :, None].expand(len(logits), -1, 1))[..., 0]
     return conf, logits.argmax(-1), nll
-
 
 @torch.inference_mode()
 def record_exits(model, data, n_positions, batch_size=64):
@@ -1060,18 +884,16 @@ def record_exits(model, data, n_positions, batch_size=64):
     targets = data[1 : n_positions + 1].to(logits.device)
     return ExitRecords(*summarise_logits(logits, targets), targets)
 
-
-def exit_layers_at(records, measure, threshold, exit_layers):
+def exits_at_threshold(records, measure, threshold, checked_exits):
     """(N,): the layer each position exits at: the first checked exit above threshold, else the last."""
     conf = records.confidence[measure]
     L = conf.size(0)
-    if threshold >= 1 or not exit_layers:
+    if threshold >= 1 or not checked_exits:
         return torch.full((conf.size(1),), L - 1, dtype=torch.long, device=conf.device)
-    layers = torch.tensor(exit_layers, device=conf.device)
+    layers = torch.tensor(checked_exits, device=conf.device)
     hit = conf[layers] > threshold  # (E, N)
     first = hit.float().argmax(0)  # the first checked exit that is confident enough
     return torch.where(hit.any(0), layers[first], L - 1)
-
 
 def exit_summary(records, exits):
     """Quality and compute of emitting each position from its exit layer."""
@@ -1090,27 +912,23 @@ def exit_summary(records, exits):
         "disagreement": (pred != records.pred[-1]).float().mean().item(),
     }
 
-
-def threshold_for_exit_fraction(records, measure, exit_layers, fraction, grid):
+def threshold_for_exit_fraction(records, measure, checked_exits, fraction, grid):
     """The highest threshold of grid at which at least `fraction` of positions exit early."""
     L = records.pred.size(0)
     for t in sorted(grid, reverse=True):
-        if (exit_layers_at(records, measure, t, exit_layers) < L - 1).float().mean() >= fraction:
+        if (exits_at_threshold(records, measure, t, checked_exits) < L - 1).float().mean() >= fraction:
             return t
     return min(grid)
 
 
 # -----------------------------------------------------------------------------
-# Evaluation, part 2: the threshold sweep on val, and a threshold calibrated with a guarantee
-
+# Choosing the exit rule, 2: the threshold sweep on val, and a threshold calibrated with a guarantee
 
 CALIBRATION_GRID = tuple(round(1 - 0.01 * i, 2) for i in range(101))  # 1.00, 0.99, ..., 0.00: cautious first
 
-
-def sweep(records, measure, exit_layers, grid):
+def sweep(records, measure, checked_exits, grid):
     """One row per threshold: where positions exit, compute saved, loss and disagreement with full depth."""
-    return [{"threshold": t, **exit_summary(records, exit_layers_at(records, measure, t, exit_layers))} for t in grid]
-
+    return [{"threshold": t, **exit_summary(records, exits_at_threshold(records, measure, t, checked_exits))} for t in grid]
 
 def binomial_tail(k, n, epsilon):
     """P(Binomial(n, epsilon) <= k): the p-value of 'risk > epsilon' after k failures in n trials."""
@@ -1118,7 +936,6 @@ def binomial_tail(k, n, epsilon):
     log_pmf = (math.lgamma(n + 1) - torch.lgamma(i + 1) - torch.lgamma(n - i + 1)
                + i * math.log(epsilon) + (n - i) * math.log1p(-epsilon))
     return float(torch.logsumexp(log_pmf, 0).exp())
-
 
 def fixed_sequence_test(failures, n, epsilon, delta):
     """Learn then Test with fixed-sequence testing (CALM, arXiv:2207.07061, section 4).
@@ -1138,30 +955,28 @@ def fixed_sequence_test(failures, n, epsilon, delta):
         chosen = i
     return chosen
 
-
-def calibrate(records, measure, exit_layers, epsilon, delta, grid=CALIBRATION_GRID):
-    """The lowest threshold of the grid whose disagreement with full depth is certified below epsilon."""
+def calibrate(records, measure, checked_exits, epsilon, delta, grid=CALIBRATION_GRID):
+    """The threshold fixed-sequence testing certifies: walking the grid from cautious (1.0) down, the last one
+    before the first whose disagreement with full depth is not certified below epsilon; 1.0 if none is."""
     N = records.targets.numel()
     failures = []
     for t in grid:
-        exits = exit_layers_at(records, measure, t, exit_layers)
+        exits = exits_at_threshold(records, measure, t, checked_exits)
         failures.append(int((records.pred[exits, torch.arange(N, device=exits.device)] != records.pred[-1]).sum()))
     chosen = fixed_sequence_test(failures, N, epsilon, delta)
     return 1.0 if chosen < 0 else grid[chosen]
 
-
-def calibration_report(val, test, measure, exit_layers, epsilon, delta):
+def calibration_report(val, test, measure, checked_exits, epsilon, delta):
     """Calibrate on val, then report the chosen threshold's figures on test (never used to choose)."""
-    threshold = calibrate(val, measure, exit_layers, epsilon, delta)
-    figures = lambda r: exit_summary(r, exit_layers_at(r, measure, threshold, exit_layers))  # noqa: E731
+    threshold = calibrate(val, measure, checked_exits, epsilon, delta)
+    figures = lambda r: exit_summary(r, exits_at_threshold(r, measure, threshold, checked_exits))  # noqa: E731
     keys = ("disagreement", "loss", "full_loss", "accuracy", "compute_saved", "mean_layers")
     return {"measure": measure, "epsilon": epsilon, "delta": delta, "threshold": threshold,
             "val": {k: figures(val)[k] for k in keys}, "test": {k: figures(test)[k] for k in keys}}
 
 
 # -----------------------------------------------------------------------------
-# Evaluation, part 3: the logit lens, and what "easy" means for this model
-
+# Choosing the exit rule, 3: the logit lens, and what "easy" means for this model
 
 @torch.inference_mode()
 def logit_lens(model, x):
@@ -1180,7 +995,6 @@ def logit_lens(model, x):
                          "median_rank": rank.float().median().item(),
                          "confidence": logits.softmax(-1).amax(-1).mean().item()})
     return rows
-
 
 def exit_slices(records, exits, tokenizer, data, n_top=10):
     """Accuracy of the tokens leaving at each layer, and the characters that leave at the first exit most."""
@@ -1202,39 +1016,35 @@ def exit_slices(records, exits, tokenizer, data, n_top=10):
 
 
 # -----------------------------------------------------------------------------
-# Evaluation, part 4: the KV-cache strategies side by side, quality then wall-clock
-
+# Measurement, 1: the KV-cache strategies side by side, quality then wall-clock
 
 STRATEGY_NAMES = ("full",) + KV_STRATEGIES
 
-
-def strategy_runner(model, name, threshold, exit_layers, measure):
+def strategy_runner(model, name, threshold, checked_exits, measure):
     """A function (idx, n, generator, temperature, forced) -> Generation for one table row."""
     if name == "full":
         kw = dict(strategy="backfill", exit_threshold=1.0)
     else:
-        kw = dict(strategy=name, exit_threshold=threshold, exit_layers=exit_layers, measure=measure)
+        kw = dict(strategy=name, exit_threshold=threshold, checked_exits=checked_exits, measure=measure)
 
     def run(idx, n, generator=None, temperature=0.0, forced=None, top_k=0):
         return generate(model, idx, n, temperature=temperature, top_k=top_k, generator=generator, forced=forced, **kw)
 
     return run
 
-
 def quality_pass(run, data, n_positions, n_layer):
     """Teacher-forced sequential decoding of data: every strategy sees the same text and cache effects."""
     out = run(data[None, :1], n_positions, forced=data[None, 1 : n_positions + 1])
     logits, targets = out.logits[0], data[1 : n_positions + 1].to(out.logits.device)  # (N, V), (N,)
-    counts = torch.bincount(out.exit_layers[0].cpu(), minlength=n_layer)
+    counts = torch.bincount(out.exited_at[0].cpu(), minlength=n_layer)
     return {
         "pred": logits.argmax(-1),
-        "exit_layers": out.exit_layers[0].cpu(),
+        "exited_at": out.exited_at[0].cpu(),
         "exit_fractions": (counts.float() / n_positions).tolist(),
         "mean_layers": out.layers_run / n_positions,
         "test_loss": F.cross_entropy(logits, targets).item(),
         "test_accuracy": (logits.argmax(-1) == targets).float().mean().item(),
     }
-
 
 def speed_pass(runs, idx, n_tokens, repeats, seed, temperature, top_k):
     """Each run timed in turn, repeats times, interleaved; median tokens/s and mean layers per token."""
@@ -1250,16 +1060,14 @@ def speed_pass(runs, idx, n_tokens, repeats, seed, temperature, top_k):
     tps = {name: n_tokens / float(np.median(t)) for name, t in times.items()}
     return tps, layers, outputs
 
-
-def expected_batch_depth(exit_layers, batch_sizes, n_layer):
+def expected_batch_depth(exited_at, batch_sizes, n_layer):
     """Mean of the deepest exit among B independent draws from the recorded per-token exit layers."""
-    cdf = torch.bincount(exit_layers, minlength=n_layer).double().cumsum(0) / len(exit_layers)  # P(exit <= l)
+    cdf = torch.bincount(exited_at, minlength=n_layer).double().cumsum(0) / len(exited_at)  # P(exit <= l)
     out = {}
     for B in batch_sizes:
         p_max = cdf**B - torch.cat([cdf.new_zeros(1), cdf[:-1] ** B])  # P(deepest row exits at l)
         out[B] = float((p_max * torch.arange(1, n_layer + 1, dtype=torch.float64)).sum())
     return out
-
 
 @torch.inference_mode()
 def exit_check_cost(model, repeats=300):
@@ -1279,9 +1087,7 @@ def exit_check_cost(model, repeats=300):
         t_check.append(t2 - t1)
     return float(np.median(t_check) / np.median(t_block))
 
-
 THRESHOLD_GRID = tuple(round(0.05 * i, 2) for i in range(20, 0, -1)) + (0.0,)  # 1.0, 0.95, ..., 0.05, 0
-
 
 def spec_runner(model, draft_exit, num_draft):
     def run(idx, n, generator=None, temperature=0.0, top_k=0, forced=None):
@@ -1289,16 +1095,15 @@ def spec_runner(model, draft_exit, num_draft):
 
     return run
 
-
 def compare_strategies(model, splits, config, idx):
     """The strategies table: quality teacher-forced on test, speed timed side by side. Returns (rows, extras)."""
     L, measure = config.n_layer, config.confidence
-    exit_layers = parse_exit_layers(config.exit_layers, L)
+    checked_exits = parse_exit_layers(config.exit_layers, L)
     threshold = config.strategies_threshold
     if threshold < 0:  # chosen on val, never on test
         val = record_exits(model, splits["val"].to(idx.device), config.quality_positions)
-        threshold = threshold_for_exit_fraction(val, measure, exit_layers, 0.3, THRESHOLD_GRID)
-    runs = {name: strategy_runner(model, name, threshold, exit_layers, measure) for name in STRATEGY_NAMES}
+        threshold = threshold_for_exit_fraction(val, measure, checked_exits, 0.3, THRESHOLD_GRID)
+    runs = {name: strategy_runner(model, name, threshold, checked_exits, measure) for name in STRATEGY_NAMES}
     test = splits["test"].to(idx.device)
     quality = {name: quality_pass(run, test, config.quality_positions, L) for name, run in runs.items()}
     timed = {name: (run, config.temperature) for name, run in runs.items()}
@@ -1316,7 +1121,6 @@ def compare_strategies(model, splits, config, idx):
     rows.append(spec_row(outputs, tps, layers, full, config))
     return threshold, rows, quality
 
-
 def spec_row(outputs, tps, layers, full, config):
     """The self_speculative row: timed greedy against greedy full depth in the same run."""
     spec, ref = outputs["self_speculative"], outputs["full_greedy"]
@@ -1332,7 +1136,6 @@ def spec_row(outputs, tps, layers, full, config):
             "tokens_per_verify": config.bench_tokens / stats["rounds"],
             "draft_exit": config.draft_exit, "num_draft": config.num_draft, "identical_to_full": same}
 
-
 def time_speculative(model, idx, config, draft_exit, num_draft):
     """Greedy self-speculative decoding timed beside greedy full depth: speed-up, acceptance, exactness."""
     runs = {"full": (strategy_runner(model, "full", 1.0, [], "top1"), 0.0),
@@ -1343,14 +1146,13 @@ def time_speculative(model, idx, config, draft_exit, num_draft):
             "acceptance_rate": stats["accepted"] / stats["drafted"],
             "identical_to_full": bool(torch.equal(out["spec"].tokens, out["full"].tokens))}
 
-
 def sweep_speculative(model, idx, config, draft_exits, num_drafts):
     """time_speculative for every (draft_exit, num_draft)."""
     return [time_speculative(model, idx, config, E, k) for E in draft_exits for k in num_drafts]
 
 
 # -----------------------------------------------------------------------------
-# Evaluation, part 5: training recipes compared at the same budget
+# Measurement, 2: training recipes compared at the same budget, and what exit heads cost to train
 
 SEED_RECIPE = dict(alpha=0.3, exit_weights="constant", exit_head="separate", distill_weight=0.0,
                    distill_temperature=1.0, layer_dropout=0.0)
@@ -1367,22 +1169,20 @@ RECIPES = {  # each is the seed recipe with these fields changed
     "dropout_distill": dict(layer_dropout=0.2, distill_weight=0.1),  # the default since the comparison
 }
 
-
 def evaluate_recipe(name, model, splits, config, device, ctx, idx):
     """The figures a recipe is judged on: losses, calibrated compute saved, self-speculative speed."""
     model.eval()
     losses = estimate_loss(model, splits, config, device, ctx)
-    exit_layers = list(range(config.n_layer - 1))
+    checked_exits = list(range(config.n_layer - 1))
     val = record_exits(model, splits["val"].to(device), config.sweep_positions)
     test = record_exits(model, splits["test"].to(device), config.sweep_positions)
-    cal = calibration_report(val, test, "top1", exit_layers, 0.01, 0.05)
+    cal = calibration_report(val, test, "top1", checked_exits, 0.01, 0.05)
     spec = time_speculative(model, idx, config, config.draft_exit, config.num_draft)
     return {"recipe": name, **RECIPES[name], "val_loss_final": losses["val"][-1], "val_loss_exits": losses["val"][:-1],
             "calibrated_threshold": cal["threshold"], "compute_saved": cal["test"]["compute_saved"],
             "test_loss": cal["test"]["loss"], "test_full_loss": cal["test"]["full_loss"],
             "spec_speedup": spec["speedup"], "spec_acceptance_rate": spec["acceptance_rate"],
             "spec_identical_to_full": spec["identical_to_full"]}
-
 
 def compare_recipes(config, splits, device, ctx, idx):
     """Train every recipe from scratch with the same data, seed and budget; evaluate each the same way."""
@@ -1396,33 +1196,31 @@ def compare_recipes(config, splits, device, ctx, idx):
         rows.append({**evaluate_recipe(name, model, splits, cfg, device, ctx, idx), "train_seconds": seconds})
     return rows
 
+def benchmark_training(config, splits, device, ctx, rounds=5, steps=40):
+    """Median ms per training step with this recipe's exit heads and with none (a plain GPT: alpha 0,
+    no distillation, no layer dropout), in alternating blocks of steps on the same batches: one run, one ratio."""
+    setups = {}
+    plain = dict(alpha=0.0, distill_weight=0.0, layer_dropout=0.0)
+    for name, fields_ in (("exit heads", {}), ("plain GPT", plain)):
+        cfg = Config(**{**asdict(config), **fields_})
+        torch.manual_seed(cfg.seed)
+        model = GPT(cfg).to(device)
+        setups[name] = (model, configure_optimizer(model, cfg), cfg, [])
+    gen = torch.Generator().manual_seed(config.seed)
+    batches = [get_batch(splits["train"], config.block_size, config.batch_size, gen, device) for _ in range(steps)]
+    for _ in range(rounds + 1):  # the first round warms up and is not counted
+        for model, optimizer, cfg, times in setups.values():
+            for x, y in batches:
+                t0 = time.perf_counter()
+                train_step(model, optimizer, x, y, cfg, ctx)
+                times.append(1000 * (time.perf_counter() - t0))
+    return {name: float(np.median(times[steps:])) for name, (_, _, _, times) in setups.items()}
+
 
 # -----------------------------------------------------------------------------
-# Reports: exit statistics, coloured text, tables for people, JSON for programs
+# Reports: the exit map, tables for people, JSON for programs
 
 LAYER_COLOURS = (31, 33, 32, 36, 34, 35, 91, 93, 92, 96, 94, 95)  # ANSI foreground codes, shallow to deep
-
-
-def bar(fraction, width=30):
-    return "#" * round(fraction * width)
-
-
-def exit_counts(exit_layers, n_layer):
-    """Tokens that left at each layer: (B, N) -> [int per layer]."""
-    return torch.bincount(exit_layers.flatten().cpu(), minlength=n_layer).tolist()
-
-
-def format_exit_stats(counts):
-    """The seed's per-layer lines, 'Layer 0:   42 tokens (21.0%)', with a bar each."""
-    total, last = sum(counts), len(counts) - 1
-    lines = []
-    for l, c in enumerate(counts):
-        name = f"Layer {l}{' (full)' if l == last else ''}:"
-        lines.append(f"{name:<16}{c:>6} tokens ({100 * c / total:5.1f}%) {bar(c / total)}")
-    mean = sum((l + 1) * c for l, c in enumerate(counts)) / total
-    lines.append(f"mean exit depth: {mean:.2f} of {len(counts)} layers per token")
-    return "\n".join(lines)
-
 
 def colour_text(text, layers, n_layer, tty):
     """Every character coloured by the layer it left at; without a terminal, digits underneath."""
@@ -1448,7 +1246,6 @@ def print_table(rows, columns, title=None):
     for c in cells:
         print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
 
-
 STRATEGY_COLUMNS = (
     ("name", "strategy", "{}"),
     ("tokens_per_second", "tok/s", "{:,.0f}"),
@@ -1460,10 +1257,10 @@ STRATEGY_COLUMNS = (
     ("agreement", "agree w/ full", "{:.3f}"),
 )
 
-
 def print_strategies(threshold, rows, quality, config, check_cost, depths):
     L = config.n_layer
-    print(f"\n=== KV-cache strategies: exit when {config.confidence} > {threshold:g}, exits at layers {config.exit_layers} ===")
+    print(f"\n=== What does each KV strategy buy? Exit when {config.confidence} > {threshold:g}, "
+          f"exits checked at layers {config.exit_layers} ===")
     print(f"quality: {config.quality_positions} test positions, teacher-forced through the sequential decoder; "
           f"speed: {config.bench_tokens} tokens from the prompt, batch 1, median of {config.bench_repeats} interleaved runs")
     print("(self_speculative: greedy, against greedy full depth timed in the same loop; its output is the full model's)")
@@ -1481,12 +1278,12 @@ def print_strategies(threshold, rows, quality, config, check_cost, depths):
     for B, d in depths.items():
         print(f"  B = {B:>2}: {d:.2f} of {L} layers ({100 * (1 - d / L):4.1f}% saved)")
 
-
 def print_spec_sweep(grid):
     """Speed-up over full depth (acceptance rate) for each draft_exit (rows) and num_draft (columns)."""
     exits, drafts = sorted({g["draft_exit"] for g in grid}), sorted({g["num_draft"] for g in grid})
     cell = {(g["draft_exit"], g["num_draft"]): g for g in grid}
-    print("\nself-speculative sweep: greedy speed-up over full depth (acceptance rate), same-run medians")
+    print("\n=== Which draft_exit and num_draft? The self-speculative sweep: greedy speed-up over full depth "
+          "(acceptance rate), same-run medians ===")
     print("draft_exit " + "".join(f"{'k=' + str(k):>16}" for k in drafts))
     for E in exits:
         print(f"{E:>10} " + "".join(f"{cell[E, k]['speedup']:>9.2f}x ({cell[E, k]['acceptance_rate']:.2f})" for k in drafts))
@@ -1494,26 +1291,24 @@ def print_spec_sweep(grid):
     print(f"best: draft_exit={best['draft_exit']}, num_draft={best['num_draft']} ({best['speedup']:.2f}x); "
           f"output identical to full depth in every cell: {all(g['identical_to_full'] for g in grid)}")
 
-
 SWEEP_SHOWN = (1.0, 0.99, 0.98, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
 
-
 def print_sweep(rows, measure, n_layer):
-    print(f"\n=== threshold sweep on val ({measure}): compute against quality ===")
+    print(f"\n=== Which threshold? The sweep on val ({measure}): compute saved against quality ===")
     shown = [dict(r, fractions=" ".join(f"{100 * f:4.1f}" for f in r["exit_fractions"]))
              for r in rows if r["threshold"] in SWEEP_SHOWN]
     print_table(shown, (("threshold", "threshold", "{:.2f}"), ("fractions", f"% exiting at layer 0..{n_layer - 1}", "{}"),
                         ("mean_layers", "layers", "{:.2f}"), ("compute_saved", "saved", "{:.1%}"),
                         ("loss", "val loss", "{:.4f}"), ("disagreement", "disagree", "{:.2%}")))
-    print("text plot: compute saved (#) and disagreement with full depth (x), one row per threshold")
+    print("text plot: compute saved (#) and disagreement with full depth (x, same scale), one line per threshold")
     for r in shown:
-        print(f"  {r['threshold']:4.2f} |{bar(r['compute_saved'], 40):<40}| {r['compute_saved']:6.1%}")
-        print(f"       |{'x' * round(r['disagreement'] * 40):<40}| {r['disagreement']:6.2%}")
-
+        saved, wrong = r["compute_saved"], r["disagreement"]
+        print(f"  {r['threshold']:4.2f} |{bar(saved, 40):<40}| {saved:6.1%} saved |{'x' * min(10, round(wrong * 40)):<10}| "
+              f"{wrong:6.2%} disagree")
 
 def print_calibration(cals, chosen):
-    print(f"\n=== calibrated thresholds (Learn then Test: disagreement <= {chosen['epsilon']:.0%} "
-          f"with probability >= {1 - chosen['delta']:.0%}; chosen on val, reported on test) ===")
+    print(f"\n=== Which threshold, with a guarantee? Learn then Test: disagreement <= {chosen['epsilon']:.0%} "
+          f"with probability >= {1 - chosen['delta']:.0%}, chosen on val, reported on test ===")
     rows = [{"measure": c["measure"], "threshold": c["threshold"], **c["test"]} for c in cals]
     print_table(rows, (("measure", "measure", "{}"), ("threshold", "threshold", "{:.2f}"),
                        ("compute_saved", "test saved", "{:.1%}"), ("disagreement", "disagree", "{:.2%}"),
@@ -1522,16 +1317,15 @@ def print_calibration(cals, chosen):
     best = max(cals, key=lambda c: c["test"]["compute_saved"])
     print(f"most compute saved at the same guarantee: {best['measure']}")
 
-
 def print_logit_lens(rows):
-    print("\n=== logit lens: each layer read through the final head (untrained for it) vs its own exit head ===")
+    print("\n=== Does an exit need a trained head? The logit lens: each layer through the final head "
+          "(untrained for it) and through its own exit head ===")
     print_table(rows, (("layer", "layer", "{}"), ("readout", "readout", "{}"),
                        ("agreement", "top-1 = final", "{:.3f}"), ("median_rank", "median rank", "{:.0f}"),
                        ("confidence", "mean confidence", "{:.3f}")))
 
-
 def print_slices(slices):
-    print("\naccuracy of the test tokens leaving at each layer (calibrated threshold):")
+    print("\n=== What does 'easy' mean for this model? The test tokens leaving at each layer (calibrated threshold) ===")
     for r in slices["per_layer"]:
         acc = "-" if r["accuracy"] is None else f"{r['accuracy']:.3f}"
         print(f"  layer {r['layer']}: {r['tokens']:>6} tokens, accuracy {acc}")
@@ -1539,10 +1333,9 @@ def print_slices(slices):
     for c in slices["earliest_chars"]:
         print(f"  {c['char']!r:>6}: {c['exits']:>5} times, e.g. after {c['example_context']!r}")
 
-
 def print_recipes(rows, config):
     base = next(r for r in rows if r["recipe"] == "baseline")["val_loss_final"]
-    print(f"\n=== training recipes at the same budget ({config.max_iters} steps, seed {config.seed}) ===")
+    print(f"\n=== Which training recipe? Every recipe at the same budget ({config.max_iters} steps, seed {config.seed}) ===")
     print("compute saved and test loss at the calibrated top-1 threshold (epsilon 1%, delta 0.05, chosen on val); "
           f"self-speculative greedy at draft_exit={config.draft_exit}, num_draft={config.num_draft}")
     shown = [dict(r, vs_base=r["val_loss_final"] / base - 1, exits=" ".join(f"{v:.2f}" for v in r["val_loss_exits"]))
@@ -1555,8 +1348,149 @@ def print_recipes(rows, config):
 
 
 # -----------------------------------------------------------------------------
-# Main: train (or resume), evaluate, generate, report
+# Checkpoints: written to a temporary file, then renamed, so none is ever half-written
 
+ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "exit_head")  # forced from a checkpoint
+
+def atomic_save(obj, path, writer):
+    tmp = path + ".tmp"
+    writer(obj, tmp)
+    os.replace(tmp, path)
+
+def save_checkpoint(path, model, optimizer, config, iter_num, tokenizer, val_loss, train_seconds):
+    ckpt = {
+        "train_seconds": train_seconds,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "config": asdict(config),
+        "iter_num": iter_num,
+        "val_loss": val_loss,  # the final evaluation's full-depth val loss
+        "vocab": tokenizer.chars,
+    }
+    atomic_save(ckpt, path, torch.save)
+
+def write_json(obj, path):
+    def dump(o, p):
+        with open(p, "w") as f:
+            json.dump(o, f, indent=2)
+
+    atomic_save(obj, path, dump)
+
+def load_checkpoint(path, config, overridden, tokenizer):
+    """Load ckpt.pt; architecture fields come from it, and must agree with explicit overrides."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--init_from=resume but there is no checkpoint at {path!r}")
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    if ckpt["vocab"] != tokenizer.chars:
+        raise ValueError(f"checkpoint vocabulary ({len(ckpt['vocab'])} chars) does not match {config.input_path!r}")
+    for name in ARCH_FIELDS:
+        if name in overridden and getattr(config, name) != ckpt["config"][name]:
+            raise ValueError(f"checkpoint has {name}={ckpt['config'][name]}, but --{name}={getattr(config, name)} was given")
+        setattr(config, name, ckpt["config"][name])
+    return ckpt
+
+def restore_model(ckpt, config, device):
+    model = GPT(config)
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:  # shapes or names that do not fit this model
+        raise ValueError(f"checkpoint does not fit the model: {str(e).splitlines()[0]}") from None
+    return model.to(device)
+
+
+# -----------------------------------------------------------------------------
+# Command line and main: parse, train (or resume), sample, analyse, report
+
+EXIT_WEIGHTS = ("constant", "linear", "geometric", "layerskip")
+EXIT_HEADS = ("separate", "shared", "final")
+
+def field_help():
+    """The trailing comment of every Config field, read from this file's source."""
+    helps = {}
+    for line in inspect.getsource(Config).splitlines():
+        name, sep, rest = line.strip().partition(":")
+        if sep and "#" in rest and name.isidentifier():
+            helps[name] = rest.split("#", 1)[1].strip()
+    return helps
+
+def parse_value(name, text, default):
+    """Turn the text of --name=text into the type of the field's default."""
+    if isinstance(default, bool):
+        if text.lower() in ("1", "true", "yes"):
+            return True
+        if text.lower() in ("0", "false", "no"):
+            return False
+        raise ValueError(f"--{name} takes true/false (or 1/0), not {text!r}")
+    try:
+        return type(default)(text)
+    except ValueError:
+        raise ValueError(f"--{name} takes a {type(default).__name__}, not {text!r}") from None
+
+def parse_args(argv):
+    """nanoGPT-style overrides: --name=value for any Config field; --help lists them."""
+    config, defaults, overridden = Config(), asdict(Config()), set()
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ValueError(f"arguments look like --name=value, got {arg!r} (see --help)")
+        name, text = arg[2:].split("=", 1)
+        if name not in defaults or name == "vocab_size":
+            close = [f for f in defaults if f.startswith(name[:3])]
+            hint = f" (did you mean {', '.join('--' + c for c in close)}?)" if close else ""
+            raise ValueError(f"unknown config field --{name}{hint}")
+        setattr(config, name, parse_value(name, text, defaults[name]))
+        overridden.add(name)
+    validate(config)
+    return config, overridden
+
+def usage():
+    helps = field_help()
+    lines = ["usage: python nanogpt_exit_head.py [--name=value ...]", "", "fields (default, what it does):"]
+    for f in fields(Config):
+        lines.append(f"  --{f.name:<16} {str(f.default)!r:<14} {helps.get(f.name, '')}")
+    return "\n".join(lines)
+
+def validate(config):
+    """Reject settings that cannot work, with a message that says what to change."""
+    if config.n_embd % config.n_head:
+        raise ValueError(f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}")
+    if not 0.0 <= config.exit_threshold <= 1.0:
+        raise ValueError(f"exit_threshold={config.exit_threshold} is outside [0, 1]")
+    if config.kv_strategy not in KV_STRATEGIES:
+        raise ValueError(f"kv_strategy={config.kv_strategy!r} is not one of {', '.join(KV_STRATEGIES)}")
+    if config.confidence not in CONFIDENCE_MEASURES:
+        raise ValueError(f"confidence={config.confidence!r} is not one of {', '.join(CONFIDENCE_MEASURES)}")
+    for name, allowed in (("exit_weights", EXIT_WEIGHTS), ("exit_head", EXIT_HEADS)):
+        if getattr(config, name) not in allowed:
+            raise ValueError(f"{name}={getattr(config, name)!r} is not one of {', '.join(allowed)}")
+    if not 0 <= config.layer_dropout < 1 or config.distill_weight < 0 or config.distill_temperature <= 0:
+        raise ValueError("need 0 <= layer_dropout < 1, distill_weight >= 0 and distill_temperature > 0")
+    if config.init_from not in ("scratch", "resume"):
+        raise ValueError(f"init_from={config.init_from!r} must be 'scratch' or 'resume'")
+    for name in ("n_head", "block_size", "batch_size", "eval_iters", "eval_interval"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name}={getattr(config, name)} must be at least 1")
+    if config.block_size < 2 or config.n_layer < 2:
+        raise ValueError("block_size and n_layer must be at least 2 (one exit below the final layer)")
+    parse_exit_layers(config.exit_layers, config.n_layer)
+    if not 0 <= config.draft_exit < config.n_layer - 1:
+        raise ValueError(f"draft_exit={config.draft_exit} must be a layer below the last (0..{config.n_layer - 2})")
+    if not (0 < config.epsilon < 1 and 0 < config.delta < 1):
+        raise ValueError(f"epsilon={config.epsilon} and delta={config.delta} must both lie strictly between 0 and 1")
+    for name in ("num_draft", "quality_positions", "bench_tokens", "bench_repeats", "sweep_positions"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name}={getattr(config, name)} must be at least 1")
+
+def parse_exit_layers(text, n_layer):
+    """'all' or '0,2' -> the sorted layers (below the last) whose exit head is checked."""
+    if text == "all":
+        return list(range(n_layer - 1))
+    try:
+        layers = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        raise ValueError(f"exit_layers={text!r} must be 'all' or a comma list of layer numbers") from None
+    if any(not 0 <= l < n_layer - 1 for l in layers):
+        raise ValueError(f"exit_layers={text!r}: exits live on layers 0..{n_layer - 2} (the last layer always exits)")
+    return layers
 
 def pick_device(name):
     if name == "auto":
@@ -1569,13 +1503,11 @@ def pick_device(name):
         raise ValueError(f"--device={name} but CUDA is not available (try --device=auto)")
     return name
 
-
 def autocast_context(device):
     """bf16 autocast for training on CUDA; plain fp32 elsewhere (and for all decoding)."""
     if device.startswith("cuda"):
         return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
     return nullcontext()
-
 
 def build_model(config, overridden, tokenizer, device):
     """A new model, or the checkpoint's; returns (model, optimizer, iter_num, train_seconds)."""
@@ -1589,12 +1521,10 @@ def build_model(config, overridden, tokenizer, device):
     model = GPT(config).to(device)
     return model, configure_optimizer(model, config), 0, 0.0
 
-
 def print_param_counts(model):
     base, heads = model.num_params()
     print(f"parameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in "
           f"{model.config.n_layer - 1} exit heads ({model.config.exit_head}; {100 * heads / base:.2f}% overhead)")
-
 
 def timed_generate(model, idx, config, seed, **kw):
     """generate() with a fresh seeded sampler; returns (Generation, tokens per second)."""
@@ -1604,31 +1534,30 @@ def timed_generate(model, idx, config, seed, **kw):
                    generator=gen, **kw)
     return out, idx.size(0) * config.max_new_tokens / (time.perf_counter() - t0)
 
-
 def demo_generation(model, tokenizer, config, device, threshold):
     """A full-depth sample and an early-exit sample from the same prompt and seed."""
     idx = torch.tensor([tokenizer.encode(config.prompt)], dtype=torch.long, device=device)
-    exit_layers = parse_exit_layers(config.exit_layers, config.n_layer)
+    checked_exits = parse_exit_layers(config.exit_layers, config.n_layer)
     full, full_tps = timed_generate(model, idx, config, config.seed)
     early, tps = timed_generate(model, idx, config, config.seed, strategy=config.kv_strategy,
-                                exit_threshold=threshold, exit_layers=exit_layers, measure=config.confidence)
+                                exit_threshold=threshold, checked_exits=checked_exits, measure=config.confidence)
     T0 = idx.size(1)
+    print(f"\n=== What does early exit look like? Two samples from the same prompt and seed ===")
     print(f"\n--- full-depth sample ({full_tps:,.0f} tok/s) ---")
     print(tokenizer.decode(full.tokens[0, T0:].tolist()))
     print(f"\n--- early-exit sample: {config.kv_strategy}, {config.confidence} > {threshold:g} ({tps:,.0f} tok/s) ---")
     text = tokenizer.decode(early.tokens[0, T0:].tolist())
     print(text)
-    counts = exit_counts(early.exit_layers, config.n_layer)
+    counts = exit_counts(early.exited_at, config.n_layer)
     print("\nper-layer exit statistics:")
     print(format_exit_stats(counts))
     layers_run = early.layers_run / config.max_new_tokens
     print(f"layers actually run per token: {layers_run:.2f} of {config.n_layer} ({config.kv_strategy})")
-    print("\n" + colour_text(text, early.exit_layers[0].tolist(), config.n_layer, sys.stdout.isatty()))
+    print("\n" + colour_text(text, early.exited_at[0].tolist(), config.n_layer, sys.stdout.isatty()))
     mean = sum((l + 1) * c for l, c in enumerate(counts)) / sum(counts)
     return {"exit_threshold": threshold, "kv_strategy": config.kv_strategy, "exit_counts": counts,
             "mean_layers": mean, "layers_run_per_token": layers_run, "tokens_per_second": tps,
             "full_depth_tokens_per_second": full_tps, "sample": text}
-
 
 def run_recipe_comparison(config, device):
     """--compare_recipes=1: every recipe trained and judged alike; a table, and recipes.json in out_dir."""
@@ -1641,14 +1570,12 @@ def run_recipe_comparison(config, device):
     print(f"\nrecipes: {os.path.join(config.out_dir, 'recipes.json')}")
     return rows
 
-
 def run_training_benchmark(config, device):
     """--bench_train=1: the exit heads' training overhead, measured in one run."""
     ms = benchmark_training(config, load_data(config)[1], device, autocast_context(device))
     print("median ms per training step, interleaved: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items())
           + f" | ratio {ms['exit heads'] / ms['plain GPT']:.3f}")
     return ms
-
 
 def load_data(config):
     """The text, its vocabulary (which also sets config.vocab_size), and the three splits."""
@@ -1659,7 +1586,6 @@ def load_data(config):
         raise ValueError("--prompt must hold at least one character")
     tokenizer.encode(config.prompt)  # reject a bad prompt before any training
     return tokenizer, split_data(torch.tensor(tokenizer.encode(text), dtype=torch.long))
-
 
 def train_or_resume(config, overridden, tokenizer, splits, device, ctx):
     """Build or load the model, train it up to max_iters, save the checkpoint; returns (model, report)."""
@@ -1687,33 +1613,34 @@ def train_or_resume(config, overridden, tokenizer, splits, device, ctx):
         "train_loss": losses["train"][-1],
     }
 
-
 def choose_exit_rule(model, tokenizer, splits, config, device):
-    """Sweep on val, calibrate per measure, report on test; the logit lens and the exit slices."""
+    """Sweep on val, calibrate per measure, report on test; the logit lens and the exit slices (printed later)."""
     val = record_exits(model, splits["val"].to(device), config.sweep_positions)
     test = record_exits(model, splits["test"].to(device), config.sweep_positions)
-    exit_layers = parse_exit_layers(config.exit_layers, config.n_layer)
-    report = {"sweep": sweep(val, config.confidence, exit_layers, CALIBRATION_GRID)}
-    print_sweep(report["sweep"], config.confidence, config.n_layer)
-    cals = [calibration_report(val, test, m, exit_layers, config.epsilon, config.delta) for m in CONFIDENCE_MEASURES]
+    checked_exits = parse_exit_layers(config.exit_layers, config.n_layer)
+    report = {"sweep": sweep(val, config.confidence, checked_exits, CALIBRATION_GRID)}
+    cals = [calibration_report(val, test, m, checked_exits, config.epsilon, config.delta) for m in CONFIDENCE_MEASURES]
     report["calibration"] = next(c for c in cals if c["measure"] == config.confidence)
     report["calibration_by_measure"] = cals
-    print_calibration(cals, report["calibration"])
     starts = range(0, 64 * config.block_size, config.block_size)  # 64 val windows
     lens_x = torch.stack([splits["val"][i : i + config.block_size] for i in starts]).to(device)
     report["logit_lens"] = logit_lens(model, lens_x)
-    print_logit_lens(report["logit_lens"])
-    exits = exit_layers_at(test, config.confidence, report["calibration"]["threshold"], exit_layers)
+    exits = exits_at_threshold(test, config.confidence, report["calibration"]["threshold"], checked_exits)
     report["slices"] = exit_slices(test, exits, tokenizer, splits["test"])
-    print_slices(report["slices"])
     return report
 
+def print_exit_rule(rule, config):
+    """The analysis of choosing the exit rule, each part under the question it answers."""
+    print_sweep(rule["sweep"], config.confidence, config.n_layer)
+    print_calibration(rule["calibration_by_measure"], rule["calibration"])
+    print_logit_lens(rule["logit_lens"])
+    print_slices(rule["slices"])
 
 def measure_strategies(model, idx, splits, config):
     """The strategies table, the cost of an exit check, batch depth, and (--spec_sweep) the (E, k) grid."""
     threshold, rows, quality = compare_strategies(model, splits, config, idx)
     check_cost = exit_check_cost(model)
-    depths = expected_batch_depth(quality["backfill"]["exit_layers"], (1, 4, 16), config.n_layer)
+    depths = expected_batch_depth(quality["backfill"]["exited_at"], (1, 4, 16), config.n_layer)
     print_strategies(threshold, rows, quality, config, check_cost, depths)
     report = {"strategies": rows, "strategies_threshold": threshold, "exit_check_cost": check_cost,
               "batch_depth": {str(b): d for b, d in depths.items()}}
@@ -1721,7 +1648,6 @@ def measure_strategies(model, idx, splits, config):
         report["spec_sweep"] = sweep_speculative(model, idx, config, range(config.n_layer - 1), (2, 3, 4, 6, 8, 12))
         print_spec_sweep(report["spec_sweep"])
     return report
-
 
 def run(config, overridden):
     """The default job: every step the module docstring promises, in order."""
@@ -1733,20 +1659,21 @@ def run(config, overridden):
         return run_training_benchmark(config, device)
     tokenizer, splits = load_data(config)
     model, report = train_or_resume(config, overridden, tokenizer, splits, device, autocast_context(device))
-    report.update(choose_exit_rule(model, tokenizer, splits, config, device))
-    threshold = report["calibration"]["threshold"]
+    rule = choose_exit_rule(model, tokenizer, splits, config, device)  # quiet: the samples come first
+    threshold = rule["calibration"]["threshold"]
     if "exit_threshold" in overridden:
         threshold = config.exit_threshold
-        print(f"\n(--exit_threshold={threshold:g} overrides the calibrated threshold for the demonstration)")
+        print(f"\n(--exit_threshold={threshold:g} overrides the calibrated threshold for the samples)")
     else:
-        print(f"\nthe early-exit demonstration below uses the calibrated threshold {threshold:g}")
+        print(f"\nthe early-exit sample uses the threshold calibrated on val ({threshold:g}; 'Which threshold?' below)")
     report["generation"] = demo_generation(model, tokenizer, config, device, threshold)
+    print_exit_rule(rule, config)
+    report.update(rule)
     idx = torch.tensor([tokenizer.encode(config.prompt)], dtype=torch.long, device=device)
     report.update(measure_strategies(model, idx, splits, config))
     write_json(report, os.path.join(config.out_dir, "report.json"))
     print(f"\nreport: {os.path.join(config.out_dir, 'report.json')}")
     return report
-
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
@@ -1760,7 +1687,6 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

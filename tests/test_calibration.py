@@ -17,8 +17,8 @@ def test_parallel_records_equal_the_sequential_decoder(trained, measure):
     for strategy in ("backfill", "deferred"):
         out = m.generate(model, text[None, :1], 150, strategy=strategy, exit_threshold=threshold, measure=measure,
                          forced=text[None, 1:151])
-        exits = m.exit_layers_at(records, measure, threshold, [0, 1, 2])
-        assert torch.equal(out.exit_layers[0], exits)
+        exits = m.exits_at_threshold(records, measure, threshold, [0, 1, 2])
+        assert torch.equal(out.exited_at[0], exits)
         assert 0.1 < (exits < 3).float().mean() < 0.9
         emitted = records.pred[exits, torch.arange(150)]
         assert torch.equal(out.logits[0].argmax(-1), emitted)
@@ -80,7 +80,7 @@ def test_calibration_report_says_what_it_chose(trained):
     assert set(cal) == {"measure", "epsilon", "delta", "threshold", "val", "test"}
     assert {"disagreement", "loss", "full_loss", "accuracy", "compute_saved"} <= set(cal["test"])
     assert cal["val"]["disagreement"] <= 0.05
-    exits = m.exit_layers_at(test, "margin", cal["threshold"], [0, 1, 2])
+    exits = m.exits_at_threshold(test, "margin", cal["threshold"], [0, 1, 2])
     assert cal["test"]["compute_saved"] == pytest.approx(1 - (exits + 1).float().mean().item() / 4)
 
 

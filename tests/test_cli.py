@@ -144,3 +144,33 @@ def test_report_has_the_strategies_and_calibration(tmp_path):
     assert {"measure", "epsilon", "delta", "threshold", "val", "test"} <= set(cal)
     assert {"disagreement", "loss", "full_loss", "accuracy", "compute_saved"} <= set(cal["test"])
     assert len(r["sweep"]) == len(m.CALIBRATION_GRID)
+
+
+def test_default_run_tells_the_story_in_order(tmp_path, capsys):
+    assert run_main(tmp_path, "--n_layer=3", "--max_iters=2") == 0
+    out = capsys.readouterr().out
+    order = ["parameters:", "--- full-depth sample", "--- early-exit sample", "per-layer exit statistics", "Layer 0:",
+             "=== Which threshold?", "=== Which threshold, with a guarantee?", "Does an exit need a trained head?",
+             "What does 'easy' mean", "What does each KV strategy buy?"]
+    positions = [out.index(o) for o in order]
+    assert positions == sorted(positions)
+
+
+def test_part_one_reads_alone():
+    """Part I (the seed) ends by line 650 and never names anything Part II defines."""
+    import ast
+    import re
+
+    src = open(m.__file__).read()
+    lines = src.splitlines()
+    part2 = next(i + 1 for i, l in enumerate(lines) if re.match(r"# Part II\b", l))
+    assert part2 <= 650 and lines[part2 - 2].startswith("# ----")
+    tree = ast.parse(src)
+    later = {n.name if hasattr(n, "name") else n.targets[0].id for n in tree.body
+             if n.lineno > part2 and isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.Assign))}
+    for node in tree.body:
+        if node.lineno < part2:
+            used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+            assert not used & later, f"line {node.lineno} calls forward into Part II: {used & later}"
+    part1 = {n.name for n in tree.body if n.lineno < part2 and hasattr(n, "name")}
+    assert {"ExitHead", "GPT", "KVCache", "decode_step", "generate", "format_exit_stats", "train"} <= part1

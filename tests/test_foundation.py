@@ -96,29 +96,29 @@ def test_threshold_one_reproduces_full_depth(model, strategy):
     out = m.generate(model, idx, 40, strategy=strategy, exit_threshold=1.0, temperature=1.0,
                      generator=torch.Generator().manual_seed(5))
     assert torch.equal(out.tokens, ref)
-    assert (out.exit_layers == 3).all()
+    assert (out.exited_at == 3).all()
 
 
 def test_threshold_zero_exits_everything_at_the_first_exit(model):
     idx = torch.randint(0, 11, (2, 2))
     forced = torch.randint(0, 11, (2, 20))
     out = m.generate(model, idx, 20, exit_threshold=0.0, forced=forced)
-    assert (out.exit_layers == 0).all()
+    assert (out.exited_at == 0).all()
     for i in range(15):  # the emitted logits are exit head 0's (steps inside the first window)
         h0 = model.hidden_states(out.tokens[:, : 2 + i])[0][:, -1]
         assert torch.allclose(out.logits[:, i], model.exit_heads[0](h0), atol=1e-5)
 
 
 def test_first_exit_layer_is_respected(model):
-    out = m.generate(model, torch.zeros(1, 1, dtype=torch.long), 20, exit_threshold=0.0, exit_layers=[2],
+    out = m.generate(model, torch.zeros(1, 1, dtype=torch.long), 20, exit_threshold=0.0, checked_exits=[2],
                      forced=torch.randint(0, 11, (1, 20)))
-    assert (out.exit_layers == 2).all()
+    assert (out.exited_at == 2).all()
 
 
 def test_backfill_leaves_the_cache_of_a_full_depth_pass(model):
     idx = torch.randint(0, 11, (2, 2))
     out = m.generate(model, idx, 37, exit_threshold=0.6, temperature=1.0, generator=torch.Generator().manual_seed(1))
-    assert 0 < (out.exit_layers < 3).float().mean() < 1, "the test needs some early exits"
+    assert 0 < (out.exited_at < 3).float().mean() < 1, "the test needs some early exits"
     cache = out.cache
     n = cache.lengths[0]
     assert cache.lengths == [n] * 4
@@ -135,7 +135,7 @@ def test_early_exit_logits_come_from_the_exit_head(model):
     out = m.generate(model, torch.zeros(1, 1, dtype=torch.long), 14, exit_threshold=0.6, forced=forced)
     all_logits = model.all_exit_logits(out.tokens[:, :14])  # (L, 1, T, V), one window: no re-prefill
     for i in range(14):
-        l = out.exit_layers[0, i]
+        l = out.exited_at[0, i]
         assert torch.allclose(out.logits[0, i], all_logits[l, 0, i], atol=1e-5)
         if l < 3:
             assert m.confidence(all_logits[l, :, i]) > 0.6
@@ -146,7 +146,7 @@ def test_generation_of_three_block_sizes(model):
     out = m.generate(model, torch.zeros(1, 1, dtype=torch.long), 48, exit_threshold=0.8, temperature=1.0,
                      generator=torch.Generator().manual_seed(0))
     assert out.tokens.shape == (1, 49)
-    assert out.exit_layers.shape == (1, 48)
+    assert out.exited_at.shape == (1, 48)
 
 
 def test_batch_rows_exit_on_their_own(model):
@@ -155,8 +155,8 @@ def test_batch_rows_exit_on_their_own(model):
     for b in range(3):
         single = m.generate(model, prompts[b : b + 1], 40, exit_threshold=0.7, temperature=0.0)
         assert torch.equal(batch.tokens[b], single.tokens[0])
-        assert torch.equal(batch.exit_layers[b], single.exit_layers[0])
-    assert len(set(batch.exit_layers[:, :5].flatten().tolist())) > 1, "rows should exit at different layers"
+        assert torch.equal(batch.exited_at[b], single.exited_at[0])
+    assert len(set(batch.exited_at[:, :5].flatten().tolist())) > 1, "rows should exit at different layers"
 
 
 def test_confidence_measures_are_in_unit_range_and_ordered():

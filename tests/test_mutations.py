@@ -210,12 +210,12 @@ def test_state_copy_and_holes_match_an_independent_reference(strategy, batch):
     tokens = torch.randint(0, 11, (batch, 41), generator=gen)  # 40 steps: two window slides at block 16
     out = m.generate(model, tokens[:, :1], 40, strategy=strategy, exit_threshold=0.6, forced=tokens[:, 1:])
     ref_logits, ref_exits = reference_decode(model, tokens, 0.6, strategy)
-    assert torch.equal(out.exit_layers, ref_exits)
+    assert torch.equal(out.exited_at, ref_exits)
     assert torch.allclose(out.logits, ref_logits, atol=1e-4)
-    all_left = (out.exit_layers < 3).all(0)
+    all_left = (out.exited_at < 3).all(0)
     assert all_left.float().mean() > 0.2, "the test needs steps where every row skipped layers"
     if batch > 1:
-        mixed = (out.exit_layers != out.exit_layers[:1]).any(0)
+        mixed = (out.exited_at != out.exited_at[:1]).any(0)
         assert mixed.any(), "rows should exit at different layers in some steps"
 
 
@@ -230,7 +230,7 @@ def test_deferred_catch_up_is_one_block_call_per_layer():
         block.register_forward_hook(lambda mod, args, out, l=l: calls[l].append(args[0].size(1)))
     out = m.generate(model, torch.zeros(1, 1, dtype=torch.long), 15, strategy="deferred", exit_threshold=0.6,
                      forced=torch.randint(0, 11, (1, 15), generator=torch.Generator().manual_seed(2)))
-    exits = out.exit_layers[0]
+    exits = out.exited_at[0]
     for l in range(4):
         # layer l runs exactly once in every step whose token needs it, whatever is pending there
         assert len(calls[l]) == int((exits >= l).sum()), f"layer {l}"

@@ -135,7 +135,7 @@ def test_compare_recipes_writes_the_table(tmp_path, capsys):
     keys = {"recipe", "val_loss_final", "val_loss_exits", "compute_saved", "test_loss", "spec_speedup",
             "spec_acceptance_rate"}
     assert all(keys <= set(r) for r in rows)
-    assert "training recipes at the same budget" in capsys.readouterr().out
+    assert "Which training recipe? Every recipe at the same budget" in capsys.readouterr().out
 
 
 def test_evaluation_leaves_the_model_in_the_mode_it_found():

@@ -22,8 +22,8 @@ def test_deferred_equals_backfill_tokens_and_cache(n_new, batch):
     back = m.generate(model, idx, n_new, strategy="backfill", generator=torch.Generator().manual_seed(3), **kw)
     defer = m.generate(model, idx, n_new, strategy="deferred", generator=torch.Generator().manual_seed(3), **kw)
     assert torch.equal(back.tokens, defer.tokens)
-    assert torch.equal(back.exit_layers, defer.exit_layers)
-    assert (defer.exit_layers < 3).all(0).any(), "the test needs steps where every row exits early"
+    assert torch.equal(back.exited_at, defer.exited_at)
+    assert (defer.exited_at < 3).all(0).any(), "the test needs steps where every row exits early"
     cache = flushed(model, defer.cache)
     n = back.cache.lengths[0]
     assert cache.lengths == back.cache.lengths == [n] * 4
@@ -34,20 +34,18 @@ def test_deferred_equals_backfill_tokens_and_cache(n_new, batch):
 def test_deferred_never_runs_a_layer_twice_for_a_position():
     model = tiny_model()
     cache_trace = []
-    original = m.KVCache.__init__
 
-    def traced(self, *a, **k):
-        original(self, *a, **k)
-        self.trace = cache_trace
+    def record(block, args):  # (layer, window start, window position) of every position the block runs
+        x, cache, layer = args
+        n = cache.lengths[layer]
+        cache_trace.extend((layer, cache.start, n + t) for t in range(x.size(1)))
 
-    m.KVCache.__init__ = traced
-    try:
-        out = m.generate(model, torch.zeros(1, 1, dtype=torch.long), 45, strategy="deferred", exit_threshold=0.6,
-                         temperature=1.0, generator=torch.Generator().manual_seed(0))
-        flushed(model, out.cache)
-    finally:
-        m.KVCache.__init__ = original
-    assert (out.exit_layers < 3).float().mean() > 0.2
+    for block in model.transformer.h:
+        block.register_forward_pre_hook(record)
+    out = m.generate(model, torch.zeros(1, 1, dtype=torch.long), 45, strategy="deferred", exit_threshold=0.6,
+                     temperature=1.0, generator=torch.Generator().manual_seed(0))
+    flushed(model, out.cache)
+    assert (out.exited_at < 3).float().mean() > 0.2
     assert len(cache_trace) == len(set(cache_trace)), "a (layer, window, position) ran twice"
     # and after the flush every position of the last window ran every layer exactly once
     last = [t for t in cache_trace if t[1] == out.cache.start]
@@ -70,9 +68,8 @@ def test_deferred_batches_the_catch_up():
 def test_state_copy_writes_kv_from_the_exit_state(bias):
     model = tiny_model(bias=bias)
     cache = m.KVCache(model.config, 1, "cpu")
-    cache.kv_projections = m.state_copy_projections(model)
     idx = torch.tensor([[4]])
-    logits, layer = m.decode_step(model, cache, idx, 0, "state_copy", 0.0, [1])
+    logits, layer = m.decode_step(model, cache, idx, 0, m.StateCopy(model), 0.0, [1])
     assert int(layer) == 1 and cache.lengths == [1, 1, 1, 1]
     x = model.embed(idx)
     for l in range(2):
@@ -91,7 +88,7 @@ def test_holes_leave_the_upper_layers_short():
     model = tiny_model()
     out = m.generate(model, torch.zeros(1, 1, dtype=torch.long), 12, strategy="holes", exit_threshold=0.6,
                      forced=torch.randint(0, 11, (1, 12)))
-    early = (out.exit_layers[0] < 3).sum().item()
+    early = (out.exited_at[0] < 3).sum().item()
     assert early > 0
     assert out.cache.lengths[0] == 12 and out.cache.lengths[3] == 12 - early
     assert out.cache.lengths == sorted(out.cache.lengths, reverse=True)
@@ -104,14 +101,14 @@ def test_every_strategy_generates_three_block_sizes(strategy, batch):
     out = m.generate(model, torch.zeros(batch, 1, dtype=torch.long), 48, strategy=strategy, exit_threshold=0.6,
                      temperature=1.0, generator=torch.Generator().manual_seed(0))
     assert out.tokens.shape == (batch, 49)
-    assert ((0 <= out.exit_layers) & (out.exit_layers < 4)).all()
+    assert ((0 <= out.exited_at) & (out.exited_at < 4)).all()
 
 
 def test_batch_step_runs_as_deep_as_its_deepest_row():
     model = tiny_model()
     out = m.generate(model, torch.tensor([[1], [7], [3]]), 10, strategy="state_copy", exit_threshold=0.6,
                      forced=torch.randint(0, 11, (3, 10)))
-    deepest = out.exit_layers.max(0).values + 1  # (N,) layers each step needed
+    deepest = out.exited_at.max(0).values + 1  # (N,) layers each step needed
     assert out.layers_run == deepest.sum().item()
 
 
