@@ -21,6 +21,7 @@ batched self-speculative decoding, dependencies beyond torch, numpy and tqdm.
 """
 
 import inspect
+import itertools
 import json
 import math
 import os
@@ -85,21 +86,24 @@ class Config:
     temperature: float = 0.8  # sampling temperature; 0 means greedy
     top_k: int = 0  # sample only from the k most likely characters; 0 means all
     exit_threshold: float = 0.9  # exit when confidence exceeds this (1 never, 0 always); unless given, the run calibrates one
-    exit_layers: str = "all"  # which layers check for an exit: 'all' or a comma list like '1,3'
+    exit_layers: str = "auto"  # exits checked: 'auto' (per KV strategy, the cost-aware plan; all in sample and sweep), 'all', or '1,3'
     kv_strategy: str = "backfill"  # how skipped layers' KV entries are filled: backfill, deferred, state_copy, holes
     confidence: str = "top1"  # confidence measure: top1, margin (top1 - top2) or entropy (1 - H / log V)
     draft_exit: int = 0  # self-speculative: the last layer of the draft (its exit head drafts); set by --spec_sweep
-    num_draft: int = 12  # self-speculative: tokens drafted per verify pass; set by --spec_sweep
+    num_draft: int = 12  # self-speculative: the most tokens drafted per verify pass; set by --spec_sweep
+    draft_stop: float = 0.0  # self-speculative: stop drafting when the draft's probability falls below this (0: never)
     # evaluation and benchmarks
     quality_positions: int = 2000  # test positions decoded teacher-forced per strategy; more is steadier and slower
-    bench_tokens: int = 300  # tokens generated per timed run
-    bench_repeats: int = 5  # timed runs per strategy, interleaved; the median is reported
+    bench_prompts: int = 16  # timed workload: prompts from evenly spaced places of test (val, when choosing)
+    bench_prompt_len: int = 32  # characters per workload prompt
+    bench_tokens: int = 100  # characters generated per prompt per timed run
+    bench_repeats: int = 3  # timed passes over the workload per strategy, interleaved; the median is reported
     epsilon: float = 0.01  # calibration: tolerated rate of disagreement with full depth; lower is more cautious
     delta: float = 0.05  # calibration: allowed chance that the chosen threshold breaks epsilon
     sweep_positions: int = 20000  # val and test positions recorded for the sweep and calibration
     bench_train: bool = False  # time training steps with exit heads on and off, interleaved, then stop
     compare_recipes: bool = False  # train every recipe in RECIPES at this budget and compare them (long: ~2 min each)
-    spec_sweep: bool = False  # also time self-speculative decoding for every (draft_exit, num_draft) (about a minute)
+    spec_sweep: bool = False  # also time self-speculative decoding on every (draft_exit, num_draft, draft_stop) (minutes)
     strategies_threshold: float = -1.0  # threshold of the strategies table; -1 picks on val the highest with >= 30% early exits
 
 CONFIDENCE_MEASURES = ("top1", "margin", "entropy")
@@ -356,13 +360,10 @@ class GPT(nn.Module):
 class KVCache:
     """Preallocated keys and values for every layer, each layer with its own filled length.
 
-    Invariant: layer l holds entries for window positions [0, lengths[l]) and
-    nothing else, written in place. Full-depth decoding keeps all lengths
-    equal. A token that exits early leaves the layers above it behind; what a
-    KVStrategy does about those holes is the only thing that distinguishes it.
-    pending_states keeps the hidden state each position reached, for the
-    layers above that have not run it yet (deferred recompute and the
-    self-speculative verify pass, Part II); truncate rolls lengths back.
+    Invariant: layer l holds entries for window positions [0, lengths[l]) and nothing else, written in
+    place; full depth keeps all lengths equal. A token that exits early leaves the layers above behind,
+    and what a KVStrategy does about it is all that tells strategies apart. pending_states holds the state
+    each position reached, for layers above that have not run it yet (deferred, the speculative verify).
     """
 
     def __init__(self, config, batch_size, device, dtype=torch.float32):
@@ -517,6 +518,7 @@ class Generation:
     layers_run: int  # block runs per row over all decode steps, catch-up included, prefill excluded
     cache: "KVCache"
     stats: dict = None  # self-speculative counts: rounds, drafted, accepted
+    prefill_runs: int = 0  # block runs spent re-prefilling the window at full depth, per row
 
 @torch.inference_mode()
 def generate(model, idx, max_new_tokens, strategy="backfill", exit_threshold=1.0, checked_exits=None,
@@ -543,7 +545,7 @@ def generate(model, idx, max_new_tokens, strategy="backfill", exit_threshold=1.0
         else:
             tokens[:, n] = sample(logits, temperature, top_k, generator)
     logits = torch.stack(emitted, dim=1) if emitted else None
-    return Generation(tokens, exits, logits, sum(cache.layer_evals) - prefilled, cache)
+    return Generation(tokens, exits, logits, sum(cache.layer_evals) - prefilled, cache, None, prefilled)
 
 
 # -----------------------------------------------------------------------------
@@ -781,8 +783,13 @@ def speculative_accept(drafts, q, p, temperature, generator):
     residual = (p[accepted] - q[accepted]).clamp_min(0)  # (V,): where the full model wants more mass
     return accepted, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
 
-def draft(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, generator):
-    """Feed tokens[n-1] and then each new draft through layers 0..draft_exit only; returns (k, V) draft logits."""
+def draft(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, generator, draft_stop=0.0):
+    """Feed tokens[n-1] and then each new draft through layers 0..draft_exit only; returns (k', V) draft logits.
+
+    Adaptive length (Draft & Verify, arXiv:2309.08168; Kangaroo, arXiv:2404.18911): once the draft head
+    gives its token less than draft_stop of probability, stop and verify what is drafted (k' <= k). The
+    decision reads only the draft, so the accept rule keeps every emitted token exact.
+    """
     q = []
     for j in range(k):
         x = model.embed(tokens[:, n - 1 + j : n + j], pos + j)  # (1, 1, C)
@@ -792,7 +799,14 @@ def draft(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, gener
         logits = model.exit_logits(x[:, 0], draft_exit)  # (1, V)
         tokens[:, n + j] = sample(logits, temperature, top_k, generator)
         q.append(logits[0])
-    return torch.stack(q)  # (k, V)
+        if draft_stop > 0 and j < k - 1 and draft_confidence(logits, tokens[:, n + j], temperature, top_k) < draft_stop:
+            break
+    return torch.stack(q)  # (k', V)
+
+def draft_confidence(logits, token, temperature, top_k):
+    """The draft head's probability of the token it just drafted (greedy: its top-1 probability)."""
+    probs = logits.float().softmax(-1) if temperature == 0 else probs_from_logits(logits, temperature, top_k)
+    return float(probs[0, token[0]])
 
 def verify(model, cache, pos, k):
     """The remaining layers run once over the k drafted positions, from their saved states."""
@@ -801,7 +815,7 @@ def verify(model, cache, pos, k):
 
 @torch.inference_mode()
 def generate_self_speculative(model, idx, max_new_tokens, draft_exit, num_draft, temperature=0.0, top_k=0,
-                              generator=None):
+                              generator=None, draft_stop=0.0):
     """Draft num_draft tokens with layers 0..draft_exit, verify them with the rest; output as the full model's."""
     cfg = model.config
     if idx.size(0) != 1:
@@ -819,7 +833,8 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit, num_draft,
         prefilled += runs
         pos = n - 1 - start  # window position of the first token fed this round
         k = min(num_draft, cfg.block_size - pos, end - n)  # no fed position may pass block_size
-        q = draft(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, generator)
+        q = draft(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, generator, draft_stop)
+        k = q.size(0)  # an adaptive draft may stop early
         p = verify(model, cache, pos, k)
         if temperature > 0:
             q, p = probs_from_logits(q, temperature, top_k), probs_from_logits(p, temperature, top_k)
@@ -830,7 +845,7 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit, num_draft,
             cache.truncate(pos + accepted + 1)  # roll back every layer past the first rejected draft
         n += accepted + (nxt is not None)
         stats = {"rounds": stats["rounds"] + 1, "drafted": stats["drafted"] + k, "accepted": stats["accepted"] + accepted}
-    return Generation(tokens[:, :end], exits[:, T0:], None, sum(cache.layer_evals) - prefilled, cache, stats)
+    return Generation(tokens[:, :end], exits[:, T0:], None, sum(cache.layer_evals) - prefilled, cache, stats, prefilled)
 
 
 # -----------------------------------------------------------------------------
@@ -1016,18 +1031,47 @@ def exit_slices(records, exits, tokenizer, data, n_top=10):
 
 
 # -----------------------------------------------------------------------------
-# Measurement, 1: the KV-cache strategies side by side, quality then wall-clock
+# Measurement, 1: the KV-cache strategies side by side on a workload, quality then wall-clock
 
-STRATEGY_NAMES = ("full",) + KV_STRATEGIES
+def workload(data, n_prompts, prompt_len):
+    """n_prompts prompts of prompt_len characters from evenly spaced places of a split: (n_prompts, prompt_len).
 
-def strategy_runner(model, name, threshold, checked_exits, measure):
-    """A function (idx, n, generator, temperature, forced) -> Generation for one table row."""
+    One prompt proves nothing: a greedy character model soon loops ("the the the"), and a loop is easy to
+    draft. Timed figures continue every prompt of the test split's workload; choices use val's.
+    """
+    if len(data) < prompt_len + 2:
+        raise ValueError(f"a split of {len(data)} characters is too short for prompts of {prompt_len}")
+    starts = torch.linspace(0, len(data) - prompt_len - 1, n_prompts).long().tolist()
+    return torch.stack([data[s : s + prompt_len] for s in starts])
+
+def repetition(tokens, n=4):
+    """1 - distinct n-grams / n-grams of one generated sequence: 0 never repeats itself, near 1 is a loop."""
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
+
+MODES = ("greedy", "sampled")  # sampled draws with config.temperature and config.top_k
+
+def mode_temperature(mode, config):
+    return 0.0 if mode == "greedy" else config.temperature
+
+STRATEGY_NAMES = ("full",) + KV_STRATEGIES + ("self_speculative",)
+
+def strategy_runner(model, name, threshold=1.0, checked_exits=(), measure="top1", spec=(0, 1, 0.0)):
+    """A function (idx, n, generator, temperature, top_k, forced) -> Generation for one table row."""
+    if name == "self_speculative":
+        draft_exit, num_draft, draft_stop = spec
+
+        def run(idx, n, generator=None, temperature=0.0, top_k=0, forced=None):
+            return generate_self_speculative(model, idx, n, draft_exit, num_draft, temperature, top_k, generator,
+                                             draft_stop)
+
+        return run
     if name == "full":
         kw = dict(strategy="backfill", exit_threshold=1.0)
     else:
         kw = dict(strategy=name, exit_threshold=threshold, checked_exits=checked_exits, measure=measure)
 
-    def run(idx, n, generator=None, temperature=0.0, forced=None, top_k=0):
+    def run(idx, n, generator=None, temperature=0.0, top_k=0, forced=None):
         return generate(model, idx, n, temperature=temperature, top_k=top_k, generator=generator, forced=forced, **kw)
 
     return run
@@ -1046,19 +1090,34 @@ def quality_pass(run, data, n_positions, n_layer):
         "test_accuracy": (logits.argmax(-1) == targets).float().mean().item(),
     }
 
-def speed_pass(runs, idx, n_tokens, repeats, seed, temperature, top_k):
-    """Each run timed in turn, repeats times, interleaved; median tokens/s and mean layers per token."""
-    times = {name: [] for name in runs}
-    layers, outputs = {}, {}
+def synchronize(device):
+    """Wait for queued kernels, so a timer reads finished work (CUDA launches return at once)."""
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+def speed_pass(runs, prompts, n_tokens, repeats, seed, top_k):
+    """Every run continues every prompt (batch 1) in turn, repeats times, interleaved; runs: name -> (run, temperature).
+
+    Per run: median tokens/s over the whole workload, block runs per token while decoding (catch-up
+    included) and re-prefilling, how repetitive the generated text is, and the last Generations.
+    """
+    times, outputs = {name: [] for name in runs}, {}
     for _ in range(repeats):
-        for name, (run, temp) in runs.items():
-            gen = torch.Generator(device=idx.device).manual_seed(seed)
-            t0 = time.perf_counter()
-            out = run(idx, n_tokens, generator=gen, temperature=temp, top_k=top_k)
+        for name, (run, temperature) in runs.items():
+            synchronize(prompts.device)
+            t0, outs = time.perf_counter(), []
+            for i, prompt in enumerate(prompts):
+                gen = torch.Generator(device=prompts.device).manual_seed(seed + i)
+                outs.append(run(prompt[None], n_tokens, generator=gen, temperature=temperature, top_k=top_k))
+            synchronize(prompts.device)
             times[name].append(time.perf_counter() - t0)
-            layers[name], outputs[name] = out.layers_run / n_tokens, out
-    tps = {name: n_tokens / float(np.median(t)) for name, t in times.items()}
-    return tps, layers, outputs
+            outputs[name] = outs
+    total = len(prompts) * n_tokens
+    return {name: {"tokens_per_second": total / float(np.median(times[name])),
+                   "mean_layers": sum(o.layers_run for o in outs) / total,
+                   "prefill_layers": sum(o.prefill_runs for o in outs) / total,
+                   "repetition": float(np.mean([repetition(o.tokens[0, -n_tokens:].tolist()) for o in outs])),
+                   "outputs": outs} for name, outs in outputs.items()}
 
 def expected_batch_depth(exited_at, batch_sizes, n_layer):
     """Mean of the deepest exit among B independent draws from the recorded per-token exit layers."""
@@ -1070,85 +1129,144 @@ def expected_batch_depth(exited_at, batch_sizes, n_layer):
     return out
 
 @torch.inference_mode()
-def exit_check_cost(model, repeats=300):
-    """Median time of one exit check (head + confidence + decision) over one block, one new token."""
-    cache = KVCache(model.config, 1, next(model.parameters()).device)
-    x = torch.zeros(1, 1, model.config.n_embd, device=cache.k.device)
-    block = model.transformer.h[0]
-    t_block, t_check = [], []
+def decode_costs(model, prompts, n_tokens, repeats=200):
+    """Seconds, one new token at batch 1 (medians): a block, an exit check (head, confidence and the host
+    sync that decides), a state-copy write, the final head, and a whole full-depth token on these prompts."""
+    cfg, device = model.config, prompts.device
+    cache, x = KVCache(cfg, 1, device), torch.zeros(1, 1, cfg.n_embd, device=device)
+    weight, bias = state_copy_projections(model)
+    t = {"block": [], "check": [], "state_copy": [], "final_head": []}
     for _ in range(repeats):
         cache.reset()
-        t0 = time.perf_counter()
-        block(x, cache, 0)
-        t1 = time.perf_counter()
+        stamps = [time.perf_counter()]
+        model.transformer.h[0](x, cache, 0)
+        stamps.append(time.perf_counter())
         bool((confidence(model.exit_logits(x[:, 0], 0)) > 0.9).any())
-        t2 = time.perf_counter()
-        t_block.append(t1 - t0)
-        t_check.append(t2 - t1)
-    return float(np.median(t_check) / np.median(t_block))
+        stamps.append(time.perf_counter())
+        write_state_copy(cache, 1, x, weight, bias)
+        synchronize(device)
+        stamps.append(time.perf_counter())
+        model.exit_logits(x[:, 0], cfg.n_layer - 1).argmax(-1).tolist()
+        stamps.append(time.perf_counter())
+        for key, a, b in zip(t, stamps, stamps[1:]):
+            t[key].append(b - a)
+    costs = {key: float(np.median(v)) for key, v in t.items()}
+    full = speed_pass({"full": (strategy_runner(model, "full"), 0.0)}, prompts, n_tokens, 1, 0, 0)["full"]
+    return {**costs, "token": 1.0 / full["tokens_per_second"]}
+
+def predict_speedup(records, measure, threshold, checked_exits, costs, strategy, n_layer):
+    """Full depth's measured time per token over the predicted time of a strategy checking these exits.
+
+    Exiting at layer e skips n_layer - 1 - e blocks and the final head (not under backfill, which runs
+    them all) and costs a state-copy write under state_copy; every checked exit at or below e costs a
+    check. Deferred's catch-up rides in the next token's block call, so it is counted as no extra call.
+    """
+    exits = exits_at_threshold(records, measure, threshold, checked_exits).float()  # (N,)
+    L = n_layer
+    checks = sum((exits >= l).float() for l in checked_exits).mean().item()
+    early = (exits < L - 1).float().mean().item()
+    saved = 0.0 if strategy == "backfill" else (L - 1 - exits).mean().item() * costs["block"] + early * costs["final_head"]
+    extra = checks * costs["check"] + (early * costs["state_copy"] if strategy == "state_copy" else 0.0)
+    return costs["token"] / (costs["token"] - saved + extra)
+
+def plan_exits(records, measure, costs, strategy, n_layer, threshold=None, fraction=0.3):
+    """The cost-aware exit plan: every subset of exits, each at its threshold (given, or the highest on the
+    grid with >= fraction of val positions exiting early), ranked by predicted speed-up; best first."""
+    plans = []
+    for r in range(1, n_layer):
+        for subset in itertools.combinations(range(n_layer - 1), r):
+            t = threshold if threshold is not None else threshold_for_exit_fraction(
+                records, measure, list(subset), fraction, THRESHOLD_GRID)
+            plans.append({"checked_exits": list(subset), "threshold": t,
+                          "predicted_speedup": predict_speedup(records, measure, t, list(subset), costs, strategy, n_layer)})
+    return sorted(plans, key=lambda p: -p["predicted_speedup"])
 
 THRESHOLD_GRID = tuple(round(0.05 * i, 2) for i in range(20, 0, -1)) + (0.0,)  # 1.0, 0.95, ..., 0.05, 0
 
-def spec_runner(model, draft_exit, num_draft):
-    def run(idx, n, generator=None, temperature=0.0, top_k=0, forced=None):
-        return generate_self_speculative(model, idx, n, draft_exit, num_draft, temperature, top_k, generator)
-
-    return run
-
-def compare_strategies(model, splits, config, idx):
-    """The strategies table: quality teacher-forced on test, speed timed side by side. Returns (rows, extras)."""
+def strategy_plans(model, val_records, costs, config):
+    """Per KV strategy: which exits it checks and at what threshold, with the predicted speed-up (chosen on val)."""
     L, measure = config.n_layer, config.confidence
-    checked_exits = parse_exit_layers(config.exit_layers, L)
-    threshold = config.strategies_threshold
-    if threshold < 0:  # chosen on val, never on test
-        val = record_exits(model, splits["val"].to(idx.device), config.quality_positions)
-        threshold = threshold_for_exit_fraction(val, measure, checked_exits, 0.3, THRESHOLD_GRID)
-    runs = {name: strategy_runner(model, name, threshold, checked_exits, measure) for name in STRATEGY_NAMES}
-    test = splits["test"].to(idx.device)
-    quality = {name: quality_pass(run, test, config.quality_positions, L) for name, run in runs.items()}
-    timed = {name: (run, config.temperature) for name, run in runs.items()}
-    timed["full_greedy"] = (runs["full"], 0.0)  # self-speculative's figure is greedy: time its baseline too
-    timed["self_speculative"] = (spec_runner(model, config.draft_exit, config.num_draft), 0.0)
-    tps, layers, outputs = speed_pass(timed, idx, config.bench_tokens, config.bench_repeats, config.seed,
-                                      config.temperature, config.top_k)
-    full = quality["full"]
+    fixed = None if config.strategies_threshold < 0 else config.strategies_threshold
+    plans = {}
+    for name in KV_STRATEGIES:
+        if config.exit_layers == "auto":
+            plans[name] = plan_exits(val_records, measure, costs, name, L, fixed)[0]
+            continue
+        checked = parse_exit_layers(config.exit_layers, L)
+        t = fixed if fixed is not None else threshold_for_exit_fraction(val_records, measure, checked, 0.3, THRESHOLD_GRID)
+        plans[name] = {"checked_exits": checked, "threshold": t,
+                       "predicted_speedup": predict_speedup(val_records, measure, t, checked, costs, name, L)}
+    return plans
+
+def compare_strategies(model, splits, config, device):
+    """The strategies table: quality teacher-forced on test, speed on the test workload, greedy and sampled."""
+    L, measure, spec = config.n_layer, config.confidence, (config.draft_exit, config.num_draft, config.draft_stop)
+    val_prompts = workload(splits["val"], config.bench_prompts, config.bench_prompt_len).to(device)
+    test_prompts = workload(splits["test"], config.bench_prompts, config.bench_prompt_len).to(device)
+    val_records = record_exits(model, splits["val"].to(device), config.quality_positions)
+    costs = decode_costs(model, val_prompts[:4], config.bench_tokens)
+    plans = strategy_plans(model, val_records, costs, config)
+    runs = {name: strategy_runner(model, name, p["threshold"], p["checked_exits"], measure) for name, p in plans.items()}
+    runs = {"full": strategy_runner(model, "full"), **runs, "self_speculative": strategy_runner(model, "self_speculative", spec=spec)}
+    test = splits["test"].to(device)
+    quality = {name: quality_pass(runs[name], test, config.quality_positions, L) for name in ("full",) + KV_STRATEGIES}
+    timed = {(name, mode): (run, mode_temperature(mode, config)) for mode in MODES for name, run in runs.items()}
+    speed = speed_pass(timed, test_prompts, config.bench_tokens, config.bench_repeats, config.seed, config.top_k)
+    rows = [strategy_row(name, mode, speed, quality, plans, config) for mode in MODES for name in STRATEGY_NAMES]
+    return rows, quality, plans, costs
+
+def strategy_row(name, mode, speed, quality, plans, config):
+    """One row of the strategies table; self_speculative's quality is full depth's by construction."""
+    s, full = speed[name, mode], speed["full", mode]
+    q = quality.get(name, quality["full"])
+    row = {"name": name, "mode": mode, "tokens_per_second": s["tokens_per_second"],
+           "speedup": s["tokens_per_second"] / full["tokens_per_second"], "ideal_speedup": config.n_layer / s["mean_layers"],
+           "mean_layers": s["mean_layers"], "prefill_layers": s["prefill_layers"], "repetition": s["repetition"],
+           "test_loss": q["test_loss"], "test_accuracy": q["test_accuracy"],
+           "agreement": (q["pred"] == quality["full"]["pred"]).float().mean().item(),
+           "quality_from": "teacher-forced test positions" if name in quality else "full depth (exact by construction)"}
+    if name in plans:
+        row.update(plans[name], checked_exits=",".join(map(str, plans[name]["checked_exits"])))
+    if name == "self_speculative":
+        row.update(spec_stats(s["outputs"], full["outputs"], mode, config))
+    return row
+
+def spec_stats(outputs, full_outputs, mode, config):
+    """Acceptance, tokens per verify pass and (greedy) whether every prompt's output equals full depth's."""
+    stats = {k: sum(o.stats[k] for o in outputs) for k in ("rounds", "drafted", "accepted")}
+    same = all(torch.equal(a.tokens, b.tokens) for a, b in zip(outputs, full_outputs)) if mode == "greedy" else None
+    return {"acceptance_rate": stats["accepted"] / stats["drafted"],
+            "tokens_per_verify": len(outputs) * config.bench_tokens / stats["rounds"],
+            "draft_exit": config.draft_exit, "num_draft": config.num_draft, "draft_stop": config.draft_stop,
+            "identical_to_full": same}
+
+def time_speculative(model, prompts, config, cells):
+    """Self-speculative decoding for every (draft_exit, num_draft, draft_stop) cell beside full depth, both
+    modes, all interleaved in one pass over the workload; one row per cell and mode."""
+    runs = {}
+    for mode in MODES:
+        temperature = mode_temperature(mode, config)
+        runs["full", mode] = (strategy_runner(model, "full"), temperature)
+        for cell in cells:
+            runs[cell, mode] = (strategy_runner(model, "self_speculative", spec=cell), temperature)
+    speed = speed_pass(runs, prompts, config.bench_tokens, config.bench_repeats, config.seed, config.top_k)
     rows = []
-    for name in STRATEGY_NAMES:
-        q = quality[name]
-        rows.append({"name": name, "tokens_per_second": tps[name], "speedup": tps[name] / tps["full"],
-                     "ideal_speedup": L / layers[name], "mean_layers": layers[name], "test_loss": q["test_loss"],
-                     "test_accuracy": q["test_accuracy"], "agreement": (q["pred"] == full["pred"]).float().mean().item()})
-    rows.append(spec_row(outputs, tps, layers, full, config))
-    return threshold, rows, quality
+    for (cell, mode), s in speed.items():
+        if cell == "full":
+            continue
+        full = speed["full", mode]
+        stats = spec_stats(s["outputs"], full["outputs"], mode, config)
+        rows.append({**stats, "draft_exit": cell[0], "num_draft": cell[1], "draft_stop": cell[2], "mode": mode,
+                     "speedup": s["tokens_per_second"] / full["tokens_per_second"], "repetition": s["repetition"]})
+    return rows
 
-def spec_row(outputs, tps, layers, full, config):
-    """The self_speculative row: timed greedy against greedy full depth in the same run."""
-    spec, ref = outputs["self_speculative"], outputs["full_greedy"]
-    same = spec.tokens.shape == ref.tokens.shape and bool((spec.tokens == ref.tokens).all())
-    stats = spec.stats
-    return {"name": "self_speculative", "tokens_per_second": tps["self_speculative"],
-            "speedup": tps["self_speculative"] / tps["full_greedy"],
-            "ideal_speedup": config.n_layer / layers["self_speculative"], "mean_layers": layers["self_speculative"],
-            # its output distribution is the full model's by construction (tested), so its quality is full depth's
-            "test_loss": full["test_loss"], "test_accuracy": full["test_accuracy"],
-            "agreement": (spec.tokens == ref.tokens).float().mean().item(),
-            "acceptance_rate": stats["accepted"] / stats["drafted"],
-            "tokens_per_verify": config.bench_tokens / stats["rounds"],
-            "draft_exit": config.draft_exit, "num_draft": config.num_draft, "identical_to_full": same}
+SPEC_GRID = dict(draft_exits=(0, 1, 2), num_drafts=(4, 8, 12, 16), draft_stops=(0.0, 0.3, 0.5, 0.7))
 
-def time_speculative(model, idx, config, draft_exit, num_draft):
-    """Greedy self-speculative decoding timed beside greedy full depth: speed-up, acceptance, exactness."""
-    runs = {"full": (strategy_runner(model, "full", 1.0, [], "top1"), 0.0),
-            "spec": (spec_runner(model, draft_exit, num_draft), 0.0)}
-    tps, _, out = speed_pass(runs, idx, config.bench_tokens, config.bench_repeats, config.seed, 0.0, 0)
-    stats = out["spec"].stats
-    return {"draft_exit": draft_exit, "num_draft": num_draft, "speedup": tps["spec"] / tps["full"],
-            "acceptance_rate": stats["accepted"] / stats["drafted"],
-            "identical_to_full": bool(torch.equal(out["spec"].tokens, out["full"].tokens))}
-
-def sweep_speculative(model, idx, config, draft_exits, num_drafts):
-    """time_speculative for every (draft_exit, num_draft)."""
-    return [time_speculative(model, idx, config, E, k) for E in draft_exits for k in num_drafts]
+def sweep_speculative(model, prompts, config, grid=SPEC_GRID):
+    """--spec_sweep: every (draft_exit, num_draft, draft_stop) on the val workload, greedy and sampled."""
+    cells = [(E, k, s) for E in grid["draft_exits"] if E < config.n_layer - 1
+             for k in grid["num_drafts"] for s in grid["draft_stops"]]
+    return time_speculative(model, prompts, config, cells)
 
 
 # -----------------------------------------------------------------------------
@@ -1169,7 +1287,7 @@ RECIPES = {  # each is the seed recipe with these fields changed
     "dropout_distill": dict(layer_dropout=0.2, distill_weight=0.1),  # the default since the comparison
 }
 
-def evaluate_recipe(name, model, splits, config, device, ctx, idx):
+def evaluate_recipe(name, model, splits, config, device, ctx, prompts):
     """The figures a recipe is judged on: losses, calibrated compute saved, self-speculative speed."""
     model.eval()
     losses = estimate_loss(model, splits, config, device, ctx)
@@ -1177,14 +1295,17 @@ def evaluate_recipe(name, model, splits, config, device, ctx, idx):
     val = record_exits(model, splits["val"].to(device), config.sweep_positions)
     test = record_exits(model, splits["test"].to(device), config.sweep_positions)
     cal = calibration_report(val, test, "top1", checked_exits, 0.01, 0.05)
-    spec = time_speculative(model, idx, config, config.draft_exit, config.num_draft)
+    spec = {r["mode"]: r for r in time_speculative(model, prompts, config, [(config.draft_exit, config.num_draft,
+                                                                             config.draft_stop)])}
     return {"recipe": name, **RECIPES[name], "val_loss_final": losses["val"][-1], "val_loss_exits": losses["val"][:-1],
             "calibrated_threshold": cal["threshold"], "compute_saved": cal["test"]["compute_saved"],
             "test_loss": cal["test"]["loss"], "test_full_loss": cal["test"]["full_loss"],
-            "spec_speedup": spec["speedup"], "spec_acceptance_rate": spec["acceptance_rate"],
-            "spec_identical_to_full": spec["identical_to_full"]}
+            "spec_speedup": spec["greedy"]["speedup"], "spec_acceptance_rate": spec["greedy"]["acceptance_rate"],
+            "spec_identical_to_full": spec["greedy"]["identical_to_full"],
+            "spec_speedup_sampled": spec["sampled"]["speedup"],
+            "spec_acceptance_rate_sampled": spec["sampled"]["acceptance_rate"]}
 
-def compare_recipes(config, splits, device, ctx, idx):
+def compare_recipes(config, splits, device, ctx, prompts):
     """Train every recipe from scratch with the same data, seed and budget; evaluate each the same way."""
     rows = []
     for name, fields_ in RECIPES.items():
@@ -1193,7 +1314,7 @@ def compare_recipes(config, splits, device, ctx, idx):
         torch.manual_seed(cfg.seed)
         model = GPT(cfg).to(device)
         seconds, _ = train(model, configure_optimizer(model, cfg), splits, cfg, device, ctx)
-        rows.append({**evaluate_recipe(name, model, splits, cfg, device, ctx, idx), "train_seconds": seconds})
+        rows.append({**evaluate_recipe(name, model, splits, cfg, device, ctx, prompts), "train_seconds": seconds})
     return rows
 
 def benchmark_training(config, splits, device, ctx, rounds=5, steps=40):
@@ -1247,49 +1368,71 @@ def print_table(rows, columns, title=None):
         print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
 
 STRATEGY_COLUMNS = (
+    ("mode", "mode", "{}"),
     ("name", "strategy", "{}"),
+    ("checked_exits", "exits", "{}"),
+    ("threshold", "thr", "{:.2f}"),
     ("tokens_per_second", "tok/s", "{:,.0f}"),
     ("speedup", "speed-up", "{:.2f}x"),
+    ("predicted_speedup", "predicted", "{:.2f}x"),
     ("ideal_speedup", "ideal L/layers", "{:.2f}x"),
     ("mean_layers", "layers/token", "{:.2f}"),
+    ("prefill_layers", "+prefill", "{:.2f}"),
+    ("repetition", "repetition", "{:.2f}"),
     ("test_loss", "test loss", "{:.4f}"),
-    ("test_accuracy", "accuracy", "{:.3f}"),
     ("agreement", "agree w/ full", "{:.3f}"),
 )
 
-def print_strategies(threshold, rows, quality, config, check_cost, depths):
+def print_strategies(rows, quality, config, costs, depths):
     L = config.n_layer
-    print(f"\n=== What does each KV strategy buy? Exit when {config.confidence} > {threshold:g}, "
-          f"exits checked at layers {config.exit_layers} ===")
-    print(f"quality: {config.quality_positions} test positions, teacher-forced through the sequential decoder; "
-          f"speed: {config.bench_tokens} tokens from the prompt, batch 1, median of {config.bench_repeats} interleaved runs")
-    print("(self_speculative: greedy, against greedy full depth timed in the same loop; its output is the full model's)")
+    print(f"\n=== What does each KV strategy buy? {config.bench_prompts} test prompts of {config.bench_prompt_len} "
+          f"characters, {config.bench_tokens} more each, batch 1, median of {config.bench_repeats} interleaved runs ===")
+    print(f"greedy and sampled (temperature {config.temperature:g}, top_k {config.top_k}) each against full depth in the "
+          f"same mode. exits / thr: checked exits and threshold ({config.confidence}), chosen on val: "
+          f"exit_layers={config.exit_layers!r}, at least 30% of val positions exiting early unless strategies_threshold.")
+    print("predicted: the cost-aware plan's speed-up from measured costs and val exit rates. layers/token: blocks run "
+          "while decoding, catch-up included; +prefill: the full-depth re-prefill every block_size/2 tokens, which also "
+          "repairs holes and state-copy approximations, so their damage is bounded by it.")
+    print(f"repetition: 1 - distinct/total 4-grams of the generated text (a loop scores near 1). test loss and "
+          f"agreement: {config.quality_positions} test positions teacher-forced through each decoder; self_speculative's "
+          "are full depth's by construction (its tokens are the full model's, greedy, or its distribution, sampled).")
     print_table(rows, STRATEGY_COLUMNS)
-    spec = rows[-1]
-    print(f"self_speculative: draft_exit={spec['draft_exit']}, num_draft={spec['num_draft']}, acceptance rate "
-          f"{spec['acceptance_rate']:.3f}, {spec['tokens_per_verify']:.2f} tokens per verify pass, "
-          f"identical to full depth: {spec['identical_to_full']}")
+    for spec in (r for r in rows if r["name"] == "self_speculative"):
+        same = {True: "identical to full depth on every prompt", False: "NOT identical to full depth",
+                None: "exact in distribution (tested)"}[spec["identical_to_full"]]
+        print(f"self_speculative {spec['mode']}: draft_exit={spec['draft_exit']}, num_draft={spec['num_draft']}, "
+              f"draft_stop={spec['draft_stop']:g}, acceptance {spec['acceptance_rate']:.3f}, "
+              f"{spec['tokens_per_verify']:.2f} tokens per verify pass, {same}")
+    print("the Learn-then-Test guarantee covers argmax agreement with full depth, teacher-forced, with an exact cache "
+          "(backfill, deferred) at the calibrated threshold: not these speed thresholds, sampling, state_copy or holes.")
     print("\nwhere test tokens exit (teacher-forced), and layers run per token counting catch-up work:")
     for name, q in quality.items():
         fr = " ".join(f"{100 * f:5.1f}%" for f in q["exit_fractions"])
         print(f"  {name:<11} {fr}  | {q['mean_layers']:.2f} layers/token")
-    print(f"one exit check costs {check_cost:.2f} of a block (median, one token, batch 1)")
+    print(f"measured costs, one token at batch 1: block {1e6 * costs['block']:.0f} us, exit check "
+          f"{costs['check'] / costs['block']:.2f} of a block, state-copy write {costs['state_copy'] / costs['block']:.2f}, "
+          f"final head {costs['final_head'] / costs['block']:.2f}; a full-depth token {costs['token'] / costs['block']:.1f} blocks")
     print("a batch runs as deep as its deepest row: expected layers per step from the recorded exits:")
     for B, d in depths.items():
         print(f"  B = {B:>2}: {d:.2f} of {L} layers ({100 * (1 - d / L):4.1f}% saved)")
 
 def print_spec_sweep(grid):
-    """Speed-up over full depth (acceptance rate) for each draft_exit (rows) and num_draft (columns)."""
-    exits, drafts = sorted({g["draft_exit"] for g in grid}), sorted({g["num_draft"] for g in grid})
-    cell = {(g["draft_exit"], g["num_draft"]): g for g in grid}
-    print("\n=== Which draft_exit and num_draft? The self-speculative sweep: greedy speed-up over full depth "
-          "(acceptance rate), same-run medians ===")
-    print("draft_exit " + "".join(f"{'k=' + str(k):>16}" for k in drafts))
-    for E in exits:
-        print(f"{E:>10} " + "".join(f"{cell[E, k]['speedup']:>9.2f}x ({cell[E, k]['acceptance_rate']:.2f})" for k in drafts))
-    best = max(grid, key=lambda g: g["speedup"])
-    print(f"best: draft_exit={best['draft_exit']}, num_draft={best['num_draft']} ({best['speedup']:.2f}x); "
-          f"output identical to full depth in every cell: {all(g['identical_to_full'] for g in grid)}")
+    """Per mode: speed-up over full depth (acceptance) for each (draft_exit, num_draft) row and draft_stop column."""
+    stops = sorted({g["draft_stop"] for g in grid})
+    cell = {(g["mode"], g["draft_exit"], g["num_draft"], g["draft_stop"]): g for g in grid}
+    print("\n=== Which draft_exit, num_draft and draft_stop? The self-speculative sweep on the val workload: "
+          "speed-up over full depth in the same mode (acceptance rate), same-run medians ===")
+    for mode in MODES:
+        rows = sorted({(g["draft_exit"], g["num_draft"]) for g in grid if g["mode"] == mode})
+        print(f"{mode:>8} E,k " + "".join(f"{'stop=' + format(s, 'g'):>16}" for s in stops))
+        for E, k in rows:
+            print(f"{E:>8},{k:<3} " + "".join(f"{cell[mode, E, k, s]['speedup']:>9.2f}x ({cell[mode, E, k, s]['acceptance_rate']:.2f})"
+                                         for s in stops))
+        best = max((g for g in grid if g["mode"] == mode), key=lambda g: g["speedup"])
+        print(f"best {mode}: draft_exit={best['draft_exit']}, num_draft={best['num_draft']}, "
+              f"draft_stop={best['draft_stop']:g} ({best['speedup']:.2f}x)")
+    print("greedy output identical to full depth in every cell: "
+          f"{all(g['identical_to_full'] for g in grid if g['mode'] == 'greedy')}")
 
 SWEEP_SHOWN = (1.0, 0.99, 0.98, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
 
@@ -1337,14 +1480,15 @@ def print_recipes(rows, config):
     base = next(r for r in rows if r["recipe"] == "baseline")["val_loss_final"]
     print(f"\n=== Which training recipe? Every recipe at the same budget ({config.max_iters} steps, seed {config.seed}) ===")
     print("compute saved and test loss at the calibrated top-1 threshold (epsilon 1%, delta 0.05, chosen on val); "
-          f"self-speculative greedy at draft_exit={config.draft_exit}, num_draft={config.num_draft}")
+          f"self-speculative on the val workload at draft_exit={config.draft_exit}, num_draft={config.num_draft}, "
+          f"draft_stop={config.draft_stop:g}")
     shown = [dict(r, vs_base=r["val_loss_final"] / base - 1, exits=" ".join(f"{v:.2f}" for v in r["val_loss_exits"]))
              for r in rows]
     print_table(shown, (("recipe", "recipe", "{}"), ("val_loss_final", "val loss", "{:.4f}"), ("vs_base", "vs baseline", "{:+.2%}"),
                         ("exits", "val loss per exit", "{}"), ("calibrated_threshold", "threshold", "{:.2f}"),
                         ("compute_saved", "test saved", "{:.1%}"), ("test_loss", "test loss", "{:.4f}"),
                         ("test_full_loss", "full", "{:.4f}"), ("spec_acceptance_rate", "accept", "{:.3f}"),
-                        ("spec_speedup", "spec speed-up", "{:.2f}x")))
+                        ("spec_speedup", "spec greedy", "{:.2f}x"), ("spec_speedup_sampled", "spec sampled", "{:.2f}x")))
 
 
 # -----------------------------------------------------------------------------
@@ -1474,15 +1618,18 @@ def validate(config):
     parse_exit_layers(config.exit_layers, config.n_layer)
     if not 0 <= config.draft_exit < config.n_layer - 1:
         raise ValueError(f"draft_exit={config.draft_exit} must be a layer below the last (0..{config.n_layer - 2})")
+    if not 0 <= config.draft_stop < 1:
+        raise ValueError(f"draft_stop={config.draft_stop} must lie in [0, 1)")
     if not (0 < config.epsilon < 1 and 0 < config.delta < 1):
         raise ValueError(f"epsilon={config.epsilon} and delta={config.delta} must both lie strictly between 0 and 1")
-    for name in ("num_draft", "quality_positions", "bench_tokens", "bench_repeats", "sweep_positions"):
+    for name in ("num_draft", "quality_positions", "bench_tokens", "bench_repeats", "sweep_positions", "bench_prompts",
+                 "bench_prompt_len"):
         if getattr(config, name) < 1:
             raise ValueError(f"{name}={getattr(config, name)} must be at least 1")
 
 def parse_exit_layers(text, n_layer):
     """'all' or '0,2' -> the sorted layers (below the last) whose exit head is checked."""
-    if text == "all":
+    if text in ("all", "auto"):  # 'auto' is resolved per strategy by the exit plan; elsewhere it checks all
         return list(range(n_layer - 1))
     try:
         layers = sorted({int(t) for t in text.split(",") if t.strip()})
@@ -1562,8 +1709,8 @@ def demo_generation(model, tokenizer, config, device, threshold):
 def run_recipe_comparison(config, device):
     """--compare_recipes=1: every recipe trained and judged alike; a table, and recipes.json in out_dir."""
     tokenizer, splits = load_data(config)
-    idx = torch.tensor([tokenizer.encode(config.prompt)], dtype=torch.long, device=device)
-    rows = compare_recipes(config, splits, device, autocast_context(device), idx)
+    prompts = workload(splits["val"], config.bench_prompts, config.bench_prompt_len).to(device)  # choosing: val
+    rows = compare_recipes(config, splits, device, autocast_context(device), prompts)
     print_recipes(rows, config)
     os.makedirs(config.out_dir, exist_ok=True)
     write_json(rows, os.path.join(config.out_dir, "recipes.json"))
@@ -1636,16 +1783,18 @@ def print_exit_rule(rule, config):
     print_logit_lens(rule["logit_lens"])
     print_slices(rule["slices"])
 
-def measure_strategies(model, idx, splits, config):
-    """The strategies table, the cost of an exit check, batch depth, and (--spec_sweep) the (E, k) grid."""
-    threshold, rows, quality = compare_strategies(model, splits, config, idx)
-    check_cost = exit_check_cost(model)
+def measure_strategies(model, splits, config, device):
+    """The strategies table on the workload, costs and plans, batch depth, and (--spec_sweep) the self-speculative grid."""
+    rows, quality, plans, costs = compare_strategies(model, splits, config, device)
     depths = expected_batch_depth(quality["backfill"]["exited_at"], (1, 4, 16), config.n_layer)
-    print_strategies(threshold, rows, quality, config, check_cost, depths)
-    report = {"strategies": rows, "strategies_threshold": threshold, "exit_check_cost": check_cost,
-              "batch_depth": {str(b): d for b, d in depths.items()}}
+    print_strategies(rows, quality, config, costs, depths)
+    report = {"strategies": rows, "exit_plans": plans, "decode_costs": costs,
+              "exit_check_cost": costs["check"] / costs["block"], "batch_depth": {str(b): d for b, d in depths.items()},
+              "workload": {"split": "test", "prompts": config.bench_prompts, "prompt_len": config.bench_prompt_len,
+                           "tokens": config.bench_tokens, "repeats": config.bench_repeats, "chosen_on": "val"}}
     if config.spec_sweep:
-        report["spec_sweep"] = sweep_speculative(model, idx, config, range(config.n_layer - 1), (2, 3, 4, 6, 8, 12))
+        val_prompts = workload(splits["val"], config.bench_prompts, config.bench_prompt_len).to(device)
+        report["spec_sweep"] = sweep_speculative(model, val_prompts, config)
         print_spec_sweep(report["spec_sweep"])
     return report
 
@@ -1669,8 +1818,7 @@ def run(config, overridden):
     report["generation"] = demo_generation(model, tokenizer, config, device, threshold)
     print_exit_rule(rule, config)
     report.update(rule)
-    idx = torch.tensor([tokenizer.encode(config.prompt)], dtype=torch.long, device=device)
-    report.update(measure_strategies(model, idx, splits, config))
+    report.update(measure_strategies(model, splits, config, device))
     write_json(report, os.path.join(config.out_dir, "report.json"))
     print(f"\nreport: {os.path.join(config.out_dir, 'report.json')}")
     return report

@@ -12,7 +12,8 @@ from conftest import m
 
 TINY_ARGS = ["--n_layer=2", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4",
              "--eval_iters=1", "--eval_interval=2", "--max_new_tokens=20", "--device=cpu",
-             "--draft_exit=0", "--quality_positions=50", "--bench_tokens=20", "--bench_repeats=1"]
+             "--draft_exit=0", "--quality_positions=50", "--bench_tokens=20", "--bench_repeats=1",
+             "--bench_prompts=2", "--bench_prompt_len=8"]
 
 
 def run_main(tmp_path, *args):
@@ -122,24 +123,32 @@ def test_training_benchmark_times_both_setups(tmp_path, capsys):
 def test_spec_sweep_prints_the_grid(tmp_path, capsys):
     assert run_main(tmp_path, "--n_layer=3", "--max_iters=2", "--spec_sweep=1") == 0
     out = capsys.readouterr().out
-    assert "self-speculative sweep" in out and "best: draft_exit=" in out
+    assert "self-speculative sweep on the val workload" in out
+    assert "best greedy: draft_exit=" in out and "best sampled: draft_exit=" in out
     report = json.loads((tmp_path / "report.json").read_text())
-    assert len(report["spec_sweep"]) == 2 * 6
-    assert all(g["identical_to_full"] for g in report["spec_sweep"])
+    grid = m.SPEC_GRID
+    assert len(report["spec_sweep"]) == 2 * 2 * len(grid["num_drafts"]) * len(grid["draft_stops"])  # modes, E < 2
+    greedy = [g for g in report["spec_sweep"] if g["mode"] == "greedy"]
+    assert len(greedy) == len(report["spec_sweep"]) // 2 and all(g["identical_to_full"] for g in greedy)
 
 
 def test_report_has_the_strategies_and_calibration(tmp_path):
     assert run_main(tmp_path, "--n_layer=3", "--max_iters=2") == 0
     r = json.loads((tmp_path / "report.json").read_text())
-    names = [row["name"] for row in r["strategies"]]
-    assert names == ["full", "backfill", "deferred", "state_copy", "holes", "self_speculative"]
-    keys = {"name", "tokens_per_second", "speedup", "ideal_speedup", "mean_layers", "test_loss", "test_accuracy",
-            "agreement"}
-    assert all(set(row) == keys for row in r["strategies"][:-1])
-    spec = r["strategies"][-1]
-    assert keys | {"acceptance_rate", "draft_exit", "num_draft", "identical_to_full"} <= set(spec)
-    assert spec["identical_to_full"] is True
-    assert 0 <= r["strategies_threshold"] <= 1
+    names = ["full", "backfill", "deferred", "state_copy", "holes", "self_speculative"]
+    assert [(row["mode"], row["name"]) for row in r["strategies"]] == [(mode, n) for mode in ("greedy", "sampled")
+                                                                      for n in names]
+    keys = {"name", "mode", "tokens_per_second", "speedup", "ideal_speedup", "mean_layers", "prefill_layers",
+            "repetition", "test_loss", "test_accuracy", "agreement", "quality_from"}
+    assert all(keys <= set(row) for row in r["strategies"])
+    per_token = [row for row in r["strategies"] if row["name"] in ("backfill", "deferred", "state_copy", "holes")]
+    assert all({"checked_exits", "threshold", "predicted_speedup"} <= set(row) for row in per_token)
+    assert all(0 <= row["threshold"] <= 1 for row in per_token)
+    spec = [row for row in r["strategies"] if row["name"] == "self_speculative"]
+    assert all({"acceptance_rate", "draft_exit", "num_draft", "draft_stop", "identical_to_full"} <= set(s) for s in spec)
+    assert spec[0]["identical_to_full"] is True and spec[1]["identical_to_full"] is None
+    assert r["workload"] == {"split": "test", "prompts": 2, "prompt_len": 8, "tokens": 20, "repeats": 1,
+                             "chosen_on": "val"}
     cal = r["calibration"]
     assert {"measure", "epsilon", "delta", "threshold", "val", "test"} <= set(cal)
     assert {"disagreement", "loss", "full_loss", "accuracy", "compute_saved"} <= set(cal["test"])
