@@ -90,7 +90,7 @@ class Config:
     kv_strategy: str = "backfill"  # how skipped layers' KV entries are filled: backfill, deferred, state_copy, holes
     confidence: str = "top1"  # confidence measure: top1, margin (top1 - top2) or entropy (1 - H / log V)
     draft_exit: int = 0  # self-speculative: the last layer of the draft (its exit head drafts); set by --spec_sweep
-    num_draft: int = 12  # self-speculative: the most tokens drafted per verify pass; set by --spec_sweep
+    num_draft: int = 8  # self-speculative: the most tokens drafted per verify pass; set by --spec_sweep
     draft_stop: float = 0.0  # self-speculative: stop drafting when the draft's probability falls below this (0: never)
     # evaluation and benchmarks
     quality_positions: int = 2000  # test positions decoded teacher-forced per strategy; more is steadier and slower
@@ -379,10 +379,6 @@ class KVCache:
         self.lengths = [0] * len(self.lengths)
         self.start = start
 
-    def truncate(self, length):
-        """Roll every layer back to at most `length` entries (speculative rejection)."""
-        self.lengths = [min(n, length) for n in self.lengths]
-
     def count(self, layer, T):
         self.layer_evals[layer] += T
 
@@ -420,12 +416,17 @@ def probs_from_logits(logits, temperature, top_k):
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return logits.softmax(-1)
 
+def draw(probs, generator):
+    """(B, V) probabilities -> (B,) tokens by inverse CDF: cheaper than torch.multinomial for one draw."""
+    cdf = probs.cumsum(-1)  # (B, V)
+    u = torch.rand(probs.size(0), 1, generator=generator, device=probs.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True)[:, 0]  # right=True: a zero-probability token is never drawn
+
 def sample(logits, temperature, top_k, generator):
     """(B, V) logits -> (B,) tokens; temperature 0 is greedy."""
     if temperature == 0:
         return logits.argmax(-1)
-    probs = probs_from_logits(logits, temperature, top_k)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return draw(probs_from_logits(logits, temperature, top_k), generator)
 
 def window_start(start, n, block_size):
     """Where the context window begins when the sequence holds n tokens and token n-1 is fed next.
@@ -466,9 +467,8 @@ def register_strategy(cls):
 
 @register_strategy
 class KVStrategy:
-    """Backfill, the seed's answer, and the hook Part II's strategies override: run_layer runs one block for
-    the newest token; skip_layers handles the layers above once every row has exited. Backfill runs them all,
-    so its cache never has a hole: exact, and no layer is saved."""
+    """Backfill, and the hook Part II's strategies override: run_layer runs a block for the newest token;
+    skip_layers handles the layers above once every row exited. Backfill runs them all: exact, saves nothing."""
 
     name = "backfill"
     skips = False  # does a step stop running layers once every row has exited?
@@ -781,13 +781,13 @@ def speculative_accept(drafts, q, p, temperature, generator):
     if accepted == k:
         return k, None
     residual = (p[accepted] - q[accepted]).clamp_min(0)  # (V,): where the full model wants more mass
-    return accepted, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return accepted, int(draw(residual[None] / residual.sum(), generator)[0])
 
 def draft(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, generator, draft_stop=0.0):
     """Feed tokens[n-1] and then each new draft through layers 0..draft_exit only; returns (k', V) draft logits.
 
     Adaptive length (Draft & Verify, arXiv:2309.08168; Kangaroo, arXiv:2404.18911): once the draft head
-    gives its token less than draft_stop of probability, stop and verify what is drafted (k' <= k). The
+    is less than draft_stop sure of its top token, stop and verify what is drafted (k' <= k). The
     decision reads only the draft, so the accept rule keeps every emitted token exact.
     """
     q = []
@@ -797,16 +797,20 @@ def draft(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, gener
             x = model.transformer.h[l](x, cache, l)
         cache.pending_states[:, pos + j] = x[:, 0]  # the layers above pick up from here in the verify pass
         logits = model.exit_logits(x[:, 0], draft_exit)  # (1, V)
-        tokens[:, n + j] = sample(logits, temperature, top_k, generator)
         q.append(logits[0])
-        if draft_stop > 0 and j < k - 1 and draft_confidence(logits, tokens[:, n + j], temperature, top_k) < draft_stop:
+        if draft_stop == 0:
+            tokens[:, n + j] = sample(logits, temperature, top_k, generator)
+            continue
+        # one softmax serves the draw and the stopping rule (greedy: the top-1 probability)
+        probs = logits.float().softmax(-1) if temperature == 0 else probs_from_logits(logits, temperature, top_k)
+        tokens[:, n + j] = probs.argmax(-1) if temperature == 0 else draw(probs, generator)
+        if j < k - 1 and float(probs.amax()) < draft_stop:  # Kangaroo's rule: the draft head's top-1 confidence
             break
     return torch.stack(q)  # (k', V)
 
-def draft_confidence(logits, token, temperature, top_k):
-    """The draft head's probability of the token it just drafted (greedy: its top-1 probability)."""
-    probs = logits.float().softmax(-1) if temperature == 0 else probs_from_logits(logits, temperature, top_k)
-    return float(probs[0, token[0]])
+def truncate(cache, length):
+    """Roll every layer back to at most `length` entries: a rejected draft's entries are gone."""
+    cache.lengths = [min(n, length) for n in cache.lengths]
 
 def verify(model, cache, pos, k):
     """The remaining layers run once over the k drafted positions, from their saved states."""
@@ -842,7 +846,7 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit, num_draft,
         exits[0, n : n + accepted] = draft_exit
         if nxt is not None:
             tokens[0, n + accepted] = nxt
-            cache.truncate(pos + accepted + 1)  # roll back every layer past the first rejected draft
+            truncate(cache, pos + accepted + 1)  # roll back every layer past the first rejected draft
         n += accepted + (nxt is not None)
         stats = {"rounds": stats["rounds"] + 1, "drafted": stats["drafted"] + k, "accepted": stats["accepted"] + accepted}
     return Generation(tokens[:, :end], exits[:, T0:], None, sum(cache.layer_evals) - prefilled, cache, stats, prefilled)
@@ -1260,7 +1264,7 @@ def time_speculative(model, prompts, config, cells):
                      "speedup": s["tokens_per_second"] / full["tokens_per_second"], "repetition": s["repetition"]})
     return rows
 
-SPEC_GRID = dict(draft_exits=(0, 1, 2), num_drafts=(4, 8, 12, 16), draft_stops=(0.0, 0.3, 0.5, 0.7))
+SPEC_GRID = dict(draft_exits=(0, 1, 2), num_drafts=(4, 6, 8, 12), draft_stops=(0.0, 0.1, 0.2, 0.3))
 
 def sweep_speculative(model, prompts, config, grid=SPEC_GRID):
     """--spec_sweep: every (draft_exit, num_draft, draft_stop) on the val workload, greedy and sampled."""

@@ -183,3 +183,14 @@ def test_part_one_reads_alone():
             assert not used & later, f"line {node.lineno} calls forward into Part II: {used & later}"
     part1 = {n.name for n in tree.body if n.lineno < part2 and hasattr(n, "name")}
     assert {"ExitHead", "GPT", "KVCache", "decode_step", "generate", "format_exit_stats", "train"} <= part1
+
+
+def test_explicit_exit_layers_still_work(tmp_path):
+    args = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--eval_iters=1",
+            "--max_iters=2", "--max_new_tokens=20", "--device=cpu", "--quality_positions=50", "--bench_tokens=20",
+            "--bench_repeats=1", "--bench_prompts=2", "--bench_prompt_len=8", "--exit_layers=1",
+            f"--out_dir={tmp_path}"]
+    assert m.main(args) == 0
+    rows = json.loads((tmp_path / "report.json").read_text())["strategies"]
+    per_token = [r for r in rows if r["name"] in m.KV_STRATEGIES]
+    assert len(per_token) == 8 and all(r["checked_exits"] == "1" for r in per_token)

@@ -181,3 +181,13 @@ def test_exit_statistics_in_the_seed_format():
     out = m.format_exit_stats([42, 0, 158])
     assert "Layer 0:" in out and "42 tokens ( 21.0%)" in out and "Layer 2 (full):" in out
     assert "mean exit depth: 2.58 of 3" in out
+
+
+def test_draw_samples_each_row_from_its_own_distribution():
+    probs = torch.tensor([[0.1, 0.0, 0.2, 0.3, 0.0, 0.4], [0.5, 0.5, 0.0, 0.0, 0.0, 0.0]])
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.stack([m.draw(probs, gen) for _ in range(20000)])  # (n, 2)
+    for row in range(2):
+        emp = torch.bincount(draws[:, row], minlength=6).float() / len(draws)
+        assert 0.5 * (emp - probs[row]).abs().sum() < 0.01
+        assert emp[probs[row] == 0].sum() == 0, "a zero-probability token was drawn"

@@ -1,0 +1,76 @@
+"""Speed figures that hold on real text: the workload, repetition, adaptive drafts, the cost-aware exit plan."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import m
+
+pytestmark = pytest.mark.usefixtures("no_grad")
+
+
+def test_workload_takes_evenly_spaced_prompts_from_the_split():
+    data = torch.arange(1000)
+    w = m.workload(data, 5, 10)
+    assert w.shape == (5, 10)
+    starts = w[:, 0].tolist()
+    assert starts[0] == 0 and starts[-1] == 1000 - 10 - 1
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert max(gaps) - min(gaps) <= 1
+    assert all(torch.equal(row, data[s : s + 10]) for row, s in zip(w, starts))
+    with pytest.raises(ValueError, match="too short"):
+        m.workload(torch.arange(5), 2, 10)
+
+
+def test_repetition_scores_a_loop_high_and_fresh_text_zero():
+    assert m.repetition(list(range(20))) == 0.0
+    assert m.repetition([1, 2, 3] * 10) == pytest.approx(1 - 3 / 27)  # 27 4-grams, 3 distinct
+    assert m.repetition([1, 2, 3]) == 0.0  # no 4-gram at all
+
+
+def test_adaptive_draft_stops_early_and_stays_exact(trained):
+    model, data = trained
+    per_round = {}
+    for stop in (0.0, 0.9):
+        drafted = rounds = 0
+        for p in range(3):
+            idx = data[None, 3000 * p : 3000 * p + 5]
+            spec = m.generate_self_speculative(model, idx, 80, 0, 8, 0.0, draft_stop=stop)
+            assert torch.equal(spec.tokens, m.generate(model, idx, 80, temperature=0.0).tokens), f"stop {stop}"
+            drafted, rounds = drafted + spec.stats["drafted"], rounds + spec.stats["rounds"]
+        per_round[stop] = drafted / rounds
+    assert per_round[0.9] < 0.8 * per_round[0.0], "an unconfident draft should end the round early"
+
+
+COSTS = {"block": 1.0, "check": 0.25, "state_copy": 0.5, "final_head": 0.2, "token": 4.0}
+
+
+def three_layer_records():
+    """4 positions, 3 layers: exit 0 is confident at positions 0 and 2, exit 1 at position 1."""
+    conf = torch.tensor([[0.9, 0.1, 0.9, 0.1], [0.2, 0.9, 0.2, 0.2], [1.0, 1.0, 1.0, 1.0]])
+    zeros = torch.zeros(3, 4, dtype=torch.long)
+    return m.ExitRecords({"top1": conf}, zeros, zeros.float(), torch.zeros(4, dtype=torch.long))
+
+
+def test_predicted_speedup_by_hand():
+    records = three_layer_records()
+    # checking exit 0 only: exits [0, 2, 0, 2]: 1 block and 0.5 final heads saved per token on average, 1 check each
+    assert m.predict_speedup(records, "top1", 0.5, [0], COSTS, "holes", 3) == pytest.approx(4 / (4 - 1.1 + 0.25))
+    assert m.predict_speedup(records, "top1", 0.5, [0], COSTS, "state_copy", 3) == pytest.approx(
+        4 / (4 - 1.1 + 0.25 + 0.5 * 0.5))
+    assert m.predict_speedup(records, "top1", 0.5, [0], COSTS, "backfill", 3) == pytest.approx(4 / 4.25)
+    # checking both: exits [0, 1, 0, 2]: 1.25 blocks and 0.75 heads saved, 1 + 0.5 checks per token
+    assert m.predict_speedup(records, "top1", 0.5, [0, 1], COSTS, "holes", 3) == pytest.approx(
+        4 / (4 - 1.25 - 0.15 + 1.5 * 0.25))
+
+
+def test_plan_ranks_every_subset_of_exits():
+    records = three_layer_records()
+    plans = m.plan_exits(records, "top1", COSTS, "holes", 3, threshold=0.5)
+    assert sorted(tuple(p["checked_exits"]) for p in plans) == [(0,), (0, 1), (1,)]
+    predicted = [p["predicted_speedup"] for p in plans]
+    assert predicted == sorted(predicted, reverse=True)
+    assert plans[0]["checked_exits"] == [0, 1]  # position 1 exiting at layer 1 is worth its checks here
+    expensive = dict(COSTS, check=0.9)
+    assert m.plan_exits(records, "top1", expensive, "holes", 3, threshold=0.5)[0]["checked_exits"] == [0]
