@@ -1,23 +1,13 @@
 """
-nanogpt_exit_head.py: a character-level GPT with an exit head after every layer,
-decoded with confidence-gated early exit, and an honest measurement of what
-letting easy characters leave the network early buys.
+nanogpt_exit_head.py: a character-level GPT with an exit head after every layer, decoded with
+confidence-gated early exit, and an honest measurement of what that buys. Run: `python
+nanogpt_exit_head.py` (train, sample, measure), `--help` (every field), `python -m pytest -q tests`.
 
-    pip install -r requirements.txt && python nanogpt_exit_head.py   # train, sample, measure
-    python nanogpt_exit_head.py --help                                # every field, as --name=value
-    python nanogpt_exit_head.py --init_from=resume --spec_sweep=1     # + the self-speculative grid
-    python nanogpt_exit_head.py --compare_recipes=1                   # training recipes compared
-    python -m pytest -q tests                                         # the tests
-
-Part I, the seed end to end: exit heads and the joint loss CE(final) + alpha *
-sum_l CE(exit_l); a KV cache whose layers may hold different lengths; decoding
-that stops a token at its first confident exit, backfill keeping the cache
-whole; the per-layer exit statistics; training. Part II, one idea a section:
-deferred recompute, state copy (CALM, arXiv:2207.07061), holes, self-speculative
-decoding (LayerSkip, arXiv:2404.16710), choosing the threshold, measurement,
-reports, checkpoints, the command line. Left out on purpose: BPE, multi-GPU
-training, mixed precision in decoding, rotary embeddings, PABEE patience,
-batched self-speculative decoding, dependencies beyond torch, numpy and tqdm.
+Part I, the seed end to end: exit heads and the joint loss, the per-layer KV cache, gated decoding
+with backfill, exit statistics, training. Part II, one idea a section: deferred recompute, state copy
+(CALM, arXiv:2207.07061), holes, self-speculative decoding (LayerSkip, arXiv:2404.16710), choosing the
+threshold, measurement, batches, reports, checkpoints, the command line. Left out on purpose: BPE,
+rotary embeddings, mixed precision in decoding, PABEE patience, dependencies beyond torch, numpy, tqdm.
 """
 
 import inspect
@@ -105,6 +95,8 @@ class Config:
     compare_recipes: bool = False  # train every recipe in RECIPES at this budget and compare them (long: ~2 min each)
     spec_sweep: bool = False  # also time self-speculative decoding on every (draft_exit, num_draft, draft_stop) (minutes)
     strategies_threshold: float = -1.0  # threshold of the strategies table; -1 picks on val the highest with >= 30% early exits
+    bench_batch: bool = False  # also measure every batch design at batch 1, 4 and 16 (a few minutes)
+    schedule_disagreement: float = 0.03  # SkipDecode: the most disagreement with full depth on val its schedule may cost
 
 CONFIDENCE_MEASURES = ("top1", "margin", "entropy")
 
@@ -470,16 +462,21 @@ class KVStrategy:
     """Backfill, and the hook Part II's strategies override: run_layer runs a block for the newest token;
     skip_layers handles the layers above once every row exited. Backfill runs them all: exact, saves nothing."""
 
-    name = "backfill"
-    skips = False  # does a step stop running layers once every row has exited?
+    name, skips, leaves = "backfill", False, False  # stop once every row exited? let exited rows leave at once?
 
     def __init__(self, model):
         pass
 
-    def run_layer(self, block, cache, layer, x, pos):
+    def new_cache(self, config, batch_size, device):
+        return KVCache(config, batch_size, device)
+
+    def exit_checks(self, pos, checked_exits):
+        return checked_exits
+
+    def run_layer(self, block, cache, layer, x, pos, exited):
         return block(x, cache, layer)
 
-    def skip_layers(self, model, cache, x, pos, layer):
+    def skip_layers(self, model, cache, x, pos, layer, rows):
         raise AssertionError("backfill never skips a layer")
 
 def decode_step(model, cache, idx, pos, strategy, exit_threshold=1.0, checked_exits=(), measure="top1"):
@@ -488,25 +485,26 @@ def decode_step(model, cache, idx, pos, strategy, exit_threshold=1.0, checked_ex
     Each row exits on its own confidence; the step runs as deep as its deepest row (backfill: every layer).
     """
     L = model.config.n_layer
-    checks = checked_exits if exit_threshold < 1 else ()  # a confidence never exceeds 1: skip the checks
+    checks = strategy.exit_checks(pos, checked_exits) if exit_threshold < 1 else ()  # a confidence never exceeds 1
     x = model.embed(idx, pos)  # (B, 1, C)
     logits, exited = None, None
     exit_layer = torch.full((idx.size(0),), L - 1, dtype=torch.long, device=idx.device)
     for l, block in enumerate(model.transformer.h):
-        x = strategy.run_layer(block, cache, l, x, pos)
+        x = strategy.run_layer(block, cache, l, x, pos, exited)
         if l == L - 1 or l not in checks:
             continue
         head_logits = model.exit_logits(x[:, 0], l)  # (B, V): the newest position only
         conf = confidence(head_logits, measure)  # (B,)
-        if conf.max().item() <= exit_threshold:  # the common case: nobody is sure yet, one host sync
+        if exit_threshold > 0 and conf.max().item() <= exit_threshold:  # the common case: nobody is sure, one sync
             continue
         newly = conf > exit_threshold if exited is None else (conf > exit_threshold) & ~exited
         logits = head_logits if logits is None else torch.where(newly[:, None], head_logits, logits)
         exit_layer.masked_fill_(newly, l)
         exited = newly if exited is None else exited | newly
-        if strategy.skips and bool(exited.all()):
-            strategy.skip_layers(model, cache, x, pos, l)
-            return logits, exit_layer
+        if strategy.leaves or strategy.skips and bool(exited.all()):
+            strategy.skip_layers(model, cache, x, pos, l, newly)
+            if bool(exited.all()):
+                return logits, exit_layer
     final = model.exit_logits(x[:, 0], L - 1)  # (B, V)
     return (final if exited is None else torch.where(exited[:, None], logits, final)), exit_layer
 
@@ -527,12 +525,11 @@ def generate(model, idx, max_new_tokens, strategy="backfill", exit_threshold=1.0
     cfg = model.config
     B, T0 = idx.shape
     checked_exits = range(cfg.n_layer - 1) if checked_exits is None else checked_exits
-    kv_strategy = KV_STRATEGY_CLASSES[strategy](model)
+    kv_strategy = strategy if isinstance(strategy, KVStrategy) else KV_STRATEGY_CLASSES[strategy](model)
     tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # (B, T0 + N)
     exits = idx.new_zeros(B, max_new_tokens)
     emitted, prefilled = [], 0
-    cache = KVCache(cfg, B, idx.device)
-    start = None
+    cache, start = kv_strategy.new_cache(cfg, B, idx.device), None
     for i in range(max_new_tokens):
         n = T0 + i
         start, runs = slide_window(model, cache, tokens, start, n)
@@ -675,14 +672,14 @@ class Deferred(KVStrategy):
 
     name, skips = "deferred", True
 
-    def run_layer(self, block, cache, layer, x, pos):
+    def run_layer(self, block, cache, layer, x, pos, exited):
         if cache.lengths[layer] == pos:  # nothing pending here
             return block(x, cache, layer)
         cache.pending_states[:, pos] = x[:, 0]
         catch_up_layer(block, cache, layer, pos + 1)
         return cache.pending_states[:, pos : pos + 1]
 
-    def skip_layers(self, model, cache, x, pos, layer):
+    def skip_layers(self, model, cache, x, pos, layer, rows):
         cache.pending_states[:, pos] = x[:, 0]  # the state the pending layers will start from
 
 
@@ -735,7 +732,7 @@ class StateCopy(KVStrategy):
     def __init__(self, model):
         self.weight, self.bias = state_copy_projections(model)
 
-    def skip_layers(self, model, cache, x, pos, layer):
+    def skip_layers(self, model, cache, x, pos, layer, rows):
         write_state_copy(cache, layer + 1, x, self.weight, self.bias)
 
 
@@ -748,7 +745,7 @@ class Holes(KVStrategy):
 
     name, skips = "holes", True
 
-    def skip_layers(self, model, cache, x, pos, layer):
+    def skip_layers(self, model, cache, x, pos, layer, rows):
         pass
 
 
@@ -1217,7 +1214,7 @@ def compare_strategies(model, splits, config, device):
     timed = {(name, mode): (run, mode_temperature(mode, config)) for mode in MODES for name, run in runs.items()}
     speed = speed_pass(timed, test_prompts, config.bench_tokens, config.bench_repeats, config.seed, config.top_k)
     rows = [strategy_row(name, mode, speed, quality, plans, config) for mode in MODES for name in STRATEGY_NAMES]
-    return rows, quality, plans, costs
+    return rows, quality, plans, costs, val_records
 
 def strategy_row(name, mode, speed, quality, plans, config):
     """One row of the strategies table; self_speculative's quality is full depth's by construction."""
@@ -1271,6 +1268,311 @@ def sweep_speculative(model, prompts, config, grid=SPEC_GRID):
     cells = [(E, k, s) for E in grid["draft_exits"] if E < config.n_layer - 1
              for k in grid["num_drafts"] for s in grid["draft_stops"]]
     return time_speculative(model, prompts, config, cells)
+
+
+# -----------------------------------------------------------------------------
+# Batches: per-row cache lengths, batched self-speculative decoding, and per-token exits that can save
+
+class RowKVCache(KVCache):
+    """The KV cache with per-row lengths: row b of layer l holds its window positions [0, row_lengths[l, b]).
+
+    Rows of a batch may advance by different amounts, roll back on their own and slide their windows at
+    different steps. Writes go to each row's own next slots; attention reads each row's own entries
+    through one boolean mask. `rows` selects the rows the next block calls read and write. `spare` slots
+    past block_size hold the drafts of rows with less room than others; those are always rolled back.
+    """
+
+    def __init__(self, config, batch_size, device, spare=0):
+        super().__init__(config, batch_size, device)
+        L, B, nh, S, hs = self.k.shape
+        self.k = torch.zeros(L, B, nh, S + spare, hs, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.pending_states = torch.zeros(B, S + spare, config.n_embd, device=device)
+        self.row_lengths = torch.zeros(L, B, dtype=torch.long, device=device)
+        self.all_rows = self.rows = torch.arange(B, device=device)
+
+    def reset(self, start=0):
+        super().reset(start)
+        self.row_lengths[:, self.rows] = 0
+
+    def append(self, layer, k, v):
+        """Write k, v (R, nh, T, hs) after each selected row's own entries; return its slots (R, nh, S, hs)
+        and the mask (R, 1, T, S) of what each new query may see: its row's past and its own chunk, causally."""
+        T, rows = k.size(2), self.rows
+        n = self.row_lengths[layer, rows]  # (R,)
+        pos = n[:, None] + torch.arange(T, device=k.device)  # (R, T): each row's next slots
+        keys, values = self.k[layer], self.v[layer]  # (B, nh, S, hs)
+        keys[rows[:, None], :, pos] = k.transpose(1, 2)  # (R, T, nh, hs)
+        values[rows[:, None], :, pos] = v.transpose(1, 2)
+        self.row_lengths[layer, rows] = n + T
+        mask = torch.arange(keys.size(2), device=k.device)[None, None, :] <= pos[:, :, None]  # (R, T, S)
+        if rows is self.all_rows:
+            return keys, values, mask[:, None]
+        return keys[rows], values[rows], mask[:, None]
+
+
+def embed_rows(model, idx, pos):
+    """Token + position embeddings when each row sits at its own window position: idx (R, T), pos (R,).
+    Spare drafts past the window get the last position: their results are rolled back unread."""
+    p = (pos[:, None] + torch.arange(idx.size(1), device=idx.device)).clamp(max=model.config.block_size - 1)
+    return model.transformer.drop(model.transformer.wte(idx) + model.transformer.wpe(p))  # (R, T, C)
+
+
+def prefill_rows(model, cache, tokens, rows, starts, n):
+    """Re-prefill the windows of `rows`, each tokens[b, starts[b] : n[b] - 1], at full depth (equal lengths)."""
+    m = int(n[rows[0]] - 1 - starts[rows[0]])
+    cache.rows = rows
+    cache.row_lengths[:, rows] = 0
+    if m > 0:
+        cols = starts[rows][:, None] + torch.arange(m, device=tokens.device)  # (R, m)
+        x = model.embed(tokens[rows[:, None], cols])  # (R, m, C)
+        for l, block in enumerate(model.transformer.h):
+            x = block(x, cache, l)
+    cache.rows = cache.all_rows
+    return m * model.config.n_layer  # block runs counted in layer_evals (one call serves all these rows)
+
+
+def slide_rows(model, cache, tokens, starts, n):
+    """Each row slides its window by the single-sequence rule (window_start); rows that moved re-prefill
+    together, grouped by window length. Returns (block runs counted in layer_evals, block runs per row)."""
+    moved = {}
+    for b in range(len(n)):
+        s = window_start(None if starts[b] < 0 else int(starts[b]), int(n[b]), model.config.block_size)
+        if s != starts[b]:
+            starts[b] = s
+            moved.setdefault(int(n[b]) - 1 - s, []).append(b)
+    evals = per_row = 0
+    for group in moved.values():
+        runs = prefill_rows(model, cache, tokens, torch.tensor(group, device=tokens.device), starts, n)
+        evals, per_row = evals + runs, per_row + runs * len(group) / len(n)
+    return evals, per_row
+
+
+def draft_rows(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, generator):
+    """Every row drafts k tokens with layers 0..draft_exit, from its own position: (B, k, V) draft logits."""
+    rows, q = cache.all_rows, []
+    for j in range(k):
+        x = embed_rows(model, tokens[rows, n - 1 + j][:, None], pos + j)  # (B, 1, C)
+        for l in range(draft_exit + 1):
+            x = model.transformer.h[l](x, cache, l)
+        cache.pending_states[rows, pos + j] = x[:, 0]
+        logits = model.exit_logits(x[:, 0], draft_exit)  # (B, V)
+        tokens[rows, n + j] = sample(logits, temperature, top_k, generator)
+        q.append(logits)
+    return torch.stack(q, dim=1)  # (B, k, V)
+
+
+def verify_rows(model, cache, pos, k, draft_exit):
+    """The layers above the draft run once over every row's k drafted positions: (B, k, V) full-model logits."""
+    rows = cache.all_rows
+    x = cache.pending_states[rows[:, None], pos[:, None] + torch.arange(k, device=pos.device)]  # (B, k, C)
+    for l in range(draft_exit + 1, model.config.n_layer):
+        x = model.transformer.h[l](x, cache, l)
+    return model.exit_logits(x, model.config.n_layer - 1)  # (B, k, V)
+
+
+def accept_rows(drafts, q, p, room, temperature, generator):
+    """speculative_accept for every row at once: each row keeps its own accepted prefix, at most room[b].
+
+    Returns (accepted (B,), next token (B,), has_next (B,)): a row whose first rejection falls inside its
+    room takes the full model's token there (greedy: its argmax; sampled: from max(p - q, 0))."""
+    B, k = drafts.shape
+    inside = torch.arange(k, device=drafts.device)[None] < room[:, None]  # (B, k)
+    rows = torch.arange(B, device=drafts.device)
+    if temperature == 0:
+        target = p.argmax(-1)  # (B, k)
+        keep = (target == drafts) & inside
+    else:
+        ratio = p.gather(-1, drafts[..., None])[..., 0] / q.gather(-1, drafts[..., None])[..., 0]  # (B, k)
+        keep = (torch.rand(B, k, generator=generator, device=drafts.device) < ratio) & inside
+    accepted = keep.long().cumprod(1).sum(1)  # (B,)
+    has_next = accepted < room
+    at = accepted.clamp(max=k - 1)
+    if temperature == 0:
+        return accepted, target[rows, at], has_next
+    residual = (p[rows, at] - q[rows, at]).clamp_min(0) + (~has_next)[:, None]  # rows without a rejection: unused
+    return accepted, draw(residual / residual.sum(-1, keepdim=True), generator), has_next
+
+
+@torch.inference_mode()
+def generate_self_speculative_batch(model, idx, max_new_tokens, draft_exit, num_draft, temperature=0.0, top_k=0,
+                                    generator=None):
+    """Self-speculative decoding of B rows at once: one draft and one verify pass a round for all rows, each
+    row accepting its own prefix, rolling back and sliding its window on its own. Every row's tokens are the
+    ones it would get alone at full depth (greedy), or have their distribution (sampled)."""
+    cfg, (B, T0) = model.config, idx.shape
+    end, dev = T0 + max_new_tokens, idx.device
+    tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens + num_draft)], dim=1)
+    exits = idx.new_full((B, end), cfg.n_layer - 1)
+    cache = RowKVCache(cfg, B, dev, spare=num_draft)
+    n, starts = torch.full((B,), T0, device=dev), torch.full((B,), -1, device=dev)
+    stats, evals, prefilled = {"rounds": 0, "drafted": 0, "accepted": 0}, 0, 0.0
+    while bool((n < end).any()):
+        e, per_row = slide_rows(model, cache, tokens, starts, n)
+        evals, prefilled = evals + e, prefilled + per_row
+        pos = n - 1 - starts  # (B,) window position of each row's first token fed this round
+        room = torch.minimum(torch.clamp(end - n, min=0), cfg.block_size - pos).clamp(max=num_draft)  # (B,)
+        k = int(room.max())
+        q = draft_rows(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, generator)
+        p = verify_rows(model, cache, pos, k, draft_exit)
+        if temperature > 0:
+            q, p = probs_from_logits(q, temperature, top_k), probs_from_logits(p, temperature, top_k)
+        drafts = tokens[cache.all_rows[:, None], n[:, None] + torch.arange(k, device=dev)]  # (B, k)
+        accepted, nxt, has_next = accept_rows(drafts, q, p, room, temperature, generator)
+        for b in range(B):  # bookkeeping of each row's tokens and exit layers
+            a = int(accepted[b])
+            exits[b, n[b] : n[b] + a] = draft_exit
+            if has_next[b]:
+                tokens[b, n[b] + a] = nxt[b]
+        kept = pos + accepted + has_next.long()  # (B,) entries each row keeps
+        cache.row_lengths = torch.minimum(cache.row_lengths, kept[None])  # each row rolls back on its own
+        n = n + accepted + has_next.long()
+        stats = {"rounds": stats["rounds"] + 1, "drafted": stats["drafted"] + int(room.sum()),
+                 "accepted": stats["accepted"] + int(accepted.sum())}
+    return Generation(tokens[:, :end], exits[:, T0:], None, sum(cache.layer_evals) - evals, cache, stats, prefilled)
+
+
+def write_state_copy_rows(cache, first_layer, x, rows, pos, weight, bias):
+    """CALM's state copy for some rows only: their entries at window position pos of layers first_layer.."""
+    nh, hs = cache.k.shape[2], cache.k.shape[4]
+    xn = F.layer_norm(x[:, 0], x.shape[-1:])  # (R, C)
+    kv = torch.matmul(xn, weight[first_layer:].transpose(1, 2)) + bias[first_layer:, None]  # (J, R, 2C)
+    k, v = kv.split(nh * hs, dim=-1)
+    J, R = kv.shape[:2]
+    cache.k[first_layer:, :, :, pos][:, rows] = k.view(J, R, nh, hs)  # (J, B, nh, hs) view, these rows
+    cache.v[first_layer:, :, :, pos][:, rows] = v.view(J, R, nh, hs)
+    cache.row_lengths[first_layer:, rows] = pos + 1
+
+
+class StateCopyLeave(StateCopy):
+    """Design (a): a row that exits leaves the batch at once (state copy fills its layers above), and the
+    layers above run on the rows still in it; at batch 1 it is state_copy."""
+
+    name, leaves = "state_copy_leave", True
+
+    def new_cache(self, config, batch_size, device):
+        return RowKVCache(config, batch_size, device)
+
+    def run_layer(self, block, cache, layer, x, pos, exited):
+        if exited is None or not bool(exited.any()):
+            return block(x, cache, layer)
+        rows = (~exited).nonzero()[:, 0]  # the rows still in the batch
+        cache.rows, y = rows, x.clone()
+        y[rows] = block(x[rows], cache, layer)
+        cache.rows = cache.all_rows
+        return y
+
+    def skip_layers(self, model, cache, x, pos, layer, rows):
+        left = rows.nonzero()[:, 0]
+        write_state_copy_rows(cache, layer + 1, x[left], left, pos, self.weight, self.bias)
+
+
+class SkipDecode(Holes):
+    """Design (b), after SkipDecode (arXiv:2307.02628): every row at window position pos exits at
+    schedule[pos], a depth that never rises along the window, so a later token never reads a layer an
+    earlier one skipped: no holes are ever read, no exit check is needed, and a batch saves what a row saves."""
+
+    name = "skipdecode"
+
+    def __init__(self, model, schedule):
+        self.schedule, self.last = schedule, model.config.n_layer - 1
+
+    def exit_checks(self, pos, checked_exits):
+        return [self.schedule[pos]] if self.schedule[pos] < self.last else []
+
+
+def window_positions(n_positions, block_size):
+    """(N,): the window position at which sequential decoding feeds the token predicting each position."""
+    wpos = torch.empty(n_positions, dtype=torch.long)
+    for start, end, first in decoder_windows(n_positions, block_size):
+        wpos[first:end] = torch.arange(first - start, end - start)
+    return wpos
+
+
+def choose_schedule(records, n_layer, block_size, budget):
+    """The SkipDecode schedule saving the most on val within `budget` disagreement with full depth: full
+    depth before window position a, exit layer e from there on (a, e on a grid)."""
+    wpos = window_positions(records.targets.numel(), block_size).to(records.pred.device)
+    best = {"schedule": [n_layer - 1] * block_size, "compute_saved": 0.0, "disagreement": 0.0}
+    for a in range(0, block_size, max(1, block_size // 16)):
+        for e in range(n_layer - 1):
+            figures = exit_summary(records, torch.where(wpos >= a, e, n_layer - 1))
+            if figures["disagreement"] <= budget and figures["compute_saved"] > best["compute_saved"]:
+                best = {"schedule": [n_layer - 1] * a + [e] * (block_size - a), "from_position": a, "exit_layer": e,
+                        "compute_saved": figures["compute_saved"], "disagreement": figures["disagreement"]}
+    return best
+
+
+BATCH_SIZES = (1, 4, 16)
+BATCH_DESIGNS = ("full", "state_copy", "state_copy_leave", "skipdecode", "self_speculative")
+
+def batch_runner(model, name, plan, schedule, spec):
+    """A function (idx (B, T0), n, generator, temperature, top_k, forced) -> Generation for one batch-table row."""
+    if name == "self_speculative":
+        def run(idx, n, generator=None, temperature=0.0, top_k=0, forced=None):
+            return generate_self_speculative_batch(model, idx, n, spec[0], spec[1], temperature, top_k, generator)
+
+        return run
+    kw = {"full": dict(exit_threshold=1.0),
+          "state_copy": dict(strategy="state_copy", exit_threshold=plan["threshold"], checked_exits=plan["checked_exits"]),
+          "state_copy_leave": dict(strategy=StateCopyLeave(model), exit_threshold=plan["threshold"],
+                                   checked_exits=plan["checked_exits"]),
+          "skipdecode": dict(strategy=SkipDecode(model, schedule), exit_threshold=0.0)}[name]
+
+    def run(idx, n, generator=None, temperature=0.0, top_k=0, forced=None):
+        return generate(model, idx, n, temperature=temperature, top_k=top_k, generator=generator, forced=forced, **kw)
+
+    return run
+
+def batch_quality(run, data, batch_size, n_positions, full=None):
+    """Teacher-forced decoding of batch_size contiguous pieces of data at once: predictions and test loss."""
+    per_row = n_positions // batch_size
+    pieces = data[: batch_size * (per_row + 1)].view(batch_size, per_row + 1)  # (B, per_row + 1)
+    out = run(pieces[:, :1], per_row, forced=pieces[:, 1:])
+    targets = pieces[:, 1:].to(out.logits.device)
+    return {"pred": out.logits.argmax(-1), "test_loss": F.cross_entropy(out.logits.flatten(0, 1), targets.flatten()).item()}
+
+def batch_speed(runs, prompts, batch_size, config):
+    """speed_pass over the workload cut into batches of batch_size rows (one prompt per row)."""
+    batches = prompts.view(-1, batch_size, prompts.size(1))  # (n_batches, B, T0)
+    wrapped = {}
+    for key, (run, temperature) in runs.items():
+        def over_batches(prompt, n, generator=None, temperature=0.0, top_k=0, run=run):
+            return run(prompt[0], n, generator=generator, temperature=temperature, top_k=top_k)
+        wrapped[key] = (over_batches, temperature)
+    speed = speed_pass(wrapped, batches, config.bench_tokens, config.bench_repeats, config.seed, config.top_k)
+    for s in speed.values():  # speed_pass counted one row per batch
+        s["tokens_per_second"] *= batch_size
+    return speed
+
+def measure_batches(model, splits, config, device, plans, val_records):
+    """The batch table: every design at every batch size, greedy and sampled, quality beside speed."""
+    L, spec = config.n_layer, (config.draft_exit, config.num_draft)
+    test, test_prompts = splits["test"].to(device), workload(splits["test"], config.bench_prompts,
+                                                             config.bench_prompt_len).to(device)
+    schedule = choose_schedule(val_records, L, config.block_size, config.schedule_disagreement)
+    runs = {name: batch_runner(model, name, plans["state_copy"], schedule["schedule"], spec) for name in BATCH_DESIGNS}
+    rows = []
+    for B in (b for b in BATCH_SIZES if config.bench_prompts % b == 0):
+        quality = {name: batch_quality(runs[name], test, B, config.quality_positions)
+                   for name in BATCH_DESIGNS if name != "self_speculative"}
+        speed = batch_speed({(n, mode): (runs[n], mode_temperature(mode, config)) for mode in MODES for n in runs},
+                            test_prompts, B, config)
+        depth = expected_batch_depth(exits_at_threshold(val_records, config.confidence, plans["state_copy"]["threshold"],
+                                                        plans["state_copy"]["checked_exits"]), (B,), L)[B]
+        for mode in MODES:
+            full = speed["full", mode]
+            for name in BATCH_DESIGNS:
+                s, q = speed[name, mode], quality.get(name, quality["full"])
+                same = None
+                if name == "self_speculative" and mode == "greedy":
+                    same = all(torch.equal(a.tokens, b.tokens) for a, b in zip(s["outputs"], full["outputs"]))
+                rows.append({"batch_size": B, "name": name, "mode": mode, "tokens_per_second": s["tokens_per_second"],
+                             "speedup": s["tokens_per_second"] / full["tokens_per_second"],
+                             "mean_layers": s["mean_layers"], "expected_layers": depth if name == "state_copy" else None,
+                             "test_loss": q["test_loss"], "agreement": (q["pred"] == quality["full"]["pred"]).float().mean().item(),
+                             "identical_to_full": same, "repetition": s["repetition"]})
+    return {"rows": rows, "schedule": schedule, "plan": plans["state_copy"]}
 
 
 # -----------------------------------------------------------------------------
@@ -1437,6 +1739,24 @@ def print_spec_sweep(grid):
               f"draft_stop={best['draft_stop']:g} ({best['speedup']:.2f}x)")
     print("greedy output identical to full depth in every cell: "
           f"{all(g['identical_to_full'] for g in grid if g['mode'] == 'greedy')}")
+
+BATCH_COLUMNS = (("batch_size", "B", "{}"), ("mode", "mode", "{}"), ("name", "design", "{}"),
+                 ("tokens_per_second", "tok/s (batch)", "{:,.0f}"), ("speedup", "speed-up", "{:.2f}x"),
+                 ("mean_layers", "layers/token", "{:.2f}"), ("expected_layers", "expected", "{:.2f}"),
+                 ("test_loss", "test loss", "{:.4f}"), ("agreement", "agree w/ full", "{:.3f}"),
+                 ("identical_to_full", "identical", "{}"))
+
+def print_batches(batched, config):
+    plan, schedule = batched["plan"], batched["schedule"]
+    print(f"\n=== Does early exit still save in a batch? The test workload, one prompt per row, batch 1, 4 and 16, "
+          f"median of {config.bench_repeats} interleaved runs ===")
+    print(f"state_copy: every row waits for the deepest (exits {plan['checked_exits']}, {config.confidence} > "
+          f"{plan['threshold']:g}; expected: layers per step from val's exits); state_copy_leave: an exiting row "
+          f"leaves the batch; skipdecode: every row exits at layer {schedule.get('exit_layer', config.n_layer - 1)} "
+          f"from window position {schedule.get('from_position', '-')} (val: {schedule['compute_saved']:.1%} saved, "
+          f"{schedule['disagreement']:.2%} disagreement); self_speculative: batched, draft_exit={config.draft_exit}, "
+          f"num_draft={config.num_draft}. Speed-up: over full depth at the same batch size and mode.")
+    print_table(batched["rows"], BATCH_COLUMNS)
 
 SWEEP_SHOWN = (1.0, 0.99, 0.98, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
 
@@ -1789,13 +2109,16 @@ def print_exit_rule(rule, config):
 
 def measure_strategies(model, splits, config, device):
     """The strategies table on the workload, costs and plans, batch depth, and (--spec_sweep) the self-speculative grid."""
-    rows, quality, plans, costs = compare_strategies(model, splits, config, device)
+    rows, quality, plans, costs, val_records = compare_strategies(model, splits, config, device)
     depths = expected_batch_depth(quality["backfill"]["exited_at"], (1, 4, 16), config.n_layer)
     print_strategies(rows, quality, config, costs, depths)
     report = {"strategies": rows, "exit_plans": plans, "decode_costs": costs,
               "exit_check_cost": costs["check"] / costs["block"], "batch_depth": {str(b): d for b, d in depths.items()},
               "workload": {"split": "test", "prompts": config.bench_prompts, "prompt_len": config.bench_prompt_len,
                            "tokens": config.bench_tokens, "repeats": config.bench_repeats, "chosen_on": "val"}}
+    if config.bench_batch:
+        report["batched"] = measure_batches(model, splits, config, device, plans, val_records)
+        print_batches(report["batched"], config)
     if config.spec_sweep:
         val_prompts = workload(splits["val"], config.bench_prompts, config.bench_prompt_len).to(device)
         report["spec_sweep"] = sweep_speculative(model, val_prompts, config)

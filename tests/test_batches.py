@@ -1,0 +1,123 @@
+"""Batches: per-row cache lengths, batched self-speculative decoding, and the two per-token batch designs."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import m, tiny_model
+
+pytestmark = pytest.mark.usefixtures("no_grad")
+
+
+def test_batched_greedy_speculation_equals_every_row_alone(trained, monkeypatch):
+    """8 rows of different text: they accept different lengths and slide their windows at different rounds."""
+    model, data = trained
+    groups = []
+    original = m.prefill_rows
+
+    def recording(model_, cache, tokens, rows, starts, n):
+        groups.append(len(rows))
+        return original(model_, cache, tokens, rows, starts, n)
+
+    monkeypatch.setattr(m, "prefill_rows", recording)
+    idx = torch.stack([data[2500 * b : 2500 * b + 5] for b in range(8)])
+    out = m.generate_self_speculative_batch(model, idx, 100, 0, 4, temperature=0.0)  # 100 > 3 windows of 32
+    for b in range(8):
+        alone = m.generate(model, idx[b : b + 1], 100, temperature=0.0)
+        assert torch.equal(out.tokens[b], alone.tokens[0]), f"row {b}"
+    drafted_kept = (out.exited_at == 0).sum(1)  # per row: drafts accepted
+    assert len(set(drafted_kept.tolist())) > 1, "rows should accept different numbers of drafts"
+    assert groups[0] == 8 and min(groups[1:]) < 8, "rows should slide their windows at different rounds"
+    assert 0 < out.stats["accepted"] < out.stats["drafted"]
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_batched_sampled_speculation_has_the_full_model_distribution(top_k):
+    model = tiny_model(n_layer=3)
+    with torch.no_grad():
+        model.lm_head.weight.div_(10)  # a flatter final head, so top_k changes the distribution
+    idx, V = torch.tensor([[3, 1, 4]]), 11
+    dist = lambda ctx: m.probs_from_logits(model(ctx)[0][0, -1], 1.0, top_k)  # noqa: E731
+    probs1 = dist(idx)
+    joint = torch.stack([probs1[a] * dist(torch.cat([idx, torch.tensor([[a]])], 1)) for a in range(V)])
+    gen, counts = torch.Generator().manual_seed(0), torch.zeros(V, V)
+    for _ in range(400):  # 400 batches of 8 rows
+        out = m.generate_self_speculative_batch(model, idx.repeat(8, 1), 2, 0, 2, 1.0, top_k, gen)
+        for a, b in out.tokens[:, 3:].tolist():
+            counts[a, b] += 1
+    emp = counts / counts.sum()
+    assert 0.5 * (emp.sum(1) - joint.sum(1)).abs().sum() < 0.04
+    assert 0.5 * (emp - joint).abs().sum() < 0.1
+    assert emp[joint == 0].sum() == 0
+
+
+def test_row_cache_at_batch_one_is_the_plain_cache():
+    model = tiny_model()
+    forced = torch.randint(0, 11, (1, 40), generator=torch.Generator().manual_seed(1))
+    plain = m.generate(model, forced[:, :1], 39, strategy="state_copy", exit_threshold=0.6, forced=forced[:, 1:])
+    rows = m.generate(model, forced[:, :1], 39, strategy=m.StateCopyLeave(model), exit_threshold=0.6,
+                      forced=forced[:, 1:])
+    assert torch.equal(plain.exited_at, rows.exited_at)
+    assert torch.allclose(plain.logits, rows.logits, atol=1e-5)
+
+
+def test_rows_that_leave_the_batch_decode_as_they_would_alone():
+    """Design (a): each row exits on its own and leaves; so every row equals state_copy on that row alone."""
+    model = tiny_model()
+    forced = torch.randint(0, 11, (4, 40), generator=torch.Generator().manual_seed(2))
+    batch = m.generate(model, forced[:, :1], 39, strategy=m.StateCopyLeave(model), exit_threshold=0.6,
+                       forced=forced[:, 1:])
+    mixed = (batch.exited_at != batch.exited_at[:1]).any(0)
+    assert mixed.float().mean() > 0.3, "rows should exit at different layers in many steps"
+    for b in range(4):
+        alone = m.generate(model, forced[b : b + 1, :1], 39, strategy="state_copy", exit_threshold=0.6,
+                           forced=forced[b : b + 1, 1:])
+        assert torch.equal(batch.exited_at[b], alone.exited_at[0]), f"row {b}"
+        assert torch.allclose(batch.logits[b], alone.logits[0], atol=1e-4), f"row {b}"
+
+
+def test_skipdecode_reads_no_hole_and_emits_the_scheduled_exit():
+    """A depth that never rises along the window: every token's logits are its scheduled exit head's,
+    computed with the full context at every layer it runs (as the uncached model computes them)."""
+    model = tiny_model()
+    schedule = [3] * 4 + [2] * 4 + [1] * 4 + [0] * 4  # block_size 16
+    forced = torch.randint(0, 11, (3, 15), generator=torch.Generator().manual_seed(3))
+    idx = torch.zeros(3, 1, dtype=torch.long)
+    out = m.generate(model, idx, 15, strategy=m.SkipDecode(model, schedule), exit_threshold=0.0, forced=forced)
+    assert out.exited_at[0].tolist() == schedule[:15]
+    full = model.all_exit_logits(out.tokens[:, :15])  # (L, B, T, V): one window, no re-prefill
+    for i in range(15):
+        assert torch.allclose(out.logits[:, i], full[schedule[i], :, i], atol=1e-5), f"position {i}"
+    # layer l holds exactly the positions whose scheduled depth reaches it
+    assert out.cache.lengths == [sum(e >= l for e in schedule[:15]) for l in range(4)]
+
+
+def test_choose_schedule_keeps_its_budget_and_never_rises():
+    torch.manual_seed(0)
+    N, L = 400, 4
+    conf = torch.rand(L, N)
+    pred = torch.randint(0, 3, (L, N))
+    records = m.ExitRecords({"top1": conf}, pred, torch.rand(L, N), torch.randint(0, 3, (N,)))
+    for budget in (0.0, 0.2, 0.6):
+        s = m.choose_schedule(records, L, 16, budget)
+        assert s["disagreement"] <= budget
+        assert all(a >= b for a, b in zip(s["schedule"], s["schedule"][1:])), "the depth must never rise"
+    assert m.choose_schedule(records, L, 16, 0.0)["compute_saved"] < m.choose_schedule(records, L, 16, 0.6)["compute_saved"]
+
+
+def test_batch_table_in_the_report(tmp_path, capsys):
+    args = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--eval_iters=1",
+            "--max_iters=2", "--max_new_tokens=10", "--device=cpu", "--quality_positions=48", "--bench_tokens=12",
+            "--bench_repeats=1", "--bench_prompts=4", "--bench_prompt_len=8", "--bench_batch=1", f"--out_dir={tmp_path}"]
+    with torch.enable_grad():
+        assert m.main(args) == 0
+    assert "Does early exit still save in a batch?" in capsys.readouterr().out
+    batched = json.loads((tmp_path / "report.json").read_text())["batched"]
+    rows = batched["rows"]
+    assert {(r["batch_size"], r["mode"], r["name"]) for r in rows} == {
+        (b, mode, n) for b in (1, 4) for mode in ("greedy", "sampled") for n in m.BATCH_DESIGNS}
+    keys = {"batch_size", "name", "mode", "tokens_per_second", "speedup", "agreement", "identical_to_full"}
+    assert all(keys <= set(r) for r in rows)
+    spec = [r for r in rows if r["name"] == "self_speculative" and r["mode"] == "greedy"]
+    assert all(r["identical_to_full"] is True for r in spec)
