@@ -1,5 +1,6 @@
 """Batches: per-row cache lengths, batched self-speculative decoding, and the two per-token batch designs."""
 
+import copy
 import json
 
 import pytest
@@ -12,7 +13,10 @@ pytestmark = pytest.mark.usefixtures("no_grad")
 
 def test_batched_greedy_speculation_equals_every_row_alone(trained, monkeypatch):
     """8 rows of different text: they accept different lengths and slide their windows at different rounds."""
-    model, data = trained
+    model, data = copy.deepcopy(trained[0]), trained[1]
+    with torch.no_grad():  # a noisier draft head: rows reject drafts often, and at different places
+        head = model.exit_heads[0].lm_head.weight
+        head.add_(0.3 * torch.randn(head.shape, generator=torch.Generator().manual_seed(0)))
     groups = []
     original = m.prefill_rows
 
@@ -29,7 +33,7 @@ def test_batched_greedy_speculation_equals_every_row_alone(trained, monkeypatch)
     drafted_kept = (out.exited_at == 0).sum(1)  # per row: drafts accepted
     assert len(set(drafted_kept.tolist())) > 1, "rows should accept different numbers of drafts"
     assert groups[0] == 8 and min(groups[1:]) < 8, "rows should slide their windows at different rounds"
-    assert 0 < out.stats["accepted"] < out.stats["drafted"]
+    assert 0.1 < out.stats["accepted"] / out.stats["drafted"] < 0.5
 
 
 @pytest.mark.parametrize("top_k", [0, 3])
