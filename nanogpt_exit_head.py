@@ -1290,6 +1290,15 @@ class RowKVCache(KVCache):
         self.pending_states = torch.zeros(B, S + spare, config.n_embd, device=device)
         self.row_lengths = torch.zeros(L, B, dtype=torch.long, device=device)
         self.all_rows = self.rows = torch.arange(B, device=device)
+        self.planned = None  # (slots, scatter index, mask, new lengths) shared by every layer of one step
+
+    def plan_writes(self, start, T):
+        """The next block calls write T entries for every row from its slot start[b] (B,) on: work out the
+        slots and the mask once for all the layers of a step, instead of once per layer."""
+        slots = start[:, None] + torch.arange(T, device=start.device)  # (B, T)
+        nh, hs = self.k.shape[2], self.k.shape[4]
+        mask = torch.arange(self.k.size(3), device=start.device)[None, None, :] <= slots[:, :, None]  # (B, T, S)
+        self.planned = (slots, slots[:, None, :, None].expand(-1, nh, T, hs), mask[:, None], start + T)
 
     def reset(self, start=0):
         super().reset(start)
@@ -1299,6 +1308,12 @@ class RowKVCache(KVCache):
         """Write k, v (R, nh, T, hs) after each selected row's own entries; return its slots (R, nh, S, hs)
         and the mask (R, 1, T, S) of what each new query may see: its row's past and its own chunk, causally."""
         T, rows = k.size(2), self.rows
+        if self.planned is not None and rows is self.all_rows:  # the fast path: slots and mask worked out
+            _, index, mask, end = self.planned
+            self.k[layer].scatter_(2, index, k)  # (B, nh, S, hs): each row's T new entries at its own slots
+            self.v[layer].scatter_(2, index, v)
+            self.row_lengths[layer] = end
+            return self.k[layer], self.v[layer], mask
         n = self.row_lengths[layer, rows]  # (R,)
         pos = n[:, None] + torch.arange(T, device=k.device)  # (R, T): each row's next slots
         keys, values = self.k[layer], self.v[layer]  # (B, nh, S, hs)
@@ -1321,14 +1336,14 @@ def embed_rows(model, idx, pos):
 def prefill_rows(model, cache, tokens, rows, starts, n):
     """Re-prefill the windows of `rows`, each tokens[b, starts[b] : n[b] - 1], at full depth (equal lengths)."""
     m = int(n[rows[0]] - 1 - starts[rows[0]])
-    cache.rows = rows
-    cache.row_lengths[:, rows] = 0
-    if m > 0:
-        cols = starts[rows][:, None] + torch.arange(m, device=tokens.device)  # (R, m)
-        x = model.embed(tokens[rows[:, None], cols])  # (R, m, C)
-        for l, block in enumerate(model.transformer.h):
-            x = block(x, cache, l)
-    cache.rows = cache.all_rows
+    cache.row_lengths[:, rows] = m
+    if m == 0:
+        return 0
+    # a plain cache for just these rows (no per-row mask needed: they are level), then copied into place
+    level = KVCache(model.config, len(rows), tokens.device)
+    prefill(model, level, tokens[rows[:, None], starts[rows][:, None] + torch.arange(m, device=tokens.device)], 0)
+    cache.k[:, rows, :, :m], cache.v[:, rows, :, :m] = level.k[:, :, :, :m], level.v[:, :, :, :m]
+    cache.layer_evals = [a + b for a, b in zip(cache.layer_evals, level.layer_evals)]
     return m * model.config.n_layer  # block runs counted in layer_evals (one call serves all these rows)
 
 
@@ -1353,8 +1368,10 @@ def draft_rows(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, 
     rows, q = cache.all_rows, []
     for j in range(k):
         x = embed_rows(model, tokens[rows, n - 1 + j][:, None], pos + j)  # (B, 1, C)
+        cache.plan_writes(pos + j, 1)
         for l in range(draft_exit + 1):
             x = model.transformer.h[l](x, cache, l)
+        cache.planned = None
         cache.pending_states[rows, pos + j] = x[:, 0]
         logits = model.exit_logits(x[:, 0], draft_exit)  # (B, V)
         tokens[rows, n + j] = sample(logits, temperature, top_k, generator)
@@ -1366,8 +1383,10 @@ def verify_rows(model, cache, pos, k, draft_exit):
     """The layers above the draft run once over every row's k drafted positions: (B, k, V) full-model logits."""
     rows = cache.all_rows
     x = cache.pending_states[rows[:, None], pos[:, None] + torch.arange(k, device=pos.device)]  # (B, k, C)
+    cache.plan_writes(pos, k)
     for l in range(draft_exit + 1, model.config.n_layer):
         x = model.transformer.h[l](x, cache, l)
+    cache.planned = None
     return model.exit_logits(x, model.config.n_layer - 1)  # (B, k, V)
 
 
@@ -1419,11 +1438,11 @@ def generate_self_speculative_batch(model, idx, max_new_tokens, draft_exit, num_
             q, p = probs_from_logits(q, temperature, top_k), probs_from_logits(p, temperature, top_k)
         drafts = tokens[cache.all_rows[:, None], n[:, None] + torch.arange(k, device=dev)]  # (B, k)
         accepted, nxt, has_next = accept_rows(drafts, q, p, room, temperature, generator)
-        for b in range(B):  # bookkeeping of each row's tokens and exit layers
-            a = int(accepted[b])
-            exits[b, n[b] : n[b] + a] = draft_exit
-            if has_next[b]:
-                tokens[b, n[b] + a] = nxt[b]
+        cols = n[:, None] + torch.arange(k, device=dev)  # (B, k): where this round's drafts went
+        kept_draft = torch.arange(k, device=dev)[None] < accepted[:, None]  # (B, k)
+        exits.scatter_(1, cols.clamp(max=end - 1), torch.where(kept_draft, draft_exit, exits.gather(
+            1, cols.clamp(max=end - 1))))
+        tokens[cache.all_rows[has_next], (n + accepted)[has_next]] = nxt[has_next]
         kept = pos + accepted + has_next.long()  # (B,) entries each row keeps
         cache.row_lengths = torch.minimum(cache.row_lengths, kept[None])  # each row rolls back on its own
         n = n + accepted + has_next.long()
