@@ -11,6 +11,10 @@ rotary embeddings, mixed precision in decoding, PABEE patience, dependencies bey
 """
 
 import inspect
+import pickle
+import signal
+import threading
+import zipfile
 import itertools
 import json
 import math
@@ -43,6 +47,7 @@ class Config:
     seed: int = 1337  # one seed for batches, init and sampling: same command, same numbers
     device: str = "auto"  # 'auto' picks cuda, then mps, then cpu; or name one
     compile: bool = False  # torch.compile the model for training (slow to start, faster on GPU)
+    sample_only: bool = False  # with --init_from=resume: print the early-exit sample, exit map and statistics only
     # model
     n_layer: int = 6  # how many transformer blocks (and exits) are stacked?
     n_head: int = 4  # attention heads per block; must divide n_embd
@@ -59,7 +64,7 @@ class Config:
     distill_temperature: float = 1.0  # temperature of that distillation; higher matches more of the distribution
     layer_dropout: float = 0.2  # LayerSkip's p_max: in training skip block l with p_max * (2^(l / (L-1)) - 1) (seed: 0)
     # training
-    batch_size: int = 12  # how many independent sequences per optimizer step?
+    batch_size: int = 12  # how many independent sequences per optimizer step, per process (torchrun: x processes)?
     max_iters: int = 2000  # total optimizer steps
     learning_rate: float = 1e-3  # peak learning rate after warmup
     min_lr: float = 1e-4  # learning rate at the end of the cosine decay
@@ -100,18 +105,8 @@ class Config:
 
 CONFIDENCE_MEASURES = ("top1", "margin", "entropy")
 
-
 # -----------------------------------------------------------------------------
 # Data: characters in, integers out; three contiguous splits
-
-def load_text(path):
-    if not os.path.isfile(path):
-        raise ValueError(f"input file {path!r} not found (it ships with the repository as input.txt)")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if not text:
-        raise ValueError(f"input file {path!r} is empty")
-    return text
 
 class CharTokenizer:
     """A vocabulary of the distinct characters of a text."""
@@ -142,7 +137,6 @@ def get_batch(data, block_size, batch_size, generator, device):
     x = torch.stack([data[i : i + block_size] for i in ix])  # (B, T)
     y = torch.stack([data[i + 1 : i + 1 + block_size] for i in ix])  # (B, T)
     return x.to(device), y.to(device)
-
 
 # -----------------------------------------------------------------------------
 # Model: nanoGPT's GPT, plus an ExitHead after every block but the last
@@ -225,9 +219,8 @@ def exit_head_modules(config):
 def exit_loss_weights(config):
     """(weight of each exit's CE, weight of the final CE) under config.exit_weights.
 
-    constant: alpha each (the seed). linear / geometric: the total alpha * (L - 1) spread as l + 1 or 2^l.
-    layerskip: alpha * sum_{i<=l} i per exit, (L - 1) + sum_{i<L-1} i for the last, normalised (LayerSkip eq. 5).
-    """
+    constant: alpha each (the seed); linear / geometric: alpha * (L - 1) spread as l + 1 or 2^l; layerskip:
+    alpha * sum_{i<=l} i per exit, (L - 1) + sum_{i<L-1} i for the last, normalised (LayerSkip eq. 5)."""
     L, alpha = config.n_layer, config.alpha
     if config.exit_weights == "constant":
         return [alpha] * (L - 1), 1.0
@@ -345,7 +338,6 @@ class GPT(nn.Module):
                 loss = loss + cfg.distill_weight * distillation(exit_logits, teacher, cfg.distill_temperature)
         return loss
 
-
 # -----------------------------------------------------------------------------
 # The KV cache: one per-layer mechanism that every decoding strategy uses
 
@@ -385,7 +377,6 @@ class KVCache:
         mask = None if T == 1 else torch.ones(T, n + T, dtype=torch.bool, device=k.device).tril(n)
         return self.k[layer, :, :, : n + T], self.v[layer, :, :, : n + T], mask
 
-
 # -----------------------------------------------------------------------------
 # Decoding: confidence, sampling, the context window, and the gated step with backfill
 
@@ -423,10 +414,8 @@ def sample(logits, temperature, top_k, generator):
 def window_start(start, n, block_size):
     """Where the context window begins when the sequence holds n tokens and token n-1 is fed next.
 
-    Positions never pass block_size: when the window is full, keep its newest
-    half and re-prefill it at full depth, one parallel pass every block_size/2
-    tokens. The uncached reference follows the same rule, so both see the same contexts.
-    """
+    Positions never pass block_size: when the window is full, keep its newest half and re-prefill it at full
+    depth, one parallel pass every block_size/2 tokens (the uncached reference follows the same rule)."""
     if start is None:
         return max(0, n - block_size)
     if n - start > block_size:
@@ -480,10 +469,8 @@ class KVStrategy:
         raise AssertionError("backfill never skips a layer")
 
 def decode_step(model, cache, idx, pos, strategy, exit_threshold=1.0, checked_exits=(), measure="top1"):
-    """Feed one token per row, idx (B, 1), at window position pos; returns emitted logits (B, V) and exit layers (B,).
-
-    Each row exits on its own confidence; the step runs as deep as its deepest row (backfill: every layer).
-    """
+    """Feed one token per row, idx (B, 1), at window position pos; returns emitted logits (B, V) and exit layers
+    (B,). Each row exits on its own confidence; the step runs as deep as its deepest row (backfill: every layer)."""
     L = model.config.n_layer
     checks = strategy.exit_checks(pos, checked_exits) if exit_threshold < 1 else ()  # a confidence never exceeds 1
     x = model.embed(idx, pos)  # (B, 1, C)
@@ -544,16 +531,11 @@ def generate(model, idx, max_new_tokens, strategy="backfill", exit_threshold=1.0
     logits = torch.stack(emitted, dim=1) if emitted else None
     return Generation(tokens, exits, logits, sum(cache.layer_evals) - prefilled, cache, None, prefilled)
 
-
 # -----------------------------------------------------------------------------
 # Exit statistics: where the tokens left, as the seed prints them
 
 def bar(fraction, width=30):
     return "#" * round(fraction * width)
-
-def exit_counts(exited_at, n_layer):
-    """Tokens that left at each layer: (B, N) -> [int per layer]."""
-    return torch.bincount(exited_at.flatten().cpu(), minlength=n_layer).tolist()
 
 def format_exit_stats(counts):
     """The seed's per-layer lines, 'Layer 0:   42 tokens (21.0%)', with a bar each."""
@@ -566,9 +548,13 @@ def format_exit_stats(counts):
     lines.append(f"mean exit depth: {mean:.2f} of {len(counts)} layers per token")
     return "\n".join(lines)
 
-
 # -----------------------------------------------------------------------------
 # Training: AdamW, warmup then cosine decay, the joint loss
+
+def synchronize(device):
+    """Wait for queued kernels, so a timer reads finished work (CUDA launches return at once)."""
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
 
 def get_lr(it, config):
     if it < config.warmup_iters:
@@ -617,30 +603,45 @@ def train_step(model, optimizer, x, y, config, ctx):
     optimizer.step()
     return loss
 
-def train(model, optimizer, splits, config, device, ctx, start_iter=0):
-    """The training loop; returns (seconds, median ms per step). Evaluates every eval_interval steps."""
-    gen = torch.Generator().manual_seed(config.seed + start_iter)
-    step_model = torch.compile(model) if config.compile else model
-    tokens_per_step = config.batch_size * config.block_size
-    t_start, step_ms = time.time(), []
-    bar = tqdm(range(start_iter, config.max_iters), initial=start_iter, total=config.max_iters,
-               mininterval=1.0 if sys.stderr.isatty() else 30.0, desc="training")
-    for it in bar:
-        if it % config.eval_interval == 0 and it > start_iter:
-            tqdm.write(format_eval(it, estimate_loss(model, splits, config, device, ctx)))
-        for group in optimizer.param_groups:
-            group["lr"] = get_lr(it, config)
-        t0 = time.time()
-        x, y = get_batch(splits["train"], config.block_size, config.batch_size, gen, device)
-        loss = train_step(step_model, optimizer, x, y, config, ctx)
-        step_ms.append(1000 * (time.time() - t0))
-        if it % 10 == 0:  # .item() waits for the device, so read the loss only now and then
-            dt = time.time() - t0
-            bar.set_postfix_str(f"joint loss {loss.item():.3f} | {dt * 1000:.0f} ms | {tokens_per_step / dt:,.0f} tok/s",
-                                refresh=False)
-    bar.close()
-    return time.time() - t_start, float(np.median(step_ms)) if step_ms else 0.0
+def train(model, optimizer, splits, config, device, ctx, start_iter=0, rng=None, save=None, step_model=None, rank=0):
+    """The training loop; returns (seconds, median ms per step, log). Evaluates every eval_interval steps.
 
+    rng resumes the sampler's and torch's random states (a resumed run repeats an uninterrupted one); save(it,
+    rng, log) runs at each evaluation and when Ctrl-C stops the loop between steps. Only rank 0 evaluates."""
+    gen = torch.Generator().manual_seed(config.seed + rank)
+    if rng is not None:
+        gen.set_state(rng["batches"]), torch.set_rng_state(rng["torch"])
+    step_model = step_model or (torch.compile(model) if config.compile else model)
+    t_start, step_ms, log, stop = time.time(), [], [], []
+    on_main = threading.current_thread() is threading.main_thread()  # signal handlers live in the main thread
+    handler = signal.signal(signal.SIGINT, lambda *_: stop.append(1)) if on_main else None
+    bar = tqdm(range(start_iter, config.max_iters), initial=start_iter, total=config.max_iters, disable=rank > 0,
+               mininterval=1.0 if sys.stderr.isatty() else 30.0, desc="training")
+    try:
+        for it in bar:
+            rng = {"batches": gen.get_state(), "torch": torch.get_rng_state()}
+            if stop:  # Ctrl-C: the last step is whole; save it and stop
+                save and save(it, rng, log)
+                raise KeyboardInterrupt
+            if it % config.eval_interval == 0 and it > start_iter and rank == 0:
+                losses = estimate_loss(model, splits, config, device, ctx)
+                tqdm.write(format_eval(it, losses))
+                log.append({"iter": it, "val_loss": losses["val"][-1]})
+                save and save(it, rng, log)
+            for group in optimizer.param_groups:
+                group["lr"] = get_lr(it, config)
+            t0 = time.time()
+            x, y = get_batch(splits["train"], config.block_size, config.batch_size, gen, device)
+            loss = train_step(step_model, optimizer, x, y, config, ctx)
+            synchronize(device)
+            step_ms.append(1000 * (time.time() - t0))
+            if it % 10 == 0:  # .item() waits for the device, so read the loss only now and then
+                log.append({"iter": it, "loss": loss.item()})
+                bar.set_postfix_str(f"joint loss {log[-1]['loss']:.3f} | {step_ms[-1]:.0f} ms", refresh=False)
+    finally:
+        bar.close()
+        handler and signal.signal(signal.SIGINT, handler)
+    return time.time() - t_start, float(np.median(step_ms)) if step_ms else 0.0, log
 
 # -----------------------------------------------------------------------------
 # Part II: beyond the seed, one idea per section
@@ -1090,11 +1091,6 @@ def quality_pass(run, data, n_positions, n_layer):
         "test_loss": F.cross_entropy(logits, targets).item(),
         "test_accuracy": (logits.argmax(-1) == targets).float().mean().item(),
     }
-
-def synchronize(device):
-    """Wait for queued kernels, so a timer reads finished work (CUDA launches return at once)."""
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
 
 def speed_pass(runs, prompts, n_tokens, repeats, seed, top_k):
     """Every run continues every prompt (batch 1) in turn, repeats times, interleaved; runs: name -> (run, temperature).
@@ -1638,7 +1634,7 @@ def compare_recipes(config, splits, device, ctx, prompts):
         print(f"\n--- recipe {name}: {fields_ or 'the seed recipe'} ---")
         torch.manual_seed(cfg.seed)
         model = GPT(cfg).to(device)
-        seconds, _ = train(model, configure_optimizer(model, cfg), splits, cfg, device, ctx)
+        seconds, _, _ = train(model, configure_optimizer(model, cfg), splits, cfg, device, ctx)
         rows.append({**evaluate_recipe(name, model, splits, cfg, device, ctx, prompts), "train_seconds": seconds})
     return rows
 
@@ -1659,6 +1655,7 @@ def benchmark_training(config, splits, device, ctx, rounds=5, steps=40):
             for x, y in batches:
                 t0 = time.perf_counter()
                 train_step(model, optimizer, x, y, cfg, ctx)
+                synchronize(device)
                 times.append(1000 * (time.perf_counter() - t0))
     return {name: float(np.median(times[steps:])) for name, (_, _, _, times) in setups.items()}
 
@@ -1667,6 +1664,10 @@ def benchmark_training(config, splits, device, ctx, rounds=5, steps=40):
 # Reports: the exit map, tables for people, JSON for programs
 
 LAYER_COLOURS = (31, 33, 32, 36, 34, 35, 91, 93, 92, 96, 94, 95)  # ANSI foreground codes, shallow to deep
+
+def exit_counts(exited_at, n_layer):
+    """Tokens that left at each layer: (B, N) -> [int per layer]."""
+    return torch.bincount(exited_at.flatten().cpu(), minlength=n_layer).tolist()
 
 def colour_text(text, layers, n_layer, tty):
     """Every character coloured by the layer it left at; without a terminal, digits underneath."""
@@ -1844,15 +1845,20 @@ def atomic_save(obj, path, writer):
     writer(obj, tmp)
     os.replace(tmp, path)
 
-def save_checkpoint(path, model, optimizer, config, iter_num, tokenizer, val_loss, train_seconds):
+CHECKPOINT_KEYS = {"model", "optimizer", "config", "iter_num", "vocab", "rng", "train_log", "train_seconds"}
+
+def save_checkpoint(path, model, optimizer, config, iter_num, tokenizer, train_seconds, rng, train_log, val_loss=None):
+    """Tensors and plain Python data only, so torch.load(weights_only=True) can read it back."""
     ckpt = {
         "train_seconds": train_seconds,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "config": asdict(config),
-        "iter_num": iter_num,
-        "val_loss": val_loss,  # the final evaluation's full-depth val loss
+        "iter_num": iter_num,  # steps done; training resumes at this step
+        "val_loss": val_loss,  # the last full-depth val loss (None when saved mid-training)
         "vocab": tokenizer.chars,
+        "rng": rng,  # the batch sampler's and torch's random states, for an exact resume
+        "train_log": train_log,
     }
     atomic_save(ckpt, path, torch.save)
 
@@ -1867,7 +1873,15 @@ def load_checkpoint(path, config, overridden, tokenizer):
     """Load ckpt.pt; architecture fields come from it, and must agree with explicit overrides."""
     if not os.path.isfile(path):
         raise ValueError(f"--init_from=resume but there is no checkpoint at {path!r}")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    try:  # weights_only: a checkpoint is data, never code to run
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, KeyError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{path!r} is not a readable checkpoint (truncated or corrupt: {type(e).__name__}); "
+                         "delete it, or train anew with --init_from=scratch") from None
+    if not isinstance(ckpt, dict) or not CHECKPOINT_KEYS <= set(ckpt):
+        raise ValueError(f"{path!r} is not a checkpoint of this script (it lacks "
+                         f"{', '.join(sorted(CHECKPOINT_KEYS - set(ckpt))) if isinstance(ckpt, dict) else 'everything'}); "
+                         "delete it, or train anew with --init_from=scratch")
     if ckpt["vocab"] != tokenizer.chars:
         raise ValueError(f"checkpoint vocabulary ({len(ckpt['vocab'])} chars) does not match {config.input_path!r}")
     for name in ARCH_FIELDS:
@@ -1880,7 +1894,7 @@ def restore_model(ckpt, config, device):
     model = GPT(config)
     try:
         model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:  # shapes or names that do not fit this model
+    except (RuntimeError, TypeError, AttributeError) as e:  # shapes or names that do not fit this model
         raise ValueError(f"checkpoint does not fit the model: {str(e).splitlines()[0]}") from None
     return model.to(device)
 
@@ -1890,6 +1904,22 @@ def restore_model(ckpt, config, device):
 
 EXIT_WEIGHTS = ("constant", "linear", "geometric", "layerskip")
 EXIT_HEADS = ("separate", "shared", "final")
+
+def load_text(path):
+    """The training text: a UTF-8 file, or a one-line error that says what is wrong and where."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--input_path={path!r}: no such file (the repository ships input.txt)")
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ValueError(f"input file {path!r} is not UTF-8: byte {e.start} (line {line}) is {raw[e.start:e.start + 1]!r}; "
+                         "convert it, e.g. iconv -t UTF-8") from None
+    if not text:
+        raise ValueError(f"input file {path!r} is empty")
+    return text
 
 def field_help():
     """The trailing comment of every Config field, read from this file's source."""
@@ -1930,45 +1960,76 @@ def parse_args(argv):
     return config, overridden
 
 def usage():
+    """Every field: its default, what it does, and the rule validate() holds it to."""
     helps = field_help()
-    lines = ["usage: python nanogpt_exit_head.py [--name=value ...]", "", "fields (default, what it does):"]
+    lines = ["usage: python nanogpt_exit_head.py [--name=value ...]",
+             "       torchrun --standalone --nproc_per_node=N nanogpt_exit_head.py [...]  (one batch_size per process)",
+             "", "fields (default, what it does) [the values it takes]:"]
     for f in fields(Config):
-        lines.append(f"  --{f.name:<16} {str(f.default)!r:<14} {helps.get(f.name, '')}")
+        if f.name == "vocab_size":
+            continue
+        rule = FIELD_RULES.get(f.name, "true/false" if f.type in (bool, "bool") else "")
+        rule = " or ".join(rule) if isinstance(rule, tuple) else rule
+        rule = "; ".join(r for r in (rule, FIELD_NOTES.get(f.name, "")) if r)
+        lines.append(f"  --{f.name:<22} {str(f.default)!r:<14} {helps.get(f.name, '')}" + (f" [{rule}]" if rule else ""))
     return "\n".join(lines)
 
+FIELD_RULES = {  # every field a user can set: an interval of numbers, or the names it may take
+    "init_from": ("scratch", "resume"), "seed": "[0, inf)", "n_layer": "[2, inf)", "n_head": "[1, inf)",
+    "n_embd": "[1, inf)", "block_size": "[2, inf)", "dropout": "[0, 1)", "alpha": "[0, inf)",
+    "exit_weights": EXIT_WEIGHTS, "exit_head": EXIT_HEADS, "distill_weight": "[0, inf)",
+    "distill_temperature": "(0, inf)", "layer_dropout": "[0, 1)", "batch_size": "[1, inf)", "max_iters": "[0, inf)",
+    "learning_rate": "(0, inf)", "min_lr": "[0, inf)", "warmup_iters": "[0, inf)", "weight_decay": "[0, inf)",
+    "beta1": "[0, 1)", "beta2": "[0, 1)", "grad_clip": "[0, inf)", "eval_interval": "[1, inf)", "eval_iters": "[1, inf)",
+    "max_new_tokens": "[1, inf)", "temperature": "[0, inf)", "top_k": "[0, inf)", "exit_threshold": "[0, 1]",
+    "kv_strategy": KV_STRATEGIES, "confidence": CONFIDENCE_MEASURES, "draft_exit": "[0, inf)", "num_draft": "[1, inf)",
+    "draft_stop": "[0, 1)", "quality_positions": "[1, inf)", "bench_prompts": "[1, inf)", "bench_prompt_len": "[1, inf)",
+    "bench_tokens": "[1, inf)", "bench_repeats": "[1, inf)", "epsilon": "(0, 1)", "delta": "(0, 1)",
+    "sweep_positions": "[1, inf)", "strategies_threshold": "[-1, 1]", "schedule_disagreement": "[0, 1]",
+}
+FIELD_NOTES = {  # rules that involve more than one field or the machine, as --help states them
+    "out_dir": "a folder this process can write (not a file)", "input_path": "a UTF-8 text file, long enough "
+    "for block_size in each split", "device": "auto, cpu, cuda, cuda:N or mps, as this torch offers them",
+    "n_head": "and must divide n_embd", "min_lr": "and at most learning_rate", "prompt": "at least one character, "
+    "all in the vocabulary", "exit_layers": "auto, all or layers 0..n_layer-2", "draft_exit": "and below n_layer - 1",
+    "strategies_threshold": "-1 (choose on val) or a threshold in [0, 1]",
+}
+
+def in_interval(x, interval):
+    """Whether x lies in an interval written '[0, 1)', '(0, inf)' and the like."""
+    lo, hi = (float(t) for t in interval[1:-1].split(", "))
+    return (x >= lo if interval[0] == "[" else x > lo) and (x <= hi if interval[-1] == "]" else x < hi)
+
 def validate(config):
-    """Reject settings that cannot work, with a message that says what to change."""
+    """Reject settings that cannot work, with a message that says what to change (the rules --help lists)."""
+    for name, rule in FIELD_RULES.items():
+        value = getattr(config, name)
+        if isinstance(rule, tuple) and value not in rule:
+            raise ValueError(f"--{name}={value!r} is not one of {', '.join(rule)}")
+        if isinstance(rule, str) and not in_interval(value, rule):
+            raise ValueError(f"--{name}={value} is outside {rule}")
     if config.n_embd % config.n_head:
         raise ValueError(f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}")
-    if not 0.0 <= config.exit_threshold <= 1.0:
-        raise ValueError(f"exit_threshold={config.exit_threshold} is outside [0, 1]")
-    if config.kv_strategy not in KV_STRATEGIES:
-        raise ValueError(f"kv_strategy={config.kv_strategy!r} is not one of {', '.join(KV_STRATEGIES)}")
-    if config.confidence not in CONFIDENCE_MEASURES:
-        raise ValueError(f"confidence={config.confidence!r} is not one of {', '.join(CONFIDENCE_MEASURES)}")
-    for name, allowed in (("exit_weights", EXIT_WEIGHTS), ("exit_head", EXIT_HEADS)):
-        if getattr(config, name) not in allowed:
-            raise ValueError(f"{name}={getattr(config, name)!r} is not one of {', '.join(allowed)}")
-    if not 0 <= config.layer_dropout < 1 or config.distill_weight < 0 or config.distill_temperature <= 0:
-        raise ValueError("need 0 <= layer_dropout < 1, distill_weight >= 0 and distill_temperature > 0")
-    if config.init_from not in ("scratch", "resume"):
-        raise ValueError(f"init_from={config.init_from!r} must be 'scratch' or 'resume'")
-    for name in ("n_head", "block_size", "batch_size", "eval_iters", "eval_interval"):
-        if getattr(config, name) < 1:
-            raise ValueError(f"{name}={getattr(config, name)} must be at least 1")
-    if config.block_size < 2 or config.n_layer < 2:
-        raise ValueError("block_size and n_layer must be at least 2 (one exit below the final layer)")
+    if config.min_lr > config.learning_rate:
+        raise ValueError(f"min_lr={config.min_lr} is above learning_rate={config.learning_rate}")
+    if config.strategies_threshold < 0 and config.strategies_threshold != -1:
+        raise ValueError(f"strategies_threshold={config.strategies_threshold}: -1 (choose on val) or a value in [0, 1]")
+    if not config.prompt:
+        raise ValueError("--prompt must hold at least one character")
     parse_exit_layers(config.exit_layers, config.n_layer)
-    if not 0 <= config.draft_exit < config.n_layer - 1:
+    if config.draft_exit >= config.n_layer - 1:
         raise ValueError(f"draft_exit={config.draft_exit} must be a layer below the last (0..{config.n_layer - 2})")
-    if not 0 <= config.draft_stop < 1:
-        raise ValueError(f"draft_stop={config.draft_stop} must lie in [0, 1)")
-    if not (0 < config.epsilon < 1 and 0 < config.delta < 1):
-        raise ValueError(f"epsilon={config.epsilon} and delta={config.delta} must both lie strictly between 0 and 1")
-    for name in ("num_draft", "quality_positions", "bench_tokens", "bench_repeats", "sweep_positions", "bench_prompts",
-                 "bench_prompt_len"):
-        if getattr(config, name) < 1:
-            raise ValueError(f"{name}={getattr(config, name)} must be at least 1")
+    check_out_dir(config.out_dir)
+
+def check_out_dir(path):
+    """out_dir must be a folder we can write: say so now, not after training."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--out_dir={path!r} is a file; name a folder")
+    probe = path
+    while not os.path.exists(probe):  # the nearest folder that exists must let us create what is missing
+        probe = os.path.dirname(os.path.abspath(probe))
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"--out_dir={path!r} cannot be written ({probe!r} is not writable)")
 
 def parse_exit_layers(text, n_layer):
     """'all' or '0,2' -> the sorted layers (below the last) whose exit head is checked."""
@@ -1983,15 +2044,18 @@ def parse_exit_layers(text, n_layer):
     return layers
 
 def pick_device(name):
+    """'auto' picks cuda, then mps, then cpu; a named device must be one this torch offers."""
+    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
     if name == "auto":
-        if torch.cuda.is_available():
-            return "cuda"
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-            return "mps"
-        return "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device={name} but CUDA is not available (try --device=auto)")
-    return name
+        return "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
+    kind, _, index = name.partition(":")
+    if kind == "cuda" and torch.cuda.is_available() and (not index or index.isdigit() and int(index) < torch.cuda.device_count()):
+        return name
+    if name == "cpu" or name == "mps" and mps:
+        return name
+    offered = ", ".join(["auto", "cpu"] + (["cuda", f"cuda:0..{torch.cuda.device_count() - 1}"] if torch.cuda.is_available()
+                                            else []) + (["mps"] if mps else []))
+    raise ValueError(f"--device={name!r} is not offered by this torch; use one of {offered}")
 
 def autocast_context(device):
     """bf16 autocast for training on CUDA; plain fp32 elsewhere (and for all decoding)."""
@@ -2000,16 +2064,19 @@ def autocast_context(device):
     return nullcontext()
 
 def build_model(config, overridden, tokenizer, device):
-    """A new model, or the checkpoint's; returns (model, optimizer, iter_num, train_seconds)."""
+    """A new model, or the checkpoint's; returns (model, optimizer, iter_num, train_seconds, rng, train_log)."""
     ckpt_path = os.path.join(config.out_dir, "ckpt.pt")
     if config.init_from == "resume":
         ckpt = load_checkpoint(ckpt_path, config, overridden, tokenizer)
         model = restore_model(ckpt, config, device)
         optimizer = configure_optimizer(model, config)
-        optimizer.load_state_dict(ckpt["optimizer"])
-        return model, optimizer, ckpt["iter_num"], ckpt.get("train_seconds", 0.0)
+        try:
+            optimizer.load_state_dict(ckpt["optimizer"])
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"checkpoint's optimizer state does not fit the model: {str(e)[:100]}") from None
+        return model, optimizer, ckpt["iter_num"], ckpt["train_seconds"], ckpt["rng"], ckpt["train_log"]
     model = GPT(config).to(device)
-    return model, configure_optimizer(model, config), 0, 0.0
+    return model, configure_optimizer(model, config), 0, 0.0, None, []
 
 def print_param_counts(model):
     base, heads = model.num_params()
@@ -2022,19 +2089,21 @@ def timed_generate(model, idx, config, seed, **kw):
     t0 = time.perf_counter()
     out = generate(model, idx, config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
                    generator=gen, **kw)
+    synchronize(idx.device)
     return out, idx.size(0) * config.max_new_tokens / (time.perf_counter() - t0)
 
-def demo_generation(model, tokenizer, config, device, threshold):
+def demo_generation(model, tokenizer, config, device, threshold, full_depth=True):
     """A full-depth sample and an early-exit sample from the same prompt and seed."""
     idx = torch.tensor([tokenizer.encode(config.prompt)], dtype=torch.long, device=device)
     checked_exits = parse_exit_layers(config.exit_layers, config.n_layer)
-    full, full_tps = timed_generate(model, idx, config, config.seed)
+    full, full_tps = timed_generate(model, idx, config, config.seed) if full_depth else (None, None)
     early, tps = timed_generate(model, idx, config, config.seed, strategy=config.kv_strategy,
                                 exit_threshold=threshold, checked_exits=checked_exits, measure=config.confidence)
     T0 = idx.size(1)
-    print(f"\n=== What does early exit look like? Two samples from the same prompt and seed ===")
-    print(f"\n--- full-depth sample ({full_tps:,.0f} tok/s) ---")
-    print(tokenizer.decode(full.tokens[0, T0:].tolist()))
+    if full_depth:
+        print("\n=== What does early exit look like? Two samples from the same prompt and seed ===")
+        print(f"\n--- full-depth sample ({full_tps:,.0f} tok/s) ---")
+        print(tokenizer.decode(full.tokens[0, T0:].tolist()))
     print(f"\n--- early-exit sample: {config.kv_strategy}, {config.confidence} > {threshold:g} ({tps:,.0f} tok/s) ---")
     text = tokenizer.decode(early.tokens[0, T0:].tolist())
     print(text)
@@ -2048,6 +2117,20 @@ def demo_generation(model, tokenizer, config, device, threshold):
     return {"exit_threshold": threshold, "kv_strategy": config.kv_strategy, "exit_counts": counts,
             "mean_layers": mean, "layers_run_per_token": layers_run, "tokens_per_second": tps,
             "full_depth_tokens_per_second": full_tps, "sample": text}
+
+def run_sample_only(config, overridden, device):
+    """--sample_only=1: the checkpoint's early-exit sample, exit map and per-layer statistics, nothing else."""
+    if config.init_from != "resume":
+        raise ValueError("--sample_only=1 samples from a checkpoint: add --init_from=resume")
+    tokenizer, splits = load_data(config)
+    model = restore_model(load_checkpoint(os.path.join(config.out_dir, "ckpt.pt"), config, overridden, tokenizer),
+                          config, device).eval()
+    threshold = config.exit_threshold
+    if "exit_threshold" not in overridden:  # calibrate on val, as the default run does
+        val = record_exits(model, splits["val"].to(device), config.sweep_positions)
+        threshold = calibrate(val, config.confidence, parse_exit_layers(config.exit_layers, config.n_layer),
+                              config.epsilon, config.delta)
+    return demo_generation(model, tokenizer, config, device, threshold, full_depth=False)
 
 def run_recipe_comparison(config, device):
     """--compare_recipes=1: every recipe trained and judged alike; a table, and recipes.json in out_dir."""
@@ -2074,34 +2157,82 @@ def load_data(config):
     config.vocab_size = tokenizer.vocab_size
     if not config.prompt:
         raise ValueError("--prompt must hold at least one character")
-    tokenizer.encode(config.prompt)  # reject a bad prompt before any training
-    return tokenizer, split_data(torch.tensor(tokenizer.encode(text), dtype=torch.long))
+    unknown = sorted(set(config.prompt) - set(tokenizer.chars))  # reject a bad prompt before any training
+    if unknown:
+        raise ValueError(f"--prompt has characters not in the vocabulary of {config.input_path!r}: "
+                         f"{', '.join(repr(c) for c in unknown)}")
+    splits = split_data(torch.tensor(tokenizer.encode(text), dtype=torch.long))
+    need = max(config.block_size, config.bench_prompt_len) + 2
+    short = [name for name, d in splits.items() if len(d) < need]
+    if short:
+        raise ValueError(f"input file {config.input_path!r} ({len(text):,} characters) is too short: the {', '.join(short)} "
+                         f"split(s) need at least {need} characters for block_size={config.block_size} and "
+                         f"bench_prompt_len={config.bench_prompt_len}; use a longer text or a smaller block_size")
+    return tokenizer, splits
 
-def train_or_resume(config, overridden, tokenizer, splits, device, ctx):
-    """Build or load the model, train it up to max_iters, save the checkpoint; returns (model, report)."""
-    model, optimizer, iter_num, train_seconds = build_model(config, overridden, tokenizer, device)
-    print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | "
-          f"train/val/test: {len(splits['train']):,}/{len(splits['val']):,}/{len(splits['test']):,} characters")
-    print_param_counts(model)
-    os.makedirs(config.out_dir, exist_ok=True)
-    ms_per_iter = None
+class Interrupted(Exception):
+    """Ctrl-C stopped training; the checkpoint at `path` holds every step done."""
+
+def train_or_resume(config, overridden, tokenizer, splits, device, ctx, rank=0, world=1):
+    """Build or load the model, train it up to max_iters, checkpointing at every evaluation and on Ctrl-C;
+    returns (model, report), or (None, None) on the ranks of a torchrun job other than 0."""
+    model, optimizer, iter_num, train_seconds, rng, log = build_model(config, overridden, tokenizer, device)
+    ckpt_path = os.path.join(config.out_dir, "ckpt.pt")
+    if rank == 0:
+        print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: "
+              f"{len(splits['train']):,}/{len(splits['val']):,}/{len(splits['test']):,} characters | processes: {world}")
+        print_param_counts(model)
+        os.makedirs(config.out_dir, exist_ok=True)
+    t0, ms_per_iter = time.time(), None
+
+    def save(it, rng, new_log):
+        save_checkpoint(ckpt_path, model, optimizer, config, it, tokenizer, train_seconds + time.time() - t0, rng,
+                        log + new_log)
+
     if iter_num < config.max_iters:
-        seconds, ms_per_iter = train(model, optimizer, splits, config, device, ctx, iter_num)
-        train_seconds, iter_num = train_seconds + seconds, config.max_iters
+        step_model = wrap_for_processes(model, config, device) if world > 1 else None
+        try:
+            seconds, ms_per_iter, new_log = train(model, optimizer, splits, config, device, ctx, iter_num, rng,
+                                                  save if rank == 0 else None, step_model, rank)
+        except KeyboardInterrupt:
+            raise Interrupted(ckpt_path) from None
+        train_seconds, iter_num, log = train_seconds + seconds, config.max_iters, log + new_log
+        rng = {"batches": torch.Generator().get_state(), "torch": torch.get_rng_state()}  # unused: training is done
+    if rank > 0:
+        return None, None
+    if ms_per_iter is not None:
         print(f"median step time: {ms_per_iter:.1f} ms/iter")
     else:
         print(f"checkpoint already at iteration {iter_num} (max_iters={config.max_iters}): no training")
     losses = estimate_loss(model, splits, config, device, ctx)
     print(format_eval(iter_num, losses))
-    ckpt_path = os.path.join(config.out_dir, "ckpt.pt")
-    save_checkpoint(ckpt_path, model, optimizer, config, iter_num, tokenizer, losses["val"][-1], train_seconds)
+    save_checkpoint(ckpt_path, model, optimizer, config, iter_num, tokenizer, train_seconds, rng, log, losses["val"][-1])
     print(f"training took {train_seconds:.1f} s; checkpoint: {ckpt_path}")
     base, heads = model.num_params()
     return model.eval(), {
         "config": asdict(config), "n_params": base, "n_params_exit_heads": heads, "train_seconds": train_seconds,
         "ms_per_iter": ms_per_iter, "val_loss": {"final": losses["val"][-1], "exits": losses["val"][:-1]},
-        "train_loss": losses["train"][-1],
+        "train_loss": losses["train"][-1], "train_log": log, "processes": world,
     }
+
+def start_processes(config):
+    """Under torchrun (RANK and WORLD_SIZE set): join the process group, gloo on CPU and nccl on CUDA.
+    Returns (rank, world size, device); (0, 1, None) for a plain run."""
+    if "RANK" not in os.environ:
+        return 0, 1, None
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    cuda = torch.cuda.is_available() and config.device in ("auto", "cuda")
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(local)
+    return rank, world, f"cuda:{local}" if cuda else "cpu"
+
+def wrap_for_processes(model, config, device):
+    """DistributedDataParallel: every process computes its own batch's gradients, averaged in backward."""
+    unused = config.alpha == 0 and config.distill_weight == 0  # then the exit heads get no gradient
+    ids = [torch.device(device).index] if str(device).startswith("cuda") else None
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, find_unused_parameters=unused)
+    return torch.compile(ddp) if config.compile else ddp
 
 def choose_exit_rule(model, tokenizer, splits, config, device):
     """Sweep on val, calibrate per measure, report on test; the logit lens and the exit slices (printed later)."""
@@ -2112,7 +2243,7 @@ def choose_exit_rule(model, tokenizer, splits, config, device):
     cals = [calibration_report(val, test, m, checked_exits, config.epsilon, config.delta) for m in CONFIDENCE_MEASURES]
     report["calibration"] = next(c for c in cals if c["measure"] == config.confidence)
     report["calibration_by_measure"] = cals
-    starts = range(0, 64 * config.block_size, config.block_size)  # 64 val windows
+    starts = range(0, len(splits["val"]) - config.block_size, config.block_size)[:64]  # up to 64 val windows
     lens_x = torch.stack([splits["val"][i : i + config.block_size] for i in starts]).to(device)
     report["logit_lens"] = logit_lens(model, lens_x)
     exits = exits_at_threshold(test, config.confidence, report["calibration"]["threshold"], checked_exits)
@@ -2147,13 +2278,20 @@ def measure_strategies(model, splits, config, device):
 def run(config, overridden):
     """The default job: every step the module docstring promises, in order."""
     torch.manual_seed(config.seed)
-    device = pick_device(config.device)
+    rank, world, process_device = start_processes(config)
+    device = process_device or pick_device(config.device)
+    if config.sample_only:
+        return run_sample_only(config, overridden, device)
     if config.compare_recipes:
         return run_recipe_comparison(config, device)
     if config.bench_train:
         return run_training_benchmark(config, device)
     tokenizer, splits = load_data(config)
-    model, report = train_or_resume(config, overridden, tokenizer, splits, device, autocast_context(device))
+    model, report = train_or_resume(config, overridden, tokenizer, splits, device, autocast_context(device), rank, world)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    if rank > 0:  # only rank 0 analyses, prints and writes
+        return None
     rule = choose_exit_rule(model, tokenizer, splits, config, device)  # quiet: the samples come first
     threshold = rule["calibration"]["threshold"]
     if "exit_threshold" in overridden:
@@ -2180,6 +2318,9 @@ def main(argv=None):
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        print(f"\ninterrupted: every finished step is in {e} (continue with --init_from=resume)", file=sys.stderr)
+        return 130
     return 0
 
 if __name__ == "__main__":

@@ -69,8 +69,8 @@ def test_default_run_prints_the_statistics(tmp_path, capsys):
 
 
 BAD_INPUTS = [
-    (["--input_path=/nonexistent/input.txt"], "not found"),
-    (["--prompt=\u00e9t\u00e9"], "not in the vocabulary: '\u00e9'"),
+    (["--input_path=/nonexistent/input.txt"], "no such file"),
+    (["--prompt=\u00e9t\u00e9"], "not in the vocabulary of 'input.txt': '\u00e9'"),
     (["--exit_threshold=1.5"], "outside [0, 1]"),
     (["--exit_threshold=-0.1"], "outside [0, 1]"),
     (["--n_embd=30", "--n_head=4"], "not divisible"),
