@@ -1845,7 +1845,7 @@ def atomic_save(obj, path, writer):
     writer(obj, tmp)
     os.replace(tmp, path)
 
-CHECKPOINT_KEYS = {"model", "optimizer", "config", "iter_num", "vocab", "rng", "train_log", "train_seconds"}
+CHECKPOINT_KEYS = {"model", "optimizer", "config", "iter_num", "vocab"}  # older ones lack rng and train_log
 
 def save_checkpoint(path, model, optimizer, config, iter_num, tokenizer, train_seconds, rng, train_log, val_loss=None):
     """Tensors and plain Python data only, so torch.load(weights_only=True) can read it back."""
@@ -2074,7 +2074,7 @@ def build_model(config, overridden, tokenizer, device):
             optimizer.load_state_dict(ckpt["optimizer"])
         except (ValueError, KeyError) as e:
             raise ValueError(f"checkpoint's optimizer state does not fit the model: {str(e)[:100]}") from None
-        return model, optimizer, ckpt["iter_num"], ckpt["train_seconds"], ckpt["rng"], ckpt["train_log"]
+        return model, optimizer, ckpt["iter_num"], ckpt.get("train_seconds", 0.0), ckpt.get("rng"), ckpt.get("train_log", [])
     model = GPT(config).to(device)
     return model, configure_optimizer(model, config), 0, 0.0, None, []
 
