@@ -1828,11 +1828,208 @@ def print_recipes(rows, config):
           f"draft_stop={config.draft_stop:g}")
     shown = [dict(r, vs_base=r["val_loss_final"] / base - 1, exits=" ".join(f"{v:.2f}" for v in r["val_loss_exits"]))
              for r in rows]
-    print_table(shown, (("recipe", "recipe", "{}"), ("val_loss_final", "val loss", "{:.4f}"), ("vs_base", "vs baseline", "{:+.2%}"),
-                        ("exits", "val loss per exit", "{}"), ("calibrated_threshold", "threshold", "{:.2f}"),
-                        ("compute_saved", "test saved", "{:.1%}"), ("test_loss", "test loss", "{:.4f}"),
-                        ("test_full_loss", "full", "{:.4f}"), ("spec_acceptance_rate", "accept", "{:.3f}"),
-                        ("spec_speedup", "spec greedy", "{:.2f}x"), ("spec_speedup_sampled", "spec sampled", "{:.2f}x")))
+    print_table(shown, (("recipe", "recipe", "{}"), ("val_loss_final", "val loss", "{:.4f}"),
+                        ("vs_base", "vs baseline", "{:+.2%}"), ("exits", "val loss per exit", "{}")) + RECIPE_COLUMNS[2:])
+
+RECIPE_COLUMNS = (("recipe", "recipe", "{}"), ("val_loss_final", "val loss", "{:.4f}"),
+                  ("calibrated_threshold", "threshold", "{:.2f}"), ("compute_saved", "test saved", "{:.1%}"),
+                  ("test_loss", "test loss", "{:.4f}"), ("test_full_loss", "full", "{:.4f}"),
+                  ("spec_acceptance_rate", "accept", "{:.3f}"), ("spec_speedup", "spec greedy", "{:.2f}x"),
+                  ("spec_speedup_sampled", "spec sampled", "{:.2f}x"))
+
+
+# -----------------------------------------------------------------------------
+# Reports, 2: out_dir/report.html, one self-contained page (inline CSS and SVG, no script, light and dark)
+
+VIRIDIS = ("#440154", "#3b528b", "#21918c", "#5ec962", "#fde725")  # shallow to deep; told apart without hue
+
+def layer_colour(layer, n_layer):
+    """Viridis at layer / (n_layer - 1), linearly between its stops: a sequential, colour-blind-safe scale."""
+    t = layer / max(1, n_layer - 1) * (len(VIRIDIS) - 1)
+    i, f = min(int(t), len(VIRIDIS) - 2), t - min(int(t), len(VIRIDIS) - 2)
+    a, b = (tuple(int(c[j : j + 2], 16) for j in (1, 3, 5)) for c in VIRIDIS[i : i + 2])
+    return "#" + "".join(f"{round(x + f * (y - x)):02x}" for x, y in zip(a, b))
+
+def ink(colour):
+    """Black or white text, whichever reads on this background."""
+    r, g, b = (int(colour[j : j + 2], 16) for j in (1, 3, 5))
+    return "#000" if 0.299 * r + 0.587 * g + 0.114 * b > 140 else "#fff"
+
+def esc(text):
+    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+
+def datum(key, value):
+    """The attributes that tie a number on the page to its place in report.json (checked by a test)."""
+    return f'data-key="{esc(key)}" data-value="{value!r}"'
+
+HTML_STYLE = """
+:root { --bg: #fff; --fg: #1d1d1f; --muted: #6e6e73; --grid: #d2d2d7; --a: #2a788e; --b: #e66101; }
+@media (prefers-color-scheme: dark) { :root { --bg: #161618; --fg: #f2f2f7; --muted: #a1a1a6; --grid: #3a3a3c;
+  --a: #5ec9c9; --b: #fdb863; } }
+body { background: var(--bg); color: var(--fg); font: 15px/1.5 system-ui, sans-serif; max-width: 1180px;
+  margin: 0 auto; padding: 1.5em; }
+h2 { border-bottom: 1px solid var(--grid); padding-bottom: .2em; margin-top: 2em; }
+.muted { color: var(--muted); } .row { display: flex; gap: 2em; flex-wrap: wrap; } .row > div { flex: 1 1 480px; }
+pre.sample { white-space: pre-wrap; font: 14px/1.7 ui-monospace, monospace; }
+pre.sample span { border-radius: 2px; } .legend span { padding: 0 .5em; margin-right: .3em; border-radius: 2px; }
+table { border-collapse: collapse; font-variant-numeric: tabular-nums; } td, th { padding: .2em .6em;
+  border-bottom: 1px solid var(--grid); text-align: right; } th { color: var(--muted); font-weight: 500; }
+svg text { fill: var(--fg); font: 12px system-ui, sans-serif; } svg .grid { stroke: var(--grid); }
+svg .a { fill: var(--a); stroke: var(--a); } svg .b { fill: var(--b); stroke: var(--b); } svg .line { fill: none;
+  stroke-width: 2; } svg .mark { stroke: var(--fg); stroke-dasharray: 4 3; }
+"""
+
+def html_legend(n_layer):
+    return '<p class="legend">' + "".join(
+        f'<span style="background:{layer_colour(l, n_layer)};color:{ink(layer_colour(l, n_layer))}">layer {l}</span>'
+        for l in range(n_layer)) + "</p>"
+
+def html_sample(text, layers, confidences, n_layer):
+    """Every character on the colour of the layer it left at; hover: the layer and the head's confidence."""
+    spans = []
+    for ch, l, c in zip(text, layers, confidences):
+        bg = layer_colour(l, n_layer)
+        spans.append(f'<span style="background:{bg};color:{ink(bg)}" title="layer {l}, confidence {c:.2f}" '
+                     f'data-layer="{l}">{esc(ch)}</span>')
+    return '<pre class="sample">' + "".join(spans) + "</pre>"
+
+def svg_bars(values, labels, keys, fmt, width=520, height=200, classes=None):
+    """Vertical bars with a value on each; every bar carries the report key of its number."""
+    top, n = max(max(values), 1e-9), len(values)
+    w = (width - 40) / n
+    parts = [f'<svg viewBox="0 0 {width} {height + 40}" width="{width}" role="img">']
+    for i, (v, label, key) in enumerate(zip(values, labels, keys)):
+        h, x = (height - 20) * v / top, 30 + i * w
+        cls = (classes or ["a"] * n)[i]
+        parts.append(f'<rect class="{cls}" x="{x + 4:.1f}" y="{height - h:.1f}" width="{w - 8:.1f}" height="{h:.1f}" '
+                     f'{datum(key, v)}><title>{esc(label)}: {fmt.format(v)}</title></rect>')
+        parts.append(f'<text x="{x + w / 2:.1f}" y="{height - h - 4:.1f}" text-anchor="middle">{fmt.format(v)}</text>')
+        parts.append(f'<text x="{x + w / 2:.1f}" y="{height + 16}" text-anchor="middle">{esc(label)}</text>')
+    return "".join(parts) + "</svg>"
+
+def svg_lines(series, x_label, mark=None, width=520, height=220, y_max=None):
+    """Lines over x in [0, 1]: series of (name, class, xs, ys, keys); `mark` draws a dashed vertical line."""
+    y_max = y_max or max(max(ys) for _, _, _, ys, _ in series) or 1.0
+    X = lambda x: 40 + (width - 60) * x  # noqa: E731
+    Y = lambda y: height - (height - 20) * y / y_max  # noqa: E731
+    parts = [f'<svg viewBox="0 0 {width} {height + 40}" width="{width}" role="img">']
+    for t in (0, 0.5, 1):
+        parts.append(f'<line class="grid" x1="{X(0)}" x2="{X(1)}" y1="{Y(t * y_max):.1f}" y2="{Y(t * y_max):.1f}"/>'
+                     f'<text x="{X(0) - 4}" y="{Y(t * y_max) + 4:.1f}" text-anchor="end">{t * y_max:.0%}</text>')
+    for name, cls, xs, ys, keys in series:
+        path = " ".join(f"{X(x):.1f},{Y(y):.1f}" for x, y in zip(xs, ys))
+        parts.append(f'<polyline class="{cls} line" points="{path}"><title>{esc(name)}</title></polyline>')
+        parts += [f'<circle class="{cls}" cx="{X(x):.1f}" cy="{Y(y):.1f}" r="2" {datum(k, y)}><title>{esc(name)} at '
+                  f'{x:.2f}: {y:.2%}</title></circle>' for x, y, k in zip(xs, ys, keys) if k]
+    if mark is not None:
+        parts.append(f'<line class="mark" x1="{X(mark[0]):.1f}" x2="{X(mark[0]):.1f}" y1="0" y2="{height}" '
+                     f'{datum(mark[1], mark[0])}><title>calibrated threshold {mark[0]:g}</title></line>')
+    parts.append(f'<text x="{X(0.5)}" y="{height + 30}" text-anchor="middle">{esc(x_label)}</text>')
+    return "".join(parts) + "</svg>"
+
+def html_table(rows, columns, key_prefix):
+    """A table whose number cells carry their report keys; columns are (key, header, format)."""
+    head = "".join(f"<th>{esc(h)}</th>" for _, h, _ in columns)
+    body = []
+    for i, r in enumerate(rows):
+        cells = []
+        for key, _, fmt in columns:
+            v = r.get(key)
+            attr = datum(f"{key_prefix}.{i}.{key}", v) if isinstance(v, (int, float)) and not isinstance(v, bool) else ""
+            cells.append(f"<td {attr}>{esc(fmt.format(v)) if v is not None else '-'}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+def html_sections(report):
+    """Every section the report has data for, each under the question it answers."""
+    cfg, out = report.get("config", {}), []
+    L = cfg.get("n_layer", 0)
+    g = report.get("generation")
+    if g:
+        out.append(f"<h2>What does early exit look like?</h2>{html_legend(L)}<p class='muted'>{esc(g['kv_strategy'])}, "
+                   f"threshold {g['exit_threshold']:g}; hover a character for its layer and the head's confidence."
+                   f"</p><div class='row'><div><h3>early exit</h3>"
+                   f"{html_sample(g['sample'], g['exited_at'], g['confidence'], L)}</div>"
+                   + (f"<div><h3>full depth</h3><pre class='sample'>{esc(g['full_depth_sample'])}</pre></div>"
+                      if g.get("full_depth_sample") is not None else "") + "</div>")
+        out.append("<h2>Where do the tokens leave?</h2>" + svg_bars(
+            g["exit_counts"], [f"layer {l}" for l in range(L)], [f"generation.exit_counts.{l}" for l in range(L)], "{:d}",
+            classes=["a"] * L))
+    for i, s in enumerate(report.get("sweep_by_measure", [])):
+        cal = next((c for c in report.get("calibration_by_measure", []) if c["measure"] == s["measure"]), None)
+        rows = s["rows"]
+        xs = [r["threshold"] for r in rows]
+        series = [("compute saved", "a", xs, [r["compute_saved"] for r in rows],
+                   [f"sweep_by_measure.{i}.rows.{j}.compute_saved" for j in range(len(rows))]),
+                  ("disagreement with full depth", "b", xs, [r["disagreement"] for r in rows],
+                   [f"sweep_by_measure.{i}.rows.{j}.disagreement" for j in range(len(rows))])]
+        mark = (cal["threshold"], f"calibration_by_measure.{report['calibration_by_measure'].index(cal)}.threshold") if cal else None
+        out.append(f"<h2>Which threshold? ({esc(s['measure'])})</h2><p class='muted'>val: compute saved (blue) and "
+                   "disagreement with full depth (orange) against the threshold; dashed: the Learn-then-Test "
+                   "threshold.</p>" + svg_lines(series, "threshold", mark))
+    if report.get("strategies"):
+        rows = report["strategies"]
+        out.append("<h2>What does each KV strategy buy?</h2><p class='muted'>measured speed-up (blue) and the "
+                   "ideal L / layers run (orange), test workload, batch 1.</p>")
+        for mode in MODES:
+            idx = [j for j, r in enumerate(rows) if r["mode"] == mode]
+            vals = [v for j in idx for v in (rows[j]["speedup"], rows[j]["ideal_speedup"])]
+            labels = [f"{rows[j]['name']} {w}" for j in idx for w in ("measured", "ideal")]
+            keys = [f"strategies.{j}.{k}" for j in idx for k in ("speedup", "ideal_speedup")]
+            out.append(f"<h3>{mode}</h3>" + svg_bars(vals, labels, keys, "{:.2f}x", width=980, classes=["a", "b"] * len(idx)))
+        out.append(html_table(rows, STRATEGY_COLUMNS, "strategies"))
+    if report.get("batched"):
+        out.append("<h2>Does early exit still save in a batch?</h2>" + html_table(report["batched"]["rows"], BATCH_COLUMNS,
+                                                                                  "batched.rows"))
+    if report.get("spec_sweep"):
+        out.append("<h2>Which draft_exit, num_draft and draft_stop?</h2>" + html_heatmap(report["spec_sweep"]))
+    if report.get("logit_lens"):
+        lens = report["logit_lens"]
+        series = [(name, cls, [r["layer"] / max(1, L - 2) for r in lens if r["readout"] == name],
+                   [r["agreement"] for r in lens if r["readout"] == name],
+                   [f"logit_lens.{j}.agreement" for j, r in enumerate(lens) if r["readout"] == name])
+                  for name, cls in (("exit head", "a"), ("ln_f + lm_head", "b"))]
+        out.append("<h2>Does an exit need a trained head?</h2><p class='muted'>agreement with the final prediction per "
+                   "layer: its trained exit head (blue) and the final head read there, untrained for it (orange).</p>"
+                   + svg_lines(series, f"layer 0 .. {L - 2}", y_max=1.0))
+    if report.get("recipes"):
+        out.append("<h2>Which training recipe?</h2>" + html_table(report["recipes"], RECIPE_COLUMNS, "recipes"))
+    return out
+
+def html_heatmap(grid):
+    """The self-speculative grid per mode: a cell per (draft_exit, num_draft) row and draft_stop column."""
+    out = []
+    top = max(g["speedup"] for g in grid)
+    for mode in MODES:
+        cells = [(i, g) for i, g in enumerate(grid) if g["mode"] == mode]
+        rows = sorted({(g["draft_exit"], g["num_draft"]) for _, g in cells})
+        stops = sorted({g["draft_stop"] for _, g in cells})
+        html = [f"<h3>{mode}: speed-up over full depth</h3><table><tr><th>E, k</th>"
+                + "".join(f"<th>stop {s:g}</th>" for s in stops) + "</tr>"]
+        for E, k in rows:
+            html.append(f"<tr><th>{E}, {k}</th>")
+            for s in stops:
+                i, g = next((i, g) for i, g in cells if (g["draft_exit"], g["num_draft"], g["draft_stop"]) == (E, k, s))
+                bg = layer_colour(g["speedup"] / top, 2)
+                html.append(f'<td style="background:{bg};color:{ink(bg)}" {datum(f"spec_sweep.{i}.speedup", g["speedup"])}>'
+                            f'{g["speedup"]:.2f}x</td>')
+            html.append("</tr>")
+        out.append("".join(html) + "</table>")
+    return "".join(out)
+
+def write_html_report(report, path):
+    """out_dir/report.html: the same numbers as report.json, as pictures; written to a temporary file, then renamed."""
+    body = "".join(html_sections(report))
+    page = (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><meta name="color-scheme" content="light dark">'
+            f"<title>nanogpt_exit_head report</title><style>{HTML_STYLE}</style></head><body>"
+            f"<h1>Early exit in a character-level GPT</h1><p class='muted'>Every number here is in report.json; "
+            f"this page is made by nanogpt_exit_head.py from it.</p>{body}</body></html>")
+
+    def dump(text, p):
+        with open(p, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    atomic_save(page, path, dump)
 
 
 # -----------------------------------------------------------------------------
@@ -2114,9 +2311,14 @@ def demo_generation(model, tokenizer, config, device, threshold, full_depth=True
     print(f"layers actually run per token: {layers_run:.2f} of {config.n_layer} ({config.kv_strategy})")
     print("\n" + colour_text(text, early.exited_at[0].tolist(), config.n_layer, sys.stdout.isatty()))
     mean = sum((l + 1) * c for l, c in enumerate(counts)) / sum(counts)
+    # the same decoder teacher-forced on its own sample: the confidence of the head each character left from
+    forced = generate(model, idx, config.max_new_tokens, strategy=config.kv_strategy, exit_threshold=threshold,
+                      checked_exits=checked_exits, measure=config.confidence, forced=early.tokens[:, T0:])
     return {"exit_threshold": threshold, "kv_strategy": config.kv_strategy, "exit_counts": counts,
             "mean_layers": mean, "layers_run_per_token": layers_run, "tokens_per_second": tps,
-            "full_depth_tokens_per_second": full_tps, "sample": text}
+            "full_depth_tokens_per_second": full_tps, "sample": text, "exited_at": early.exited_at[0].tolist(),
+            "confidence": confidence(forced.logits[0], config.confidence).tolist(),
+            "full_depth_sample": tokenizer.decode(full.tokens[0, T0:].tolist()) if full_depth else None}
 
 def run_sample_only(config, overridden, device):
     """--sample_only=1: the checkpoint's early-exit sample, exit map and per-layer statistics, nothing else."""
@@ -2130,7 +2332,9 @@ def run_sample_only(config, overridden, device):
         val = record_exits(model, splits["val"].to(device), config.sweep_positions)
         threshold = calibrate(val, config.confidence, parse_exit_layers(config.exit_layers, config.n_layer),
                               config.epsilon, config.delta)
-    return demo_generation(model, tokenizer, config, device, threshold, full_depth=False)
+    generation = demo_generation(model, tokenizer, config, device, threshold, full_depth=False)
+    write_html_report({"config": asdict(config), "generation": generation}, os.path.join(config.out_dir, "report.html"))
+    return generation
 
 def run_recipe_comparison(config, device):
     """--compare_recipes=1: every recipe trained and judged alike; a table, and recipes.json in out_dir."""
@@ -2140,6 +2344,7 @@ def run_recipe_comparison(config, device):
     print_recipes(rows, config)
     os.makedirs(config.out_dir, exist_ok=True)
     write_json(rows, os.path.join(config.out_dir, "recipes.json"))
+    write_html_report({"config": asdict(config), "recipes": rows}, os.path.join(config.out_dir, "report.html"))
     print(f"\nrecipes: {os.path.join(config.out_dir, 'recipes.json')}")
     return rows
 
@@ -2240,6 +2445,8 @@ def choose_exit_rule(model, tokenizer, splits, config, device):
     test = record_exits(model, splits["test"].to(device), config.sweep_positions)
     checked_exits = parse_exit_layers(config.exit_layers, config.n_layer)
     report = {"sweep": sweep(val, config.confidence, checked_exits, CALIBRATION_GRID)}
+    report["sweep_by_measure"] = [{"measure": m, "rows": report["sweep"] if m == config.confidence else
+                                   sweep(val, m, checked_exits, CALIBRATION_GRID)} for m in CONFIDENCE_MEASURES]
     cals = [calibration_report(val, test, m, checked_exits, config.epsilon, config.delta) for m in CONFIDENCE_MEASURES]
     report["calibration"] = next(c for c in cals if c["measure"] == config.confidence)
     report["calibration_by_measure"] = cals
@@ -2304,7 +2511,8 @@ def run(config, overridden):
     report.update(rule)
     report.update(measure_strategies(model, splits, config, device))
     write_json(report, os.path.join(config.out_dir, "report.json"))
-    print(f"\nreport: {os.path.join(config.out_dir, 'report.json')}")
+    write_html_report(report, os.path.join(config.out_dir, "report.html"))
+    print(f"\nreport: {os.path.join(config.out_dir, 'report.json')} and report.html beside it")
     return report
 
 def main(argv=None):

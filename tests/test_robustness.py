@@ -159,7 +159,8 @@ def test_sample_only_prints_the_sample_and_nothing_else(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "early-exit sample" in out and "Layer 0:" in out and "mean exit depth" in out
     assert "full-depth sample" not in out and "===" not in out and "training" not in out
-    assert not (tmp_path / "report.json").exists() or True  # sample-only writes nothing new
+    html = (tmp_path / "report.html").read_text()  # the page shows the sample alone
+    assert "What does early exit look like?" in html and "Which threshold?" not in html
     assert run_main(tmp_path, "--sample_only=1") == 2  # it needs a checkpoint to sample from
 
 
