@@ -1893,21 +1893,23 @@ def html_sample(text, layers, confidences, n_layer):
                      f'data-layer="{l}">{esc(ch)}</span>')
     return '<pre class="sample">' + "".join(spans) + "</pre>"
 
-def svg_bars(values, labels, keys, fmt, width=520, height=200, classes=None):
-    """Vertical bars with a value on each; every bar carries the report key of its number."""
+def svg_bars(values, labels, keys, fmt, width=520, height=200, classes=None, colours=None, group=1):
+    """Vertical bars with a value on each, labelled per group of `group` bars; each carries its report key."""
     top, n = max(max(values), 1e-9), len(values)
     w = (width - 40) / n
     parts = [f'<svg viewBox="0 0 {width} {height + 40}" width="{width}" role="img">']
     for i, (v, label, key) in enumerate(zip(values, labels, keys)):
         h, x = (height - 20) * v / top, 30 + i * w
         cls = (classes or ["a"] * n)[i]
-        parts.append(f'<rect class="{cls}" x="{x + 4:.1f}" y="{height - h:.1f}" width="{w - 8:.1f}" height="{h:.1f}" '
+        fill = f' style="fill:{colours[i]}"' if colours else ""
+        parts.append(f'<rect class="{cls}"{fill} x="{x + 4:.1f}" y="{height - h:.1f}" width="{w - 8:.1f}" height="{h:.1f}" '
                      f'{datum(key, v)}><title>{esc(label)}: {fmt.format(v)}</title></rect>')
         parts.append(f'<text x="{x + w / 2:.1f}" y="{height - h - 4:.1f}" text-anchor="middle">{fmt.format(v)}</text>')
-        parts.append(f'<text x="{x + w / 2:.1f}" y="{height + 16}" text-anchor="middle">{esc(label)}</text>')
+        if i % group == 0:
+            parts.append(f'<text x="{x + group * w / 2:.1f}" y="{height + 16}" text-anchor="middle">{esc(label)}</text>')
     return "".join(parts) + "</svg>"
 
-def svg_lines(series, x_label, mark=None, width=520, height=220, y_max=None):
+def svg_lines(series, x_label, mark=None, width=520, height=220, y_max=None, x_ticks=((0, "0"), (0.5, "0.5"), (1, "1"))):
     """Lines over x in [0, 1]: series of (name, class, xs, ys, keys); `mark` draws a dashed vertical line."""
     y_max = y_max or max(max(ys) for _, _, _, ys, _ in series) or 1.0
     X = lambda x: 40 + (width - 60) * x  # noqa: E731
@@ -1924,7 +1926,8 @@ def svg_lines(series, x_label, mark=None, width=520, height=220, y_max=None):
     if mark is not None:
         parts.append(f'<line class="mark" x1="{X(mark[0]):.1f}" x2="{X(mark[0]):.1f}" y1="0" y2="{height}" '
                      f'{datum(mark[1], mark[0])}><title>calibrated threshold {mark[0]:g}</title></line>')
-    parts.append(f'<text x="{X(0.5)}" y="{height + 30}" text-anchor="middle">{esc(x_label)}</text>')
+    parts += [f'<text x="{X(x):.1f}" y="{height + 14}" text-anchor="middle">{esc(t)}</text>' for x, t in x_ticks]
+    parts.append(f'<text x="{X(0.5)}" y="{height + 32}" text-anchor="middle">{esc(x_label)}</text>')
     return "".join(parts) + "</svg>"
 
 def html_table(rows, columns, key_prefix):
@@ -1954,7 +1957,7 @@ def html_sections(report):
                       if g.get("full_depth_sample") is not None else "") + "</div>")
         out.append("<h2>Where do the tokens leave?</h2>" + svg_bars(
             g["exit_counts"], [f"layer {l}" for l in range(L)], [f"generation.exit_counts.{l}" for l in range(L)], "{:d}",
-            classes=["a"] * L))
+            colours=[layer_colour(l, L) for l in range(L)]))
     for i, s in enumerate(report.get("sweep_by_measure", [])):
         cal = next((c for c in report.get("calibration_by_measure", []) if c["measure"] == s["measure"]), None)
         rows = s["rows"]
@@ -1974,9 +1977,10 @@ def html_sections(report):
         for mode in MODES:
             idx = [j for j, r in enumerate(rows) if r["mode"] == mode]
             vals = [v for j in idx for v in (rows[j]["speedup"], rows[j]["ideal_speedup"])]
-            labels = [f"{rows[j]['name']} {w}" for j in idx for w in ("measured", "ideal")]
+            labels = [f"{rows[j]['name']}" for j in idx for w in ("measured", "ideal")]
             keys = [f"strategies.{j}.{k}" for j in idx for k in ("speedup", "ideal_speedup")]
-            out.append(f"<h3>{mode}</h3>" + svg_bars(vals, labels, keys, "{:.2f}x", width=980, classes=["a", "b"] * len(idx)))
+            out.append(f"<h3>{mode}</h3>" + svg_bars(vals, labels, keys, "{:.2f}x", width=980, classes=["a", "b"] * len(idx),
+                                                     group=2))
         out.append(html_table(rows, STRATEGY_COLUMNS, "strategies"))
     if report.get("batched"):
         out.append("<h2>Does early exit still save in a batch?</h2>" + html_table(report["batched"]["rows"], BATCH_COLUMNS,
@@ -1991,7 +1995,7 @@ def html_sections(report):
                   for name, cls in (("exit head", "a"), ("ln_f + lm_head", "b"))]
         out.append("<h2>Does an exit need a trained head?</h2><p class='muted'>agreement with the final prediction per "
                    "layer: its trained exit head (blue) and the final head read there, untrained for it (orange).</p>"
-                   + svg_lines(series, f"layer 0 .. {L - 2}", y_max=1.0))
+                   + svg_lines(series, "layer", y_max=1.0, x_ticks=[(l / max(1, L - 2), str(l)) for l in range(L - 1)]))
     if report.get("recipes"):
         out.append("<h2>Which training recipe?</h2>" + html_table(report["recipes"], RECIPE_COLUMNS, "recipes"))
     return out
