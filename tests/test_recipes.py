@@ -136,6 +136,10 @@ def test_compare_recipes_writes_the_table(tmp_path, capsys):
             "spec_acceptance_rate"}
     assert all(keys <= set(r) for r in rows)
     assert "Which training recipe? Every recipe at the same budget" in capsys.readouterr().out
+    html = (tmp_path / "report.html").read_text()  # the comparison's own page: its table, numbers from recipes.json
+    assert "Which training recipe?" in html
+    for i, r in enumerate(rows):
+        assert f'data-key="recipes.{i}.val_loss_final" data-value="{r["val_loss_final"]!r}"' in html
 
 
 def test_evaluation_leaves_the_model_in_the_mode_it_found():
