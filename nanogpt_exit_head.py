@@ -2170,7 +2170,7 @@ def usage():
         if f.name == "vocab_size":
             continue
         rule = FIELD_RULES.get(f.name, "true/false" if f.type in (bool, "bool") else "")
-        rule = "one of " + " or ".join(rule) if isinstance(rule, tuple) else f"in {rule}" if rule[:1] in "[(" else rule
+        rule = "one of " + " or ".join(rule) if isinstance(rule, tuple) else f"in {rule}" if rule and rule[0] in "[(" else rule
         rule = "; ".join(r for r in (rule, FIELD_NOTES.get(f.name, "")) if r)
         lines.append(f"  --{f.name:<22} {str(f.default)!r:<14} {helps.get(f.name, '')}" + (f" [{rule}]" if rule else ""))
     return "\n".join(lines)
