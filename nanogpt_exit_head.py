@@ -604,7 +604,7 @@ def train_step(model, optimizer, x, y, config, ctx):
     return loss
 
 def train(model, optimizer, splits, config, device, ctx, start_iter=0, rng=None, save=None, step_model=None, rank=0):
-    """The training loop; returns (seconds, median ms per step, log). Evaluates every eval_interval steps.
+    """The training loop; returns (seconds, median ms per step, log, rng). Evaluates every eval_interval steps.
 
     rng resumes the sampler's and torch's random states (a resumed run repeats an uninterrupted one); save(it,
     rng, log) runs at each evaluation and when Ctrl-C stops the loop between steps. Only rank 0 evaluates."""
@@ -641,7 +641,8 @@ def train(model, optimizer, splits, config, device, ctx, start_iter=0, rng=None,
     finally:
         bar.close()
         handler and signal.signal(signal.SIGINT, handler)
-    return time.time() - t_start, float(np.median(step_ms)) if step_ms else 0.0, log
+    rng = {"batches": gen.get_state(), "torch": torch.get_rng_state()}  # where a longer run would go on from
+    return time.time() - t_start, float(np.median(step_ms)) if step_ms else 0.0, log, rng
 
 # -----------------------------------------------------------------------------
 # Part II: beyond the seed, one idea per section
@@ -1634,7 +1635,7 @@ def compare_recipes(config, splits, device, ctx, prompts):
         print(f"\n--- recipe {name}: {fields_ or 'the seed recipe'} ---")
         torch.manual_seed(cfg.seed)
         model = GPT(cfg).to(device)
-        seconds, _, _ = train(model, configure_optimizer(model, cfg), splits, cfg, device, ctx)
+        seconds, _, _, _ = train(model, configure_optimizer(model, cfg), splits, cfg, device, ctx)
         rows.append({**evaluate_recipe(name, model, splits, cfg, device, ctx, prompts), "train_seconds": seconds})
     return rows
 
@@ -2401,12 +2402,11 @@ def train_or_resume(config, overridden, tokenizer, splits, device, ctx, rank=0, 
     if iter_num < config.max_iters:
         step_model = wrap_for_processes(model, config, device) if world > 1 else None
         try:
-            seconds, ms_per_iter, new_log = train(model, optimizer, splits, config, device, ctx, iter_num, rng,
+            seconds, ms_per_iter, new_log, rng = train(model, optimizer, splits, config, device, ctx, iter_num, rng,
                                                   save if rank == 0 else None, step_model, rank)
         except KeyboardInterrupt:
             raise Interrupted(ckpt_path) from None
         train_seconds, iter_num, log = train_seconds + seconds, config.max_iters, log + new_log
-        rng = {"batches": torch.Generator().get_state(), "torch": torch.get_rng_state()}  # unused: training is done
     if rank > 0:
         return None, None
     if ms_per_iter is not None:

@@ -189,7 +189,7 @@ def test_each_process_draws_its_own_batches():
         torch.manual_seed(0)
         cfg = tiny_config(max_iters=1, eval_interval=100, batch_size=2)
         model = m.GPT(cfg)
-        _, _, log = m.train(model, m.configure_optimizer(model, cfg), {"train": data, "val": data}, cfg, "cpu",
+        _, _, log, _ = m.train(model, m.configure_optimizer(model, cfg), {"train": data, "val": data}, cfg, "cpu",
                             m.nullcontext(), rank=rank)
         losses.append(log[0]["loss"])
     assert losses[0] == losses[2] != losses[1]
