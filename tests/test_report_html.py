@@ -112,10 +112,16 @@ def test_the_page_renders_in_headless_chromium(page, tmp_path):
     browser = chromium()
     if browser is None:
         pytest.skip("no headless Chromium here; .ci/run installs Debian's chromium-headless-shell")
-    shot = tmp_path / "shot.png"
-    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                    f"--screenshot={shot}", "--window-size=1200,900", page[0].as_uri()],
-                   check=True, capture_output=True, timeout=120)
-    width, height, variety = png_size_and_variety(shot.read_bytes())
+    empty = tmp_path / "empty.html"  # the page with no section: a title on a plain background
+    m.write_html_report({"config": page[1]["config"]}, str(empty))
+    shots = {}
+    for name, html in (("report", page[0]), ("empty", empty)):
+        shots[name] = tmp_path / f"{name}.png"
+        subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                        f"--screenshot={shots[name]}", "--window-size=1200,900", html.as_uri()],
+                       check=True, capture_output=True, timeout=120)
+    width, height, variety = png_size_and_variety(shots["report"].read_bytes())
     assert (width, height) == (1200, 900)
     assert variety > 50, "the screenshot is blank"
+    # the coloured sample and the charts carry far more detail than a title alone
+    assert shots["report"].stat().st_size > 2 * shots["empty"].stat().st_size

@@ -83,7 +83,7 @@ def trained_checkpoint(tmp_path):
 def test_broken_checkpoints_end_in_one_line(tmp_path, capsys):
     ckpt = trained_checkpoint(tmp_path)
     good = ckpt.read_bytes()
-    cases = {"truncated": good[: len(good) // 2], "corrupt": b"\x00garbage" * 200}
+    cases = {"truncated": good[: len(good) // 2], "corrupt": b"\x00garbage" * 200, "text": b"hello world" * 100}
     for name, data in cases.items():
         ckpt.write_bytes(data)
         capsys.readouterr()
