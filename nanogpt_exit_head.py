@@ -750,7 +750,6 @@ class Holes(KVStrategy):
     def skip_layers(self, model, cache, x, pos, layer, rows):
         pass
 
-
 KV_STRATEGIES = tuple(KV_STRATEGY_CLASSES)  # backfill, deferred, state_copy, holes
 
 
@@ -1322,13 +1321,11 @@ class RowKVCache(KVCache):
             return keys, values, mask[:, None]
         return keys[rows], values[rows], mask[:, None]
 
-
 def embed_rows(model, idx, pos):
     """Token + position embeddings when each row sits at its own window position: idx (R, T), pos (R,).
     Spare drafts past the window get the last position: their results are rolled back unread."""
     p = (pos[:, None] + torch.arange(idx.size(1), device=idx.device)).clamp(max=model.config.block_size - 1)
     return model.transformer.drop(model.transformer.wte(idx) + model.transformer.wpe(p))  # (R, T, C)
-
 
 def prefill_rows(model, cache, tokens, rows, starts, n):
     """Re-prefill the windows of `rows`, each tokens[b, starts[b] : n[b] - 1], at full depth (equal lengths)."""
@@ -1342,7 +1339,6 @@ def prefill_rows(model, cache, tokens, rows, starts, n):
     cache.k[:, rows, :, :m], cache.v[:, rows, :, :m] = level.k[:, :, :, :m], level.v[:, :, :, :m]
     cache.layer_evals = [a + b for a, b in zip(cache.layer_evals, level.layer_evals)]
     return m * model.config.n_layer  # block runs counted in layer_evals (one call serves all these rows)
-
 
 def slide_rows(model, cache, tokens, starts, n):
     """Each row slides its window by the single-sequence rule (window_start); rows that moved re-prefill
@@ -1359,7 +1355,6 @@ def slide_rows(model, cache, tokens, starts, n):
         evals, per_row = evals + runs, per_row + runs * len(group) / len(n)
     return evals, per_row
 
-
 def draft_rows(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, generator):
     """Every row drafts k tokens with layers 0..draft_exit, from its own position: (B, k, V) draft logits."""
     rows, q = cache.all_rows, []
@@ -1375,7 +1370,6 @@ def draft_rows(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, 
         q.append(logits)
     return torch.stack(q, dim=1)  # (B, k, V)
 
-
 def verify_rows(model, cache, pos, k, draft_exit):
     """The layers above the draft run once over every row's k drafted positions: (B, k, V) full-model logits."""
     rows = cache.all_rows
@@ -1385,7 +1379,6 @@ def verify_rows(model, cache, pos, k, draft_exit):
         x = model.transformer.h[l](x, cache, l)
     cache.planned = None
     return model.exit_logits(x, model.config.n_layer - 1)  # (B, k, V)
-
 
 def accept_rows(drafts, q, p, room, temperature, generator):
     """speculative_accept for every row at once: each row keeps its own accepted prefix, at most room[b].
@@ -1408,7 +1401,6 @@ def accept_rows(drafts, q, p, room, temperature, generator):
         return accepted, target[rows, at], has_next
     residual = (p[rows, at] - q[rows, at]).clamp_min(0) + (~has_next)[:, None]  # rows without a rejection: unused
     return accepted, draw(residual / residual.sum(-1, keepdim=True), generator), has_next
-
 
 @torch.inference_mode()
 def generate_self_speculative_batch(model, idx, max_new_tokens, draft_exit, num_draft, temperature=0.0, top_k=0,
@@ -1447,7 +1439,6 @@ def generate_self_speculative_batch(model, idx, max_new_tokens, draft_exit, num_
                  "accepted": stats["accepted"] + int(accepted.sum())}
     return Generation(tokens[:, :end], exits[:, T0:], None, sum(cache.layer_evals) - evals, cache, stats, prefilled)
 
-
 def write_state_copy_rows(cache, first_layer, x, rows, pos, weight, bias):
     """CALM's state copy for some rows only: their entries at window position pos of layers first_layer.."""
     nh, hs = cache.k.shape[2], cache.k.shape[4]
@@ -1458,7 +1449,6 @@ def write_state_copy_rows(cache, first_layer, x, rows, pos, weight, bias):
     cache.k[first_layer:, :, :, pos][:, rows] = k.view(J, R, nh, hs)  # (J, B, nh, hs) view, these rows
     cache.v[first_layer:, :, :, pos][:, rows] = v.view(J, R, nh, hs)
     cache.row_lengths[first_layer:, rows] = pos + 1
-
 
 class StateCopyLeave(StateCopy):
     """Design (a): a row that exits leaves the batch at once (state copy fills its layers above), and the
@@ -1482,7 +1472,6 @@ class StateCopyLeave(StateCopy):
         left = rows.nonzero()[:, 0]
         write_state_copy_rows(cache, layer + 1, x[left], left, pos, self.weight, self.bias)
 
-
 class SkipDecode(Holes):
     """Design (b), after SkipDecode (arXiv:2307.02628): every row at window position pos exits at
     schedule[pos], a depth that never rises along the window, so a later token never reads a layer an
@@ -1496,14 +1485,12 @@ class SkipDecode(Holes):
     def exit_checks(self, pos, checked_exits):
         return [self.schedule[pos]] if self.schedule[pos] < self.last else []
 
-
 def window_positions(n_positions, block_size):
     """(N,): the window position at which sequential decoding feeds the token predicting each position."""
     wpos = torch.empty(n_positions, dtype=torch.long)
     for start, end, first in decoder_windows(n_positions, block_size):
         wpos[first:end] = torch.arange(first - start, end - start)
     return wpos
-
 
 def choose_schedule(records, n_layer, block_size, budget):
     """The SkipDecode schedule saving the most on val within `budget` disagreement with full depth: full
@@ -1517,7 +1504,6 @@ def choose_schedule(records, n_layer, block_size, budget):
                 best = {"schedule": [n_layer - 1] * a + [e] * (block_size - a), "from_position": a, "exit_layer": e,
                         "compute_saved": figures["compute_saved"], "disagreement": figures["disagreement"]}
     return best
-
 
 BATCH_SIZES = (1, 4, 16)
 BATCH_DESIGNS = ("full", "state_copy", "state_copy_leave", "skipdecode", "self_speculative")
@@ -1682,7 +1668,6 @@ def colour_text(text, layers, n_layer, tty):
         out.append("".join(str(l % 10) for l in layers[i : i + len(line)]))
         i += len(line) + 1
     return "\n".join(out)
-
 
 def print_table(rows, columns, title=None):
     """An aligned table from a list of dicts; columns are (key, header, format) triples."""
