@@ -488,7 +488,7 @@ def decode_step(model, cache, idx, pos, strategy, exit_threshold=1.0, checked_ex
         logits = head_logits if logits is None else torch.where(newly[:, None], head_logits, logits)
         exit_layer.masked_fill_(newly, l)
         exited = newly if exited is None else exited | newly
-        if strategy.leaves or strategy.skips and bool(exited.all()):
+        if strategy.leaves or (strategy.skips and bool(exited.all())):
             strategy.skip_layers(model, cache, x, pos, l, newly)
             if bool(exited.all()):
                 return logits, exit_layer
@@ -708,20 +708,23 @@ def state_copy_projections(model):
     projections = [kv_projection(block) for block in model.transformer.h]
     return tuple(torch.stack(t) for t in zip(*projections))
 
-def write_state_copy(cache, first_layer, x, weight, bias):
-    """CALM's state propagation: entries for layers first_layer.. computed from one hidden state.
+def state_copy_kv(x, first_layer, weight, bias, nh):
+    """CALM's state propagation: the K and V of layers first_layer.. computed from the exit state x (B, 1, C).
 
-    x (B, 1, C) is the exit state; weight (L, 2C, C) and bias (L, 2C) are every
-    layer's folded K/V projection. One batched matmul writes all skipped layers
-    at once, instead of one small projection each.
+    weight (L, 2C, C) and bias (L, 2C) are every layer's folded K/V projection: one batched matmul gives
+    all skipped layers at once, instead of one small projection each. Returns k, v (J, B, nh, hs).
     """
-    n, (B, nh, hs) = cache.lengths[first_layer], cache.k.shape[1:3] + cache.k.shape[4:]
-    assert all(m == n for m in cache.lengths[first_layer:]), "state copy needs the skipped layers level"
     xn = F.layer_norm(x[:, 0], x.shape[-1:])  # (B, C): the normalisation shared by every ln_1
     kv = torch.matmul(xn, weight[first_layer:].transpose(1, 2)) + bias[first_layer:, None]  # (J, B, 2C)
-    k, v = kv.split(nh * hs, dim=-1)
-    cache.k[first_layer:, :, :, n] = k.view(-1, B, nh, hs)  # (J, B, nh, hs)
-    cache.v[first_layer:, :, :, n] = v.view(-1, B, nh, hs)
+    J, B, C2 = kv.shape
+    return (t.view(J, B, nh, C2 // (2 * nh)) for t in kv.split(C2 // 2, dim=-1))
+
+def write_state_copy(cache, first_layer, x, weight, bias):
+    """Write the skipped layers' entries at the next position of a level cache (every row exited)."""
+    n = cache.lengths[first_layer]
+    assert all(m == n for m in cache.lengths[first_layer:]), "state copy needs the skipped layers level"
+    cache.k[first_layer:, :, :, n], cache.v[first_layer:, :, :, n] = state_copy_kv(x, first_layer, weight, bias,
+                                                                                   cache.k.size(2))
     for layer in range(first_layer, len(cache.lengths)):
         cache.lengths[layer] = n + 1
 
@@ -1441,13 +1444,9 @@ def generate_self_speculative_batch(model, idx, max_new_tokens, draft_exit, num_
 
 def write_state_copy_rows(cache, first_layer, x, rows, pos, weight, bias):
     """CALM's state copy for some rows only: their entries at window position pos of layers first_layer.."""
-    nh, hs = cache.k.shape[2], cache.k.shape[4]
-    xn = F.layer_norm(x[:, 0], x.shape[-1:])  # (R, C)
-    kv = torch.matmul(xn, weight[first_layer:].transpose(1, 2)) + bias[first_layer:, None]  # (J, R, 2C)
-    k, v = kv.split(nh * hs, dim=-1)
-    J, R = kv.shape[:2]
-    cache.k[first_layer:, :, :, pos][:, rows] = k.view(J, R, nh, hs)  # (J, B, nh, hs) view, these rows
-    cache.v[first_layer:, :, :, pos][:, rows] = v.view(J, R, nh, hs)
+    k, v = state_copy_kv(x, first_layer, weight, bias, cache.k.size(2))  # (J, R, nh, hs)
+    cache.k[first_layer:, :, :, pos][:, rows] = k  # a (J, B, nh, hs) view, these rows
+    cache.v[first_layer:, :, :, pos][:, rows] = v
     cache.row_lengths[first_layer:, rows] = pos + 1
 
 class StateCopyLeave(StateCopy):
