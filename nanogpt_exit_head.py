@@ -1277,7 +1277,7 @@ class RowKVCache(KVCache):
 
     Rows of a batch may advance by different amounts, roll back on their own and slide their windows at
     different steps. Writes go to each row's own next slots; attention reads each row's own entries
-    through one boolean mask. `rows` selects the rows the next block calls read and write. `spare` slots
+    through one mask. `rows` selects the rows the next block calls read and write. `spare` slots
     past block_size hold the drafts of rows with less room than others; those are always rolled back.
     """
 
@@ -1289,15 +1289,37 @@ class RowKVCache(KVCache):
         self.pending_states = torch.zeros(B, S + spare, config.n_embd, device=device)
         self.row_lengths = torch.zeros(L, B, dtype=torch.long, device=device)
         self.all_rows = self.rows = torch.arange(B, device=device)
-        self.planned = None  # (slots, scatter index, mask, new lengths) shared by every layer of one step
+        self.planned = None  # plan(): what every layer of one step shares
 
     def plan_writes(self, start, T):
         """The next block calls write T entries for every row from its slot start[b] (B,) on: work out the
         slots and the mask once for all the layers of a step, instead of once per layer."""
-        slots = start[:, None] + torch.arange(T, device=start.device)  # (B, T)
+        self.planned = self.plan(start[:, None] + torch.arange(T, device=start.device))
+
+    def plan(self, slots, width=None):
+        """What the block calls of one step share: (slots (B, T), their scatter index, the additive mask
+        (B, 1, T, W) of what each query may see, new lengths (B,), W), W the slots any row has filled by then:
+        attention reads no empty slot past the furthest row."""
+        B, T = slots.shape
         nh, hs = self.k.shape[2], self.k.shape[4]
-        mask = torch.arange(self.k.size(3), device=start.device)[None, None, :] <= slots[:, :, None]  # (B, T, S)
-        self.planned = (slots, slots[:, None, :, None].expand(-1, nh, T, hs), mask[:, None], start + T)
+        width = int(slots.max()) + 1 if width is None else width
+        seen = torch.arange(width, device=slots.device)[None, None, :] <= slots[:, :, None]  # (B, T, W)
+        mask = torch.zeros(seen.shape, device=slots.device).masked_fill_(~seen, float("-inf"))
+        return slots, slots[:, None, :, None].expand(B, nh, T, hs), mask[:, None], slots[:, -1] + 1, width
+
+    def plan_steps(self, start, k):
+        """plan_writes for k one-token steps at once, from slot start[b] (B,) on: a list of k plans."""
+        slots = start[:, None] + torch.arange(k, device=start.device)  # (B, k)
+        _, index, mask, _, width = self.plan(slots)
+        w = width - k + 1  # the width of the first step; each step reads one slot more
+        return [(slots[:, j : j + 1], index[:, :, j : j + 1], mask[:, :, j : j + 1, : w + j], slots[:, j] + 1, w + j)
+                for j in range(k)]
+
+    def keep_rows(self, keep):
+        """Drop the rows of a batch that are done: keep (B,) bool; the rest become rows 0..R-1."""
+        self.k, self.v, self.pending_states = self.k[:, keep], self.v[:, keep], self.pending_states[keep]
+        self.row_lengths = self.row_lengths[:, keep]
+        self.all_rows = self.rows = torch.arange(self.k.size(1), device=self.k.device)
 
     def reset(self, start=0):
         super().reset(start)
@@ -1308,11 +1330,15 @@ class RowKVCache(KVCache):
         and the mask (R, 1, T, S) of what each new query may see: its row's past and its own chunk, causally."""
         T, rows = k.size(2), self.rows
         if self.planned is not None and rows is self.all_rows:  # the fast path: slots and mask worked out
-            _, index, mask, end = self.planned
-            self.k[layer].scatter_(2, index, k)  # (B, nh, S, hs): each row's T new entries at its own slots
-            self.v[layer].scatter_(2, index, v)
+            slots, index, mask, end, width = self.planned
+            if T == 1:  # (B, nh, S, hs): each row's new entry at its own slot
+                self.k[layer].scatter_(2, index, k)
+                self.v[layer].scatter_(2, index, v)
+            else:  # a chunk: indexing writes it faster than scatter
+                self.k[layer][rows[:, None], :, slots] = k.transpose(1, 2)  # (B, T, nh, hs)
+                self.v[layer][rows[:, None], :, slots] = v.transpose(1, 2)
             self.row_lengths[layer] = end
-            return self.k[layer], self.v[layer], mask
+            return self.k[layer, :, :, :width], self.v[layer, :, :, :width], mask
         n = self.row_lengths[layer, rows]  # (R,)
         pos = n[:, None] + torch.arange(T, device=k.device)  # (R, T): each row's next slots
         keys, values = self.k[layer], self.v[layer]  # (B, nh, S, hs)
@@ -1323,12 +1349,6 @@ class RowKVCache(KVCache):
         if rows is self.all_rows:
             return keys, values, mask[:, None]
         return keys[rows], values[rows], mask[:, None]
-
-def embed_rows(model, idx, pos):
-    """Token + position embeddings when each row sits at its own window position: idx (R, T), pos (R,).
-    Spare drafts past the window get the last position: their results are rolled back unread."""
-    p = (pos[:, None] + torch.arange(idx.size(1), device=idx.device)).clamp(max=model.config.block_size - 1)
-    return model.transformer.drop(model.transformer.wte(idx) + model.transformer.wpe(p))  # (R, T, C)
 
 def prefill_rows(model, cache, tokens, rows, starts, n):
     """Re-prefill the windows of `rows`, each tokens[b, starts[b] : n[b] - 1], at full depth (equal lengths)."""
@@ -1345,32 +1365,40 @@ def prefill_rows(model, cache, tokens, rows, starts, n):
 
 def slide_rows(model, cache, tokens, starts, n):
     """Each row slides its window by the single-sequence rule (window_start); rows that moved re-prefill
-    together, grouped by window length. Returns (block runs counted in layer_evals, block runs per row)."""
+    together, grouped by window length. Returns (block runs counted in layer_evals, block runs x rows)."""
+    if not bool(((starts < 0) | (n - starts > model.config.block_size)).any()):  # most rounds: no row moves
+        return 0, 0
     moved = {}
     for b in range(len(n)):
         s = window_start(None if starts[b] < 0 else int(starts[b]), int(n[b]), model.config.block_size)
         if s != starts[b]:
             starts[b] = s
             moved.setdefault(int(n[b]) - 1 - s, []).append(b)
-    evals = per_row = 0
+    evals = row_runs = 0
     for group in moved.values():
         runs = prefill_rows(model, cache, tokens, torch.tensor(group, device=tokens.device), starts, n)
-        evals, per_row = evals + runs, per_row + runs * len(group) / len(n)
-    return evals, per_row
+        evals, row_runs = evals + runs, row_runs + runs * len(group)
+    return evals, row_runs
 
 def draft_rows(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, generator):
-    """Every row drafts k tokens with layers 0..draft_exit, from its own position: (B, k, V) draft logits."""
-    rows, q = cache.all_rows, []
+    """Every row drafts k tokens with layers 0..draft_exit, from its own position: (B, k, V) draft logits.
+    Slots, masks and position embeddings of all k steps are worked out once, before the first."""
+    rows, steps = cache.all_rows, torch.arange(k, device=n.device)
+    plans = cache.plan_steps(pos, k)
+    wpe = model.transformer.wpe((pos[:, None] + steps).clamp(max=model.config.block_size - 1))  # (B, k, C)
+    token, q, states, drafts = tokens[rows, n - 1], [], [], []
     for j in range(k):
-        x = embed_rows(model, tokens[rows, n - 1 + j][:, None], pos + j)  # (B, 1, C)
-        cache.plan_writes(pos + j, 1)
+        x = model.transformer.drop(model.transformer.wte(token)[:, None] + wpe[:, j : j + 1])  # (B, 1, C)
+        cache.planned = plans[j]
         for l in range(draft_exit + 1):
             x = model.transformer.h[l](x, cache, l)
-        cache.planned = None
-        cache.pending_states[rows, pos + j] = x[:, 0]
         logits = model.exit_logits(x[:, 0], draft_exit)  # (B, V)
-        tokens[rows, n + j] = sample(logits, temperature, top_k, generator)
-        q.append(logits)
+        token = sample(logits, temperature, top_k, generator)
+        q.append(logits), states.append(x[:, 0]), drafts.append(token)
+    cache.planned = None
+    cols = n[:, None] + steps  # (B, k)
+    tokens[rows[:, None], cols] = torch.stack(drafts, dim=1)
+    cache.pending_states[rows[:, None], pos[:, None] + steps] = torch.stack(states, dim=1)  # for the verify pass
     return torch.stack(q, dim=1)  # (B, k, V)
 
 def verify_rows(model, cache, pos, k, draft_exit):
@@ -1405,12 +1433,23 @@ def accept_rows(drafts, q, p, room, temperature, generator):
     residual = (p[rows, at] - q[rows, at]).clamp_min(0) + (~has_next)[:, None]  # rows without a rejection: unused
     return accepted, draw(residual / residual.sum(-1, keepdim=True), generator), has_next
 
+def advance_rows(tokens, exits, n, k, accepted, nxt, has_next, draft_exit):
+    """After a round: each row's kept drafts are marked as exiting at draft_exit, its next token goes in
+    after them, and it moves on by accepted + has_next (B,). Returns the new n (B,)."""
+    cols = (n[:, None] + torch.arange(k, device=n.device)).clamp(max=exits.size(1) - 1)  # (B, k): this round's drafts
+    kept = torch.arange(k, device=n.device)[None] < accepted[:, None]  # (B, k)
+    exits.scatter_(1, cols, torch.where(kept, draft_exit, exits.gather(1, cols)))
+    rows = torch.arange(len(n), device=n.device)[has_next]
+    tokens[rows, (n + accepted)[has_next]] = nxt[has_next]
+    return n + accepted + has_next.long()
+
 @torch.inference_mode()
 def generate_self_speculative_batch(model, idx, max_new_tokens, draft_exit, num_draft, temperature=0.0, top_k=0,
                                     generator=None):
     """Self-speculative decoding of B rows at once: one draft and one verify pass a round for all rows, each
-    row accepting its own prefix, rolling back and sliding its window on its own. Every row's tokens are the
-    ones it would get alone at full depth (greedy), or have their distribution (sampled)."""
+    row accepting its own prefix, rolling back and sliding its window on its own; a row that is done leaves
+    the batch. Every row's tokens are the ones it would get alone at full depth (greedy), or have their
+    distribution (sampled)."""
     cfg, (B, T0) = model.config, idx.shape
     end, dev = T0 + max_new_tokens, idx.device
     tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens + num_draft)], dim=1)
@@ -1418,29 +1457,29 @@ def generate_self_speculative_batch(model, idx, max_new_tokens, draft_exit, num_
     cache = RowKVCache(cfg, B, dev, spare=num_draft)
     n, starts = torch.full((B,), T0, device=dev), torch.full((B,), -1, device=dev)
     stats, evals, prefilled = {"rounds": 0, "drafted": 0, "accepted": 0}, 0, 0.0
-    while bool((n < end).any()):
-        e, per_row = slide_rows(model, cache, tokens, starts, n)
-        evals, prefilled = evals + e, prefilled + per_row
-        pos = n - 1 - starts  # (B,) window position of each row's first token fed this round
-        room = torch.minimum(torch.clamp(end - n, min=0), cfg.block_size - pos).clamp(max=num_draft)  # (B,)
+    ids, out_tokens, out_exits = torch.arange(B, device=dev), tokens[:, :end].clone(), exits.clone()
+    while max_new_tokens > 0 and len(ids):  # the rows still in the batch: ids (R,) of the B
+        e, row_runs = slide_rows(model, cache, tokens, starts, n)
+        evals, prefilled = evals + e, prefilled + row_runs / B
+        pos = n - 1 - starts  # (R,) window position of each row's first token fed this round
+        room = torch.minimum(end - n, cfg.block_size - pos).clamp(max=num_draft)  # (R,)
         k = int(room.max())
         q = draft_rows(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, generator)
         p = verify_rows(model, cache, pos, k, draft_exit)
         if temperature > 0:
             q, p = probs_from_logits(q, temperature, top_k), probs_from_logits(p, temperature, top_k)
-        drafts = tokens[cache.all_rows[:, None], n[:, None] + torch.arange(k, device=dev)]  # (B, k)
+        drafts = tokens[cache.all_rows[:, None], n[:, None] + torch.arange(k, device=dev)]  # (R, k)
         accepted, nxt, has_next = accept_rows(drafts, q, p, room, temperature, generator)
-        cols = n[:, None] + torch.arange(k, device=dev)  # (B, k): where this round's drafts went
-        kept_draft = torch.arange(k, device=dev)[None] < accepted[:, None]  # (B, k)
-        exits.scatter_(1, cols.clamp(max=end - 1), torch.where(kept_draft, draft_exit, exits.gather(
-            1, cols.clamp(max=end - 1))))
-        tokens[cache.all_rows[has_next], (n + accepted)[has_next]] = nxt[has_next]
-        kept = pos + accepted + has_next.long()  # (B,) entries each row keeps
-        cache.row_lengths = torch.minimum(cache.row_lengths, kept[None])  # each row rolls back on its own
-        n = n + accepted + has_next.long()
+        cache.row_lengths = torch.minimum(cache.row_lengths, (pos + accepted + has_next.long())[None])  # roll back
+        n = advance_rows(tokens, exits, n, k, accepted, nxt, has_next, draft_exit)
         stats = {"rounds": stats["rounds"] + 1, "drafted": stats["drafted"] + int(room.sum()),
                  "accepted": stats["accepted"] + int(accepted.sum())}
-    return Generation(tokens[:, :end], exits[:, T0:], None, sum(cache.layer_evals) - evals, cache, stats, prefilled)
+        done = n >= end  # rows that are done leave: the next rounds run on the rest only
+        if bool(done.any()):
+            out_tokens[ids[done]], out_exits[ids[done]] = tokens[done, :end], exits[done]
+            tokens, exits, n, starts, ids = tokens[~done], exits[~done], n[~done], starts[~done], ids[~done]
+            cache.keep_rows(~done)
+    return Generation(out_tokens, out_exits[:, T0:], None, sum(cache.layer_evals) - evals, cache, stats, prefilled)
 
 def write_state_copy_rows(cache, first_layer, x, rows, pos, weight, bias):
     """CALM's state copy for some rows only: their entries at window position pos of layers first_layer.."""
