@@ -1116,7 +1116,7 @@ def speed_pass(runs, prompts, n_tokens, repeats, seed, top_k):
     return {name: {"tokens_per_second": total / float(np.median(times[name])),
                    "mean_layers": sum(o.layers_run for o in outs) / total,
                    "prefill_layers": sum(o.prefill_runs for o in outs) / total,
-                   "repetition": float(np.mean([repetition(o.tokens[0, -n_tokens:].tolist()) for o in outs])),
+                   "repetition": float(np.mean([repetition(row[-n_tokens:].tolist()) for o in outs for row in o.tokens])),
                    "outputs": outs} for name, outs in outputs.items()}
 
 def expected_batch_depth(exited_at, batch_sizes, n_layer):
@@ -1385,16 +1385,17 @@ def draft_rows(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, 
     Slots, masks and position embeddings of all k steps are worked out once, before the first."""
     rows, steps = cache.all_rows, torch.arange(k, device=n.device)
     plans = cache.plan_steps(pos, k)
-    wpe = model.transformer.wpe((pos[:, None] + steps).clamp(max=model.config.block_size - 1))  # (B, k, C)
+    wpe = model.transformer.wpe((pos[:, None] + steps).clamp(max=model.config.block_size - 1)).unbind(1)  # k x (B, C)
     token, q, states, drafts = tokens[rows, n - 1], [], [], []
     for j in range(k):
-        x = model.transformer.drop(model.transformer.wte(token)[:, None] + wpe[:, j : j + 1])  # (B, 1, C)
+        x = model.transformer.drop(model.transformer.wte(token) + wpe[j])[:, None]  # (B, 1, C)
         cache.planned = plans[j]
         for l in range(draft_exit + 1):
             x = model.transformer.h[l](x, cache, l)
-        logits = model.exit_logits(x[:, 0], draft_exit)  # (B, V)
+        state = x[:, 0]  # (B, C)
+        logits = model.exit_logits(state, draft_exit)  # (B, V)
         token = sample(logits, temperature, top_k, generator)
-        q.append(logits), states.append(x[:, 0]), drafts.append(token)
+        q.append(logits), states.append(state), drafts.append(token)
     cache.planned = None
     cols = n[:, None] + steps  # (B, k)
     tokens[rows[:, None], cols] = torch.stack(drafts, dim=1)
@@ -1456,7 +1457,7 @@ def generate_self_speculative_batch(model, idx, max_new_tokens, draft_exit, num_
     exits = idx.new_full((B, end), cfg.n_layer - 1)
     cache = RowKVCache(cfg, B, dev, spare=num_draft)
     n, starts = torch.full((B,), T0, device=dev), torch.full((B,), -1, device=dev)
-    stats, evals, prefilled = {"rounds": 0, "drafted": 0, "accepted": 0}, 0, 0.0
+    stats, evals, prefilled = {"rounds": 0, "drafted": 0, "accepted": 0, "num_draft": num_draft}, 0, 0.0
     ids, out_tokens, out_exits = torch.arange(B, device=dev), tokens[:, :end].clone(), exits.clone()
     while max_new_tokens > 0 and len(ids):  # the rows still in the batch: ids (R,) of the B
         e, row_runs = slide_rows(model, cache, tokens, starts, n)
@@ -1472,8 +1473,8 @@ def generate_self_speculative_batch(model, idx, max_new_tokens, draft_exit, num_
         accepted, nxt, has_next = accept_rows(drafts, q, p, room, temperature, generator)
         cache.row_lengths = torch.minimum(cache.row_lengths, (pos + accepted + has_next.long())[None])  # roll back
         n = advance_rows(tokens, exits, n, k, accepted, nxt, has_next, draft_exit)
-        stats = {"rounds": stats["rounds"] + 1, "drafted": stats["drafted"] + int(room.sum()),
-                 "accepted": stats["accepted"] + int(accepted.sum())}
+        stats.update(rounds=stats["rounds"] + 1, drafted=stats["drafted"] + int(room.sum()),
+                     accepted=stats["accepted"] + int(accepted.sum()))
         done = n >= end  # rows that are done leave: the next rounds run on the rest only
         if bool(done.any()):
             out_tokens[ids[done]], out_exits[ids[done]] = tokens[done, :end], exits[done]
@@ -1585,34 +1586,61 @@ def batch_speed(runs, prompts, batch_size, config):
         s["tokens_per_second"] *= batch_size
     return speed
 
+BATCH_DRAFTS = (4, 8, 11, 16)  # num_draft tried for batched speculation; 11 fills a window's 33 new tokens in 3 rounds
+
+def choose_batch_drafts(model, config, val_prompts, batch_size):
+    """num_draft per mode for batched self-speculative decoding at batch_size: the fastest on the val workload.
+
+    A round costs about as much as its slowest row, and a window takes block_size / 2 + 1 new tokens before it
+    slides, so the best draft length moves with the batch size. At batch 1 the spec sweep's choice stands.
+    Returns ({mode: num_draft}, {"mode num_draft": val tokens/s})."""
+    if batch_size == 1:
+        return {mode: config.num_draft for mode in MODES}, {}
+    grid = sorted(set(BATCH_DRAFTS) | {config.num_draft})
+    runs = {(k, mode): (batch_runner(model, "self_speculative", None, None, (config.draft_exit, k)),
+                        mode_temperature(mode, config)) for k in grid for mode in MODES}
+    speed = batch_speed(runs, val_prompts, batch_size, config)
+    best = {mode: max(grid, key=lambda k: speed[k, mode]["tokens_per_second"]) for mode in MODES}
+    return best, {f"{mode} {k}": speed[k, mode]["tokens_per_second"] for k, mode in runs}
+
+def batch_rows(B, speed, quality, depth):
+    """The batch table's rows for one batch size, both modes: speed beside quality, over full depth."""
+    rows = []
+    for mode in MODES:
+        full = speed["full", mode]
+        for name in BATCH_DESIGNS:
+            s, q = speed[name, mode], quality.get(name, quality["full"])
+            same = None
+            if name == "self_speculative" and mode == "greedy":
+                same = all(torch.equal(a.tokens, b.tokens) for a, b in zip(s["outputs"], full["outputs"]))
+            rows.append({"batch_size": B, "name": name, "mode": mode, "tokens_per_second": s["tokens_per_second"],
+                         "speedup": s["tokens_per_second"] / full["tokens_per_second"],
+                         "num_draft": s["outputs"][0].stats["num_draft"] if name == "self_speculative" else None,
+                         "mean_layers": s["mean_layers"], "expected_layers": depth if name == "state_copy" else None,
+                         "test_loss": q["test_loss"], "agreement": (q["pred"] == quality["full"]["pred"]).float().mean().item(),
+                         "identical_to_full": same, "repetition": s["repetition"]})
+    return rows
+
 def measure_batches(model, splits, config, device, plans, val_records):
     """The batch table: every design at every batch size, greedy and sampled, quality beside speed."""
-    L, spec = config.n_layer, (config.draft_exit, config.num_draft)
-    test, test_prompts = splits["test"].to(device), workload(splits["test"], config.bench_prompts,
-                                                             config.bench_prompt_len).to(device)
+    L, plan = config.n_layer, plans["state_copy"]
+    test = splits["test"].to(device)
+    test_prompts, val_prompts = (workload(splits[s], config.bench_prompts, config.bench_prompt_len).to(device)
+                                 for s in ("test", "val"))
     schedule = choose_schedule(val_records, L, config.block_size, config.schedule_disagreement)
-    runs = {name: batch_runner(model, name, plans["state_copy"], schedule["schedule"], spec) for name in BATCH_DESIGNS}
-    rows = []
+    rows, chosen = [], {}
     for B in (b for b in BATCH_SIZES if config.bench_prompts % b == 0):
-        quality = {name: batch_quality(runs[name], test, B, config.quality_positions)
+        drafts, val_speed = choose_batch_drafts(model, config, val_prompts, B)
+        chosen[B] = {"num_draft": drafts, "val_tokens_per_second": val_speed}
+        runs = {(name, mode): (batch_runner(model, name, plan, schedule["schedule"], (config.draft_exit, drafts[mode])),
+                               mode_temperature(mode, config)) for name in BATCH_DESIGNS for mode in MODES}
+        quality = {name: batch_quality(runs[name, "greedy"][0], test, B, config.quality_positions)
                    for name in BATCH_DESIGNS if name != "self_speculative"}
-        speed = batch_speed({(n, mode): (runs[n], mode_temperature(mode, config)) for mode in MODES for n in runs},
-                            test_prompts, B, config)
-        depth = expected_batch_depth(exits_at_threshold(val_records, config.confidence, plans["state_copy"]["threshold"],
-                                                        plans["state_copy"]["checked_exits"]), (B,), L)[B]
-        for mode in MODES:
-            full = speed["full", mode]
-            for name in BATCH_DESIGNS:
-                s, q = speed[name, mode], quality.get(name, quality["full"])
-                same = None
-                if name == "self_speculative" and mode == "greedy":
-                    same = all(torch.equal(a.tokens, b.tokens) for a, b in zip(s["outputs"], full["outputs"]))
-                rows.append({"batch_size": B, "name": name, "mode": mode, "tokens_per_second": s["tokens_per_second"],
-                             "speedup": s["tokens_per_second"] / full["tokens_per_second"],
-                             "mean_layers": s["mean_layers"], "expected_layers": depth if name == "state_copy" else None,
-                             "test_loss": q["test_loss"], "agreement": (q["pred"] == quality["full"]["pred"]).float().mean().item(),
-                             "identical_to_full": same, "repetition": s["repetition"]})
-    return {"rows": rows, "schedule": schedule, "plan": plans["state_copy"]}
+        speed = batch_speed(runs, test_prompts, B, config)
+        depth = expected_batch_depth(exits_at_threshold(val_records, config.confidence, plan["threshold"],
+                                                        plan["checked_exits"]), (B,), L)[B]
+        rows += batch_rows(B, speed, quality, depth)
+    return {"rows": rows, "schedule": schedule, "plan": plan, "drafts": chosen}
 
 
 # -----------------------------------------------------------------------------
@@ -1786,6 +1814,7 @@ def print_spec_sweep(grid):
 
 BATCH_COLUMNS = (("batch_size", "B", "{}"), ("mode", "mode", "{}"), ("name", "design", "{}"),
                  ("tokens_per_second", "tok/s (batch)", "{:,.0f}"), ("speedup", "speed-up", "{:.2f}x"),
+                 ("num_draft", "k", "{}"),
                  ("mean_layers", "layers/token", "{:.2f}"), ("expected_layers", "expected", "{:.2f}"),
                  ("test_loss", "test loss", "{:.4f}"), ("agreement", "agree w/ full", "{:.3f}"),
                  ("identical_to_full", "identical", "{}"))
@@ -1799,7 +1828,8 @@ def print_batches(batched, config):
           f"leaves the batch; skipdecode: every row exits at layer {schedule.get('exit_layer', config.n_layer - 1)} "
           f"from window position {schedule.get('from_position', '-')} (val: {schedule['compute_saved']:.1%} saved, "
           f"{schedule['disagreement']:.2%} disagreement); self_speculative: batched, draft_exit={config.draft_exit}, "
-          f"num_draft={config.num_draft}. Speed-up: over full depth at the same batch size and mode.")
+          f"num_draft k the fastest on val of {sorted(set(BATCH_DRAFTS) | {config.num_draft})} per batch size and mode "
+          f"(batch 1: the spec sweep's). Speed-up: over full depth at the same batch size and mode.")
     print_table(batched["rows"], BATCH_COLUMNS)
 
 SWEEP_SHOWN = (1.0, 0.99, 0.98, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)

@@ -25,6 +25,8 @@ def test_batched_greedy_speculation_equals_every_row_alone(trained, monkeypatch)
         return original(model_, cache, tokens, rows, starts, n)
 
     monkeypatch.setattr(m, "prefill_rows", recording)
+    left, keep_rows = [], m.RowKVCache.keep_rows
+    monkeypatch.setattr(m.RowKVCache, "keep_rows", lambda self, keep: left.append(int(keep.sum())) or keep_rows(self, keep))
     idx = torch.stack([data[2500 * b : 2500 * b + 5] for b in range(8)])
     out = m.generate_self_speculative_batch(model, idx, 100, 0, 4, temperature=0.0)  # 100 > 3 windows of 32
     for b in range(8):
@@ -33,6 +35,7 @@ def test_batched_greedy_speculation_equals_every_row_alone(trained, monkeypatch)
     drafted_kept = (out.exited_at == 0).sum(1)  # per row: drafts accepted
     assert len(set(drafted_kept.tolist())) > 1, "rows should accept different numbers of drafts"
     assert groups[0] == 8 and min(groups[1:]) < 8, "rows should slide their windows at different rounds"
+    assert left[-1] == 0 and max(left) > 0, "rows that are done should leave while others decode on"
     assert 0.1 < out.stats["accepted"] / out.stats["drafted"] < 0.5
 
 
@@ -110,7 +113,9 @@ def test_choose_schedule_keeps_its_budget_and_never_rises():
     assert m.choose_schedule(records, L, 16, 0.0)["compute_saved"] < m.choose_schedule(records, L, 16, 0.6)["compute_saved"]
 
 
-def test_batch_table_in_the_report(tmp_path, capsys):
+def test_batch_table_in_the_report(tmp_path, capsys, monkeypatch):
+    choose = m.choose_batch_drafts  # the real choice runs (its timings land in the report); the table must use it
+    monkeypatch.setattr(m, "choose_batch_drafts", lambda *a: ({"greedy": 3, "sampled": 5}, choose(*a)[1]))
     args = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--eval_iters=1",
             "--max_iters=2", "--max_new_tokens=10", "--device=cpu", "--quality_positions=48", "--bench_tokens=12",
             "--bench_repeats=1", "--bench_prompts=4", "--bench_prompt_len=8", "--bench_batch=1", f"--out_dir={tmp_path}"]
@@ -125,3 +130,23 @@ def test_batch_table_in_the_report(tmp_path, capsys):
     assert all(keys <= set(r) for r in rows)
     spec = [r for r in rows if r["name"] == "self_speculative" and r["mode"] == "greedy"]
     assert all(r["identical_to_full"] is True for r in spec)
+    assert all(r["num_draft"] == {"greedy": 3, "sampled": 5}[r["mode"]] == batched["drafts"][str(r["batch_size"])]
+               ["num_draft"][r["mode"]] for r in rows if r["name"] == "self_speculative")
+
+
+def test_batch_draft_length_is_the_fastest_on_val_and_is_the_one_run(trained, monkeypatch):
+    model, data = trained
+    config, speeds = model.config, {}
+
+    def fake_speed(runs, prompts, B, config_):  # greedy fastest at the longest draft, sampled at the shortest
+        speeds.update({key: {"tokens_per_second": key[0] if key[1] == "greedy" else -key[0]} for key in runs})
+        return speeds
+    monkeypatch.setattr(m, "batch_speed", fake_speed)
+    prompts = m.workload(data[:5000], 4, 8)
+    drafts, _ = m.choose_batch_drafts(model, config, prompts, 4)
+    grid = sorted(set(m.BATCH_DRAFTS) | {config.num_draft})
+    assert {k for k, _ in speeds} == set(grid)
+    assert drafts == {"greedy": grid[-1], "sampled": grid[0]}
+    assert m.choose_batch_drafts(model, config, prompts, 1)[0] == {mode: config.num_draft for mode in m.MODES}
+    run = m.batch_runner(model, "self_speculative", None, None, (0, 5))
+    assert run(prompts[:2], 6).stats["num_draft"] == 5  # the table's k column reads what ran

@@ -29,6 +29,15 @@ def test_repetition_scores_a_loop_high_and_fresh_text_zero():
     assert m.repetition([1, 2, 3]) == 0.0  # no 4-gram at all
 
 
+def test_repetition_of_a_batch_averages_every_row():
+    loop, fresh = torch.tensor([1, 2, 3] * 10), torch.arange(30)
+
+    def run(prompt, n, generator=None, temperature=0.0, top_k=0):  # a batch of two rows: one loops, one never repeats
+        return m.Generation(torch.stack([loop, fresh]), None, None, 0, None)
+    speed = m.speed_pass({"two rows": (run, 0.0)}, torch.zeros(1, 4, dtype=torch.long), 30, 1, 0, 0)
+    assert speed["two rows"]["repetition"] == pytest.approx((m.repetition(loop.tolist()) + 0.0) / 2)
+
+
 def test_adaptive_draft_stops_early_and_stays_exact(trained):
     model, data = trained
     per_round = {}
