@@ -1286,7 +1286,6 @@ class RowKVCache(KVCache):
         L, B, nh, S, hs = self.k.shape
         self.k = torch.zeros(L, B, nh, S + spare, hs, device=device)
         self.v = torch.zeros_like(self.k)
-        self.pending_states = torch.zeros(B, S + spare, config.n_embd, device=device)
         self.row_lengths = torch.zeros(L, B, dtype=torch.long, device=device)
         self.all_rows = self.rows = torch.arange(B, device=device)
         self.planned = None  # plan(): what every layer of one step shares
@@ -1381,8 +1380,9 @@ def slide_rows(model, cache, tokens, starts, n):
     return evals, row_runs
 
 def draft_rows(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, generator):
-    """Every row drafts k tokens with layers 0..draft_exit, from its own position: (B, k, V) draft logits.
-    Slots, masks and position embeddings of all k steps are worked out once, before the first."""
+    """Every row drafts k tokens with layers 0..draft_exit, from its own position. Returns the draft logits
+    (B, k, V), the drafts (B, k) and their states (B, k, C), which the verify pass takes up from. Slots, masks
+    and position embeddings of all k steps are worked out once, before the first."""
     rows, steps = cache.all_rows, torch.arange(k, device=n.device)
     plans = cache.plan_steps(pos, k)
     wpe = model.transformer.wpe((pos[:, None] + steps).clamp(max=model.config.block_size - 1)).unbind(1)  # k x (B, C)
@@ -1397,16 +1397,13 @@ def draft_rows(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, 
         token = sample(logits, temperature, top_k, generator)
         q.append(logits), states.append(state), drafts.append(token)
     cache.planned = None
-    cols = n[:, None] + steps  # (B, k)
-    tokens[rows[:, None], cols] = torch.stack(drafts, dim=1)
-    cache.pending_states[rows[:, None], pos[:, None] + steps] = torch.stack(states, dim=1)  # for the verify pass
-    return torch.stack(q, dim=1)  # (B, k, V)
+    drafts = torch.stack(drafts, dim=1)
+    tokens[rows[:, None], n[:, None] + steps] = drafts
+    return torch.stack(q, dim=1), drafts, torch.stack(states, dim=1)  # (B, k, V)
 
-def verify_rows(model, cache, pos, k, draft_exit):
-    """The layers above the draft run once over every row's k drafted positions: (B, k, V) full-model logits."""
-    rows = cache.all_rows
-    x = cache.pending_states[rows[:, None], pos[:, None] + torch.arange(k, device=pos.device)]  # (B, k, C)
-    cache.plan_writes(pos, k)
+def verify_rows(model, cache, pos, x, draft_exit):
+    """The layers above the draft run once over every row's k drafted states x (B, k, C): (B, k, V) logits."""
+    cache.plan_writes(pos, x.size(1))
     for l in range(draft_exit + 1, model.config.n_layer):
         x = model.transformer.h[l](x, cache, l)
     cache.planned = None
@@ -1465,11 +1462,10 @@ def generate_self_speculative_batch(model, idx, max_new_tokens, draft_exit, num_
         pos = n - 1 - starts  # (R,) window position of each row's first token fed this round
         room = torch.minimum(end - n, cfg.block_size - pos).clamp(max=num_draft)  # (R,)
         k = int(room.max())
-        q = draft_rows(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, generator)
-        p = verify_rows(model, cache, pos, k, draft_exit)
+        q, drafts, states = draft_rows(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, generator)
+        p = verify_rows(model, cache, pos, states, draft_exit)
         if temperature > 0:
             q, p = probs_from_logits(q, temperature, top_k), probs_from_logits(p, temperature, top_k)
-        drafts = tokens[cache.all_rows[:, None], n[:, None] + torch.arange(k, device=dev)]  # (R, k)
         accepted, nxt, has_next = accept_rows(drafts, q, p, room, temperature, generator)
         cache.row_lengths = torch.minimum(cache.row_lengths, (pos + accepted + has_next.long())[None])  # roll back
         n = advance_rows(tokens, exits, n, k, accepted, nxt, has_next, draft_exit)
