@@ -1441,41 +1441,56 @@ def advance_rows(tokens, exits, n, k, accepted, nxt, has_next, draft_exit):
     tokens[rows, (n + accepted)[has_next]] = nxt[has_next]
     return n + accepted + has_next.long()
 
+def lap(clock, phase, since, device):
+    """Add the seconds since `since` to clock[phase] and return now; without a clock, time nothing."""
+    if clock is None:
+        return None
+    synchronize(device)
+    now = time.perf_counter()
+    if phase is not None:
+        clock[phase] = clock.get(phase, 0.0) + now - since
+    return now
+
 @torch.inference_mode()
 def generate_self_speculative_batch(model, idx, max_new_tokens, draft_exit, num_draft, temperature=0.0, top_k=0,
-                                    generator=None):
+                                    generator=None, clock=None):
     """Self-speculative decoding of B rows at once: one draft and one verify pass a round for all rows, each
     row accepting its own prefix, rolling back and sliding its window on its own; a row that is done leaves
     the batch. Every row's tokens are the ones it would get alone at full depth (greedy), or have their
-    distribution (sampled)."""
+    distribution (sampled). A clock dict, if given, adds up the seconds spent in each phase of a round."""
     cfg, (B, T0) = model.config, idx.shape
     end, dev = T0 + max_new_tokens, idx.device
     tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens + num_draft)], dim=1)
     exits = idx.new_full((B, end), cfg.n_layer - 1)
     cache = RowKVCache(cfg, B, dev, spare=num_draft)
     n, starts = torch.full((B,), T0, device=dev), torch.full((B,), -1, device=dev)
-    stats, evals, prefilled = {"rounds": 0, "drafted": 0, "accepted": 0, "num_draft": num_draft}, 0, 0.0
+    stats = {"rounds": 0, "drafted": 0, "accepted": 0, "draft_steps": 0, "num_draft": num_draft}
     ids, out_tokens, out_exits = torch.arange(B, device=dev), tokens[:, :end].clone(), exits.clone()
+    evals, prefilled, t = 0, 0.0, lap(clock, None, None, dev)
     while max_new_tokens > 0 and len(ids):  # the rows still in the batch: ids (R,) of the B
         e, row_runs = slide_rows(model, cache, tokens, starts, n)
+        t = lap(clock, "re-prefill", t, dev)
         evals, prefilled = evals + e, prefilled + row_runs / B
         pos = n - 1 - starts  # (R,) window position of each row's first token fed this round
         room = torch.minimum(end - n, cfg.block_size - pos).clamp(max=num_draft)  # (R,)
         k = int(room.max())
         q, drafts, states = draft_rows(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, generator)
+        t = lap(clock, "draft", t, dev)
         p = verify_rows(model, cache, pos, states, draft_exit)
+        t = lap(clock, "verify", t, dev)
         if temperature > 0:
             q, p = probs_from_logits(q, temperature, top_k), probs_from_logits(p, temperature, top_k)
         accepted, nxt, has_next = accept_rows(drafts, q, p, room, temperature, generator)
         cache.row_lengths = torch.minimum(cache.row_lengths, (pos + accepted + has_next.long())[None])  # roll back
         n = advance_rows(tokens, exits, n, k, accepted, nxt, has_next, draft_exit)
         stats.update(rounds=stats["rounds"] + 1, drafted=stats["drafted"] + int(room.sum()),
-                     accepted=stats["accepted"] + int(accepted.sum()))
+                     accepted=stats["accepted"] + int(accepted.sum()), draft_steps=stats["draft_steps"] + k)
         done = n >= end  # rows that are done leave: the next rounds run on the rest only
         if bool(done.any()):
             out_tokens[ids[done]], out_exits[ids[done]] = tokens[done, :end], exits[done]
             tokens, exits, n, starts, ids = tokens[~done], exits[~done], n[~done], starts[~done], ids[~done]
             cache.keep_rows(~done)
+        t = lap(clock, "accept and the rest", t, dev)
     return Generation(out_tokens, out_exits[:, T0:], None, sum(cache.layer_evals) - evals, cache, stats, prefilled)
 
 def write_state_copy_rows(cache, first_layer, x, rows, pos, weight, bias):
@@ -1599,6 +1614,22 @@ def choose_batch_drafts(model, config, val_prompts, batch_size):
     best = {mode: max(grid, key=lambda k: speed[k, mode]["tokens_per_second"]) for mode in MODES}
     return best, {f"{mode} {k}": speed[k, mode]["tokens_per_second"] for k, mode in runs}
 
+def speculation_costs(model, prompts, batch_size, config, num_draft, full_tokens_per_second):
+    """Where batched greedy speculation spends its time at batch_size (one timed pass over the workload), and
+    how many rounds it takes beside what its rows would take alone: a batch lasts as long as its slowest row."""
+    clock, rounds, steps = {}, 0, 0
+    for batch in prompts.split(batch_size):
+        stats = generate_self_speculative_batch(model, batch, config.bench_tokens, config.draft_exit, num_draft,
+                                                clock=clock).stats
+        rounds, steps = rounds + stats["rounds"], steps + stats["draft_steps"]
+    alone = torch.tensor([generate_self_speculative_batch(model, p[None], config.bench_tokens, config.draft_exit,
+                                                          num_draft).stats["rounds"] for p in prompts])
+    per_batch, total = alone.view(-1, batch_size).float(), sum(clock.values())
+    return {"batch_size": batch_size, "num_draft": num_draft, "rounds": rounds,
+            "slowest_row_rounds": int(per_batch.max(1).values.sum()), "mean_row_rounds": float(per_batch.mean(1).sum()),
+            "shares": {phase: t / total for phase, t in clock.items()}, "draft_step_ms": 1e3 * clock["draft"] / steps,
+            "verify_ms": 1e3 * clock["verify"] / rounds, "full_step_ms": 1e3 * batch_size / full_tokens_per_second}
+
 def batch_rows(B, speed, quality, depth):
     """The batch table's rows for one batch size, both modes: speed beside quality, over full depth."""
     rows = []
@@ -1624,7 +1655,7 @@ def measure_batches(model, splits, config, device, plans, val_records):
     test_prompts, val_prompts = (workload(splits[s], config.bench_prompts, config.bench_prompt_len).to(device)
                                  for s in ("test", "val"))
     schedule = choose_schedule(val_records, L, config.block_size, config.schedule_disagreement)
-    rows, chosen = [], {}
+    rows, chosen, costs = [], {}, []
     for B in (b for b in BATCH_SIZES if config.bench_prompts % b == 0):
         drafts, val_speed = choose_batch_drafts(model, config, val_prompts, B)
         chosen[B] = {"num_draft": drafts, "val_tokens_per_second": val_speed}
@@ -1636,7 +1667,9 @@ def measure_batches(model, splits, config, device, plans, val_records):
         depth = expected_batch_depth(exits_at_threshold(val_records, config.confidence, plan["threshold"],
                                                         plan["checked_exits"]), (B,), L)[B]
         rows += batch_rows(B, speed, quality, depth)
-    return {"rows": rows, "schedule": schedule, "plan": plan, "drafts": chosen}
+        costs.append(speculation_costs(model, test_prompts, B, config, drafts["greedy"],
+                                       speed["full", "greedy"]["tokens_per_second"]))
+    return {"rows": rows, "schedule": schedule, "plan": plan, "drafts": chosen, "speculation_costs": costs}
 
 
 # -----------------------------------------------------------------------------
@@ -1827,6 +1860,16 @@ def print_batches(batched, config):
           f"num_draft k the fastest on val of {sorted(set(BATCH_DRAFTS) | {config.num_draft})} per batch size and mode "
           f"(batch 1: the spec sweep's). Speed-up: over full depth at the same batch size and mode.")
     print_table(batched["rows"], BATCH_COLUMNS)
+    print("Where batched greedy speculation's time goes (one timed pass; a batch lasts as long as its slowest row):")
+    for line in speculation_cost_lines(batched["speculation_costs"]):
+        print(line)
+
+def speculation_cost_lines(costs):
+    return [f"  batch {c['batch_size']}, k={c['num_draft']}: {c['rounds']} rounds (rows alone: the slowest of each "
+            f"batch {c['slowest_row_rounds']}, the mean {c['mean_row_rounds']:.1f}); time: "
+            + ", ".join(f"{phase} {share:.0%}" for phase, share in c["shares"].items())
+            + f"; a draft step {c['draft_step_ms']:.2f} ms, a verify pass {c['verify_ms']:.2f} ms, a full-depth step "
+            f"{c['full_step_ms']:.2f} ms (re-prefills included)" for c in costs]
 
 SWEEP_SHOWN = (1.0, 0.99, 0.98, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
 
@@ -2034,7 +2077,8 @@ def html_sections(report):
         out.append(html_table(rows, STRATEGY_COLUMNS, "strategies"))
     if report.get("batched"):
         out.append("<h2>Does early exit still save in a batch?</h2>" + html_table(report["batched"]["rows"], BATCH_COLUMNS,
-                                                                                  "batched.rows"))
+                                                                                  "batched.rows")
+                   + "".join(f"<p>{esc(line)}</p>" for line in speculation_cost_lines(report["batched"]["speculation_costs"])))
     if report.get("spec_sweep"):
         out.append("<h2>Which draft_exit, num_draft and draft_stop?</h2>" + html_heatmap(report["spec_sweep"]))
     if report.get("logit_lens"):

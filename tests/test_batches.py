@@ -150,3 +150,19 @@ def test_batch_draft_length_is_the_fastest_on_val_and_is_the_one_run(trained, mo
     assert m.choose_batch_drafts(model, config, prompts, 1)[0] == {mode: config.num_draft for mode in m.MODES}
     run = m.batch_runner(model, "self_speculative", None, None, (0, 5))
     assert run(prompts[:2], 6).stats["num_draft"] == 5  # the table's k column reads what ran
+
+
+def test_a_batch_takes_the_rounds_of_its_slowest_row_and_every_phase_is_timed(trained):
+    model, data = trained
+    config = copy.copy(model.config)
+    config.bench_tokens, config.draft_exit = 40, 0
+    prompts = m.workload(data[:5000], 8, 6)
+    alone = [m.generate_self_speculative_batch(model, p[None], 40, 0, 3).stats["rounds"] for p in prompts]
+    assert len(set(alone)) > 1, "rows should need different numbers of rounds"
+    costs = m.speculation_costs(model, prompts, 4, config, 3, 1000.0)
+    assert costs["rounds"] == costs["slowest_row_rounds"] == max(alone[:4]) + max(alone[4:])
+    assert costs["mean_row_rounds"] == pytest.approx(sum(alone) / 4)
+    assert set(costs["shares"]) == {"re-prefill", "draft", "verify", "accept and the rest"}
+    assert sum(costs["shares"].values()) == pytest.approx(1) and min(costs["shares"].values()) > 0
+    assert costs["full_step_ms"] == pytest.approx(4.0)  # 4 rows at 1000 tokens/s: a step every 4 ms
+    assert m.speculation_costs(model, prompts, 1, config, 3, 1000.0)["rounds"] == sum(alone)
