@@ -1431,14 +1431,13 @@ def accept_rows(drafts, q, p, room, temperature, generator):
     residual = (p[rows, at] - q[rows, at]).clamp_min(0) + (~has_next)[:, None]  # rows without a rejection: unused
     return accepted, draw(residual / residual.sum(-1, keepdim=True), generator), has_next
 
-def advance_rows(tokens, exits, n, k, accepted, nxt, has_next, draft_exit):
-    """After a round: each row's kept drafts are marked as exiting at draft_exit, its next token goes in
-    after them, and it moves on by accepted + has_next (B,). Returns the new n (B,)."""
-    cols = (n[:, None] + torch.arange(k, device=n.device)).clamp(max=exits.size(1) - 1)  # (B, k): this round's drafts
-    kept = torch.arange(k, device=n.device)[None] < accepted[:, None]  # (B, k)
-    exits.scatter_(1, cols, torch.where(kept, draft_exit, exits.gather(1, cols)))
-    rows = torch.arange(len(n), device=n.device)[has_next]
-    tokens[rows, (n + accepted)[has_next]] = nxt[has_next]
+def advance_rows(tokens, exits, n, k, accepted, nxt, has_next, draft_exit, full_exit):
+    """After a round of k drafts (accepted, nxt, has_next: (B,)): each row's kept drafts are marked as exiting
+    at draft_exit and the positions after them at full_exit, and the full model's next token goes in after the
+    kept drafts (a row that kept all it could writes it into a slot its next round overwrites). Returns the new n."""
+    rows, steps = torch.arange(len(n), device=n.device), torch.arange(k, device=n.device)
+    exits[rows[:, None], n[:, None] + steps] = torch.where(steps < accepted[:, None], draft_exit, full_exit)  # (B, k)
+    tokens[rows, n + accepted] = nxt
     return n + accepted + has_next.long()
 
 def lap(clock, phase, since, device):
@@ -1461,11 +1460,11 @@ def generate_self_speculative_batch(model, idx, max_new_tokens, draft_exit, num_
     cfg, (B, T0) = model.config, idx.shape
     end, dev = T0 + max_new_tokens, idx.device
     tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens + num_draft)], dim=1)
-    exits = idx.new_full((B, end), cfg.n_layer - 1)
+    exits = torch.full_like(tokens, cfg.n_layer - 1)  # (B, end + num_draft): the layer each token left at
     cache = RowKVCache(cfg, B, dev, spare=num_draft)
     n, starts = torch.full((B,), T0, device=dev), torch.full((B,), -1, device=dev)
     stats = {"rounds": 0, "drafted": 0, "accepted": 0, "draft_steps": 0, "num_draft": num_draft}
-    ids, out_tokens, out_exits = torch.arange(B, device=dev), tokens[:, :end].clone(), exits.clone()
+    ids, out_tokens, out_exits = torch.arange(B, device=dev), tokens[:, :end].clone(), exits[:, :end].clone()
     evals, prefilled, t = 0, 0.0, lap(clock, None, None, dev)
     while max_new_tokens > 0 and len(ids):  # the rows still in the batch: ids (R,) of the B
         e, row_runs = slide_rows(model, cache, tokens, starts, n)
@@ -1482,12 +1481,12 @@ def generate_self_speculative_batch(model, idx, max_new_tokens, draft_exit, num_
             q, p = probs_from_logits(q, temperature, top_k), probs_from_logits(p, temperature, top_k)
         accepted, nxt, has_next = accept_rows(drafts, q, p, room, temperature, generator)
         cache.row_lengths = torch.minimum(cache.row_lengths, (pos + accepted + has_next.long())[None])  # roll back
-        n = advance_rows(tokens, exits, n, k, accepted, nxt, has_next, draft_exit)
+        n = advance_rows(tokens, exits, n, k, accepted, nxt, has_next, draft_exit, cfg.n_layer - 1)
         stats.update(rounds=stats["rounds"] + 1, drafted=stats["drafted"] + int(room.sum()),
                      accepted=stats["accepted"] + int(accepted.sum()), draft_steps=stats["draft_steps"] + k)
         done = n >= end  # rows that are done leave: the next rounds run on the rest only
         if bool(done.any()):
-            out_tokens[ids[done]], out_exits[ids[done]] = tokens[done, :end], exits[done]
+            out_tokens[ids[done]], out_exits[ids[done]] = tokens[done, :end], exits[done, :end]
             tokens, exits, n, starts, ids = tokens[~done], exits[~done], n[~done], starts[~done], ids[~done]
             cache.keep_rows(~done)
         t = lap(clock, "accept and the rest", t, dev)

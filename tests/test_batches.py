@@ -32,6 +32,8 @@ def test_batched_greedy_speculation_equals_every_row_alone(trained, monkeypatch)
     for b in range(8):
         alone = m.generate(model, idx[b : b + 1], 100, temperature=0.0)
         assert torch.equal(out.tokens[b], alone.tokens[0]), f"row {b}"
+        spec = m.generate_self_speculative(model, idx[b : b + 1], 100, 0, 4, temperature=0.0)
+        assert torch.equal(out.exited_at[b], spec.exited_at[0]), f"row {b}: which tokens were drafts"
     drafted_kept = (out.exited_at == 0).sum(1)  # per row: drafts accepted
     assert len(set(drafted_kept.tolist())) > 1, "rows should accept different numbers of drafts"
     assert groups[0] == 8 and min(groups[1:]) < 8, "rows should slide their windows at different rounds"
