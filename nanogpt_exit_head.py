@@ -1385,6 +1385,7 @@ def draft_rows(model, cache, tokens, n, pos, k, draft_exit, temperature, top_k, 
     and position embeddings of all k steps are worked out once, before the first."""
     rows, steps = cache.all_rows, torch.arange(k, device=n.device)
     plans = cache.plan_steps(pos, k)
+    # a row with less room than k drafts on in spare slots at the last position; those drafts are never kept
     wpe = model.transformer.wpe((pos[:, None] + steps).clamp(max=model.config.block_size - 1)).unbind(1)  # k x (B, C)
     token, q, states, drafts = tokens[rows, n - 1], [], [], []
     for j in range(k):
