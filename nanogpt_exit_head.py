@@ -1602,8 +1602,8 @@ BATCH_DRAFTS = (4, 8, 11, 16)  # num_draft tried for batched speculation; 11 fil
 def choose_batch_drafts(model, config, val_prompts, batch_size):
     """num_draft per mode for batched self-speculative decoding at batch_size: the fastest on the val workload.
 
-    A round costs about as much as its slowest row, and a window takes block_size / 2 + 1 new tokens before it
-    slides, so the best draft length moves with the batch size. At batch 1 the spec sweep's choice stands.
+    A batch runs as many rounds as its slowest row needs, and a window takes block_size / 2 + 1 new tokens
+    before it slides, so the best draft length moves with the batch size. At batch 1 the spec sweep's stands.
     Returns ({mode: num_draft}, {"mode num_draft": val tokens/s})."""
     if batch_size == 1:
         return {mode: config.num_draft for mode in MODES}, {}
@@ -1865,8 +1865,8 @@ def print_batches(batched, config):
         print(line)
 
 def speculation_cost_lines(costs):
-    return [f"  batch {c['batch_size']}, k={c['num_draft']}: {c['rounds']} rounds (rows alone: the slowest of each "
-            f"batch {c['slowest_row_rounds']}, the mean {c['mean_row_rounds']:.1f}); time: "
+    return [f"  batch {c['batch_size']}, k={c['num_draft']}: {c['rounds']} rounds (alone, each batch's slowest row "
+            f"needs {c['slowest_row_rounds']} in all, its mean row {c['mean_row_rounds']:.1f}); time: "
             + ", ".join(f"{phase} {share:.0%}" for phase, share in c["shares"].items())
             + f"; a draft step {c['draft_step_ms']:.2f} ms, a verify pass {c['verify_ms']:.2f} ms, a full-depth step "
             f"{c['full_step_ms']:.2f} ms (re-prefills included)" for c in costs]
