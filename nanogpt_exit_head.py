@@ -1326,7 +1326,8 @@ class RowKVCache(KVCache):
 
     def append(self, layer, k, v):
         """Write k, v (R, nh, T, hs) after each selected row's own entries; return its slots (R, nh, S, hs)
-        and the mask (R, 1, T, S) of what each new query may see: its row's past and its own chunk, causally."""
+        and the mask (R, 1, T, S) of what each new query may see: its row's past and its own chunk, causally.
+        A planned step of every row reads only the first W slots (plan()); other calls, all S."""
         T, rows = k.size(2), self.rows
         if self.planned is not None and rows is self.all_rows:  # the fast path: slots and mask worked out
             slots, index, mask, end, width = self.planned
