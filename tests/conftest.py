@@ -14,7 +14,7 @@ torch.set_num_threads(1)  # tiny models: threads only add overhead and noise
 
 def tiny_config(**overrides):
     """A model small enough that every test runs in well under a second."""
-    cfg = m.Config(n_layer=4, n_head=2, n_embd=16, block_size=16, vocab_size=11, **m.SEED_RECIPE)
+    cfg = m.LabConfig(n_layer=4, n_head=2, n_embd=16, block_size=16, vocab_size=11, **m.SEED_RECIPE)
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
@@ -22,7 +22,7 @@ def tiny_config(**overrides):
 
 def tiny_model(seed=0, **overrides):
     torch.manual_seed(seed)
-    model = m.GPT(tiny_config(**overrides))
+    model = m.RecipeGPT(tiny_config(**overrides))
     # random init gives near-uniform heads; sharpen them so thresholds bite at every layer
     with torch.no_grad():
         for head in model.exit_heads:

@@ -28,7 +28,7 @@ def test_batched_greedy_speculation_equals_every_row_alone(trained, monkeypatch)
     left, keep_rows = [], m.RowKVCache.keep_rows
     monkeypatch.setattr(m.RowKVCache, "keep_rows", lambda self, keep: left.append(int(keep.sum())) or keep_rows(self, keep))
     idx = torch.stack([data[2500 * b : 2500 * b + 5] for b in range(8)])
-    out = m.generate_self_speculative_batch(model, idx, 100, 0, 4, temperature=0.0)  # 100 > 3 windows of 32
+    out = m.generate_self_speculative(model, idx, 100, 0, 4, temperature=0.0)  # 100 > 3 windows of 32
     for b in range(8):
         alone = m.generate(model, idx[b : b + 1], 100, temperature=0.0)
         assert torch.equal(out.tokens[b], alone.tokens[0]), f"row {b}"
@@ -52,38 +52,13 @@ def test_batched_sampled_speculation_has_the_full_model_distribution(top_k):
     joint = torch.stack([probs1[a] * dist(torch.cat([idx, torch.tensor([[a]])], 1)) for a in range(V)])
     gen, counts = torch.Generator().manual_seed(0), torch.zeros(V, V)
     for _ in range(400):  # 400 batches of 8 rows
-        out = m.generate_self_speculative_batch(model, idx.repeat(8, 1), 2, 0, 2, 1.0, top_k, gen)
+        out = m.generate_self_speculative(model, idx.repeat(8, 1), 2, 0, 2, 1.0, top_k, gen)
         for a, b in out.tokens[:, 3:].tolist():
             counts[a, b] += 1
     emp = counts / counts.sum()
     assert 0.5 * (emp.sum(1) - joint.sum(1)).abs().sum() < 0.04
     assert 0.5 * (emp - joint).abs().sum() < 0.1
     assert emp[joint == 0].sum() == 0
-
-
-def test_row_cache_at_batch_one_is_the_plain_cache():
-    model = tiny_model()
-    forced = torch.randint(0, 11, (1, 40), generator=torch.Generator().manual_seed(1))
-    plain = m.generate(model, forced[:, :1], 39, strategy="state_copy", exit_threshold=0.6, forced=forced[:, 1:])
-    rows = m.generate(model, forced[:, :1], 39, strategy=m.StateCopyLeave(model), exit_threshold=0.6,
-                      forced=forced[:, 1:])
-    assert torch.equal(plain.exited_at, rows.exited_at)
-    assert torch.allclose(plain.logits, rows.logits, atol=1e-5)
-
-
-def test_rows_that_leave_the_batch_decode_as_they_would_alone():
-    """Design (a): each row exits on its own and leaves; so every row equals state_copy on that row alone."""
-    model = tiny_model()
-    forced = torch.randint(0, 11, (4, 40), generator=torch.Generator().manual_seed(2))
-    batch = m.generate(model, forced[:, :1], 39, strategy=m.StateCopyLeave(model), exit_threshold=0.6,
-                       forced=forced[:, 1:])
-    mixed = (batch.exited_at != batch.exited_at[:1]).any(0)
-    assert mixed.float().mean() > 0.3, "rows should exit at different layers in many steps"
-    for b in range(4):
-        alone = m.generate(model, forced[b : b + 1, :1], 39, strategy="state_copy", exit_threshold=0.6,
-                           forced=forced[b : b + 1, 1:])
-        assert torch.equal(batch.exited_at[b], alone.exited_at[0]), f"row {b}"
-        assert torch.allclose(batch.logits[b], alone.logits[0], atol=1e-4), f"row {b}"
 
 
 def test_skipdecode_reads_no_hole_and_emits_the_scheduled_exit():
@@ -125,7 +100,7 @@ def test_batch_table_in_the_report(tmp_path, capsys, monkeypatch):
         assert m.main(args) == 0
     assert "Does early exit still save in a batch?" in capsys.readouterr().out
     batched = json.loads((tmp_path / "report.json").read_text())["batched"]
-    rows = batched["rows"]
+    rows = batched["entries"]
     assert {(r["batch_size"], r["mode"], r["name"]) for r in rows} == {
         (b, mode, n) for b in (1, 4) for mode in ("greedy", "sampled") for n in m.BATCH_DESIGNS}
     keys = {"batch_size", "name", "mode", "tokens_per_second", "speedup", "agreement", "identical_to_full"}
@@ -140,18 +115,18 @@ def test_batch_draft_length_is_the_fastest_on_val_and_is_the_one_run(trained, mo
     model, data = trained
     config, speeds = model.config, {}
 
-    def fake_speed(runs, prompts, B, config_):  # greedy fastest at the longest draft, sampled at the shortest
-        speeds.update({key: {"tokens_per_second": key[0] if key[1] == "greedy" else -key[0]} for key in runs})
+    def fake_speed(decoders, prompts, B, *args):  # greedy fastest at the longest draft, sampled at the shortest
+        speeds.update({key: {"tokens_per_second": key[0] if key[1] == "greedy" else -key[0]} for key in decoders})
         return speeds
-    monkeypatch.setattr(m, "batch_speed", fake_speed)
+    monkeypatch.setattr(m, "speed_pass", fake_speed)
     prompts = m.workload(data[:5000], 4, 8)
     drafts, _ = m.choose_batch_drafts(model, config, prompts, 4)
     grid = sorted(set(m.BATCH_DRAFTS) | {config.num_draft})
     assert {k for k, _ in speeds} == set(grid)
     assert drafts == {"greedy": grid[-1], "sampled": grid[0]}
     assert m.choose_batch_drafts(model, config, prompts, 1)[0] == {mode: config.num_draft for mode in m.MODES}
-    run = m.batch_runner(model, "self_speculative", None, None, (0, 5))
-    assert run(prompts[:2], 6).stats["num_draft"] == 5  # the table's k column reads what ran
+    decode = m.decoder(model, "self_speculative", spec=(0, 5, 0.0))
+    assert decode(prompts[:2], 6).stats["num_draft"] == 5  # the table's k column reads what ran
 
 
 def test_a_batch_takes_the_rounds_of_its_slowest_row_and_every_phase_is_timed(trained):
@@ -159,7 +134,7 @@ def test_a_batch_takes_the_rounds_of_its_slowest_row_and_every_phase_is_timed(tr
     config = copy.copy(model.config)
     config.bench_tokens, config.draft_exit = 40, 0
     prompts = m.workload(data[:5000], 8, 6)
-    alone = [m.generate_self_speculative_batch(model, p[None], 40, 0, 3).stats["rounds"] for p in prompts]
+    alone = [m.generate_self_speculative(model, p[None], 40, 0, 3).stats["rounds"] for p in prompts]
     assert len(set(alone)) > 1, "rows should need different numbers of rounds"
     costs = m.speculation_costs(model, prompts, 4, config, 3, 1000.0)
     assert costs["rounds"] == costs["slowest_row_rounds"] == max(alone[:4]) + max(alone[4:])

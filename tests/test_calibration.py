@@ -86,7 +86,9 @@ def test_calibration_report_says_what_it_chose(trained):
 
 def test_sweep_trades_compute_for_quality(trained):
     model, data = trained
-    rows = m.sweep(m.record_exits(model, data[:1001], 1000), "top1", [0, 1, 2], (1.0, 0.8, 0.5, 0.0))
+    entries = m.sweep(m.record_exits(model, data[:1001], 1000), "top1", [0, 1, 2])
+    assert [e["threshold"] for e in entries] == list(m.THRESHOLDS)
+    rows = [e for e in entries if e["threshold"] in (1.0, 0.8, 0.5, 0.0)]
     saved = [r["compute_saved"] for r in rows]
     assert saved == sorted(saved) and saved[0] == 0.0 and saved[-1] == pytest.approx(0.75)
     assert rows[0]["disagreement"] == 0.0 and rows[0]["loss"] == pytest.approx(rows[0]["full_loss"])

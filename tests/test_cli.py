@@ -29,7 +29,7 @@ def test_overrides_type_check():
 def test_help_lists_every_field(capsys):
     assert m.main(["--help"]) == 0
     out = capsys.readouterr().out
-    for f in m.fields(m.Config):
+    for f in m.fields(m.LabConfig):
         if f.name != "vocab_size":
             assert f"--{f.name}" in out
     assert "how many transformer blocks" in out
@@ -74,8 +74,9 @@ BAD_INPUTS = [
     (["--exit_threshold=1.5"], "outside [0, 1]"),
     (["--exit_threshold=-0.1"], "outside [0, 1]"),
     (["--n_embd=30", "--n_head=4"], "not divisible"),
-    (["--n_layr=3"], "unknown config field --n_layr"),
-    (["--max_iters=ten"], "takes a int"),
+    (["--n_layr=3"], "unknown argument '--n_layr=3'"),
+    (["--n_layr=3"], "did you mean --n_layer?"),
+    (["--max_iters=ten"], "takes a int, not 'ten'"),
     (["max_iters=10"], "--name=value"),
     (["--kv_strategy=magic"], "kv_strategy"),
     (["--init_from=resume"], "no checkpoint"),
@@ -152,7 +153,7 @@ def test_report_has_the_strategies_and_calibration(tmp_path):
     cal = r["calibration"]
     assert {"measure", "epsilon", "delta", "threshold", "val", "test"} <= set(cal)
     assert {"disagreement", "loss", "full_loss", "accuracy", "compute_saved"} <= set(cal["test"])
-    assert len(r["sweep"]) == len(m.CALIBRATION_GRID)
+    assert len(r["sweep"]) == len(m.THRESHOLDS)
 
 
 def test_default_run_tells_the_story_in_order(tmp_path, capsys):
@@ -165,15 +166,23 @@ def test_default_run_tells_the_story_in_order(tmp_path, capsys):
     assert positions == sorted(positions)
 
 
-def test_part_one_reads_alone():
-    """Part I (the seed) ends by line 650 and never names anything Part II defines."""
-    import ast
+def part_one_text():
+    """The text of the file above the Part II banner, and the banner's line number."""
     import re
 
-    src = open(m.__file__).read()
-    lines = src.splitlines()
+    lines = open(m.__file__).read().splitlines()
     part2 = next(i + 1 for i, l in enumerate(lines) if re.match(r"# Part II\b", l))
-    assert part2 <= 650 and lines[part2 - 2].startswith("# ----")
+    assert lines[part2 - 2].startswith("# ====")
+    return "\n".join(lines[: part2 - 2]) + "\n", part2
+
+
+def test_part_one_ends_by_line_550_and_never_calls_forward():
+    """Part I (the lesson) ends by line 550 and never names anything Part II defines."""
+    import ast
+
+    src = open(m.__file__).read()
+    _, part2 = part_one_text()
+    assert part2 <= 550
     tree = ast.parse(src)
     later = {n.name if hasattr(n, "name") else n.targets[0].id for n in tree.body
              if n.lineno > part2 and isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.Assign))}
@@ -182,7 +191,32 @@ def test_part_one_reads_alone():
             used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
             assert not used & later, f"line {node.lineno} calls forward into Part II: {used & later}"
     part1 = {n.name for n in tree.body if n.lineno < part2 and hasattr(n, "name")}
-    assert {"ExitHead", "GPT", "KVCache", "decode_step", "generate", "format_exit_stats", "train"} <= part1
+    assert {"ExitHead", "GPT", "KVCache", "decode_step", "generate", "format_exit_stats", "train", "run_lesson"} <= part1
+
+
+def test_part_one_runs_alone(capsys, monkeypatch):
+    """Only the text above the Part II banner, executed on its own: it trains, samples and prints the statistics."""
+    import os
+    import sys
+    import types
+
+    text, _ = part_one_text()
+    module = types.ModuleType("part_one")  # a module of its own (dataclasses look their module up)
+    monkeypatch.setitem(sys.modules, "part_one", module)
+    exec(compile(text, "part_one", "exec"), module.__dict__)
+    namespace = module.__dict__
+    assert "LabConfig" not in namespace and "generate_self_speculative" not in namespace
+    config = namespace["Config"](input_path=os.path.join(os.path.dirname(m.__file__), "input.txt"), n_layer=2,
+                                 n_head=2, n_embd=16, block_size=16, batch_size=4, max_iters=3, eval_interval=2,
+                                 eval_iters=1, max_new_tokens=30, exit_threshold=0.0)
+    with torch.enable_grad():
+        lesson = namespace["run_lesson"](config, "cpu")
+    out = capsys.readouterr().out
+    for line in ("step 2: train loss", "step 3: train loss", "--- full-depth sample", "--- early-exit sample: backfill",
+                 "per-layer exit statistics", "Layer 0:", "Layer 1 (full):", "mean exit depth"):
+        assert line in out, line
+    early, _ = lesson["samples"]["early-exit"]
+    assert early.exited_at.shape == (1, 30) and (early.exited_at == 0).all(), "threshold 0: every token exits at 0"
 
 
 def test_explicit_exit_layers_still_work(tmp_path):

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("no_grad")
 def test_tokenizer_round_trip_and_unknown_characters():
     tok = m.CharTokenizer("hello world")
     assert tok.decode(tok.encode("low hole")) == "low hole"
-    with pytest.raises(ValueError, match="'z'"):
+    with pytest.raises(KeyError, match="'a'"):
         tok.encode("lazy")
 
 
@@ -36,7 +36,7 @@ def test_exit_head_shapes_and_parameter_overhead():
     idx = torch.randint(0, cfg.vocab_size, (2, 7))
     logits = model.all_exit_logits(idx)
     assert logits.shape == (cfg.n_layer, 2, 7, cfg.vocab_size)
-    base, heads = model.num_params()
+    base, heads = m.count_params(model)
     C, V = cfg.n_embd, cfg.vocab_size
     assert heads == (cfg.n_layer - 1) * (C + C * V)  # LayerNorm weight (no bias) + Linear, per head
     assert base + heads == sum(p.numel() for p in model.parameters())

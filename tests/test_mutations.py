@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import m, tiny_model
+from test_speculative import accept_one
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 
@@ -91,9 +92,9 @@ def test_speculative_accept_greedy_prefix_rule():
     drafts = torch.tensor([2, 5, 1, 7])
     p = torch.full((4, 9), -1.0)
     p[0, 2] = p[1, 5] = p[2, 3] = p[3, 7] = 1.0  # the full model agrees at 0, 1 and 3, not at 2
-    assert m.speculative_accept(drafts, None, p, 0.0, None) == (2, 3)
+    assert accept_one(drafts, None, p, 0.0, None) == (2, 3)
     p[2, 1], p[2, 3] = 2.0, -1.0
-    assert m.speculative_accept(drafts, None, p, 0.0, None) == (4, None)
+    assert accept_one(drafts, None, p, 0.0, None) == (4, None)
 
 
 def test_speculative_accept_sampled_prefix_and_later_residual():
@@ -106,7 +107,7 @@ def test_speculative_accept_sampled_prefix_and_later_residual():
     gen, n = torch.Generator().manual_seed(0), 20000
     accepted, nxt = torch.zeros(4), torch.zeros(V)
     for _ in range(n):
-        a, t = m.speculative_accept(drafts, q, p, 1.0, gen)
+        a, t = accept_one(drafts, q, p, 1.0, gen)
         accepted[a] += 1
         if t is not None:
             nxt[t] += 1

@@ -43,7 +43,7 @@ def test_all_options_off_is_the_seed_recipe_exactly():
 
 
 def test_the_default_recipe_differs_from_the_seed_only_where_it_says():
-    default = m.Config()
+    default = m.LabConfig()
     changed = {k for k, v in m.SEED_RECIPE.items() if getattr(default, k) != v}
     assert changed == set(m.RECIPES["dropout_distill"])
 
@@ -93,14 +93,14 @@ def test_shared_head_is_one_set_of_parameters():
     model = tiny_model(exit_head="shared")
     assert model.exit_heads[0] is model.exit_heads[2]
     C = model.config.n_embd
-    assert model.num_params()[1] == C + C * V
+    assert m.count_params(model)[1] == C + C * V
     model.exit_heads[0].ln.weight.data.mul_(2)
     assert torch.equal(model.exit_heads[1].ln.weight, model.exit_heads[0].ln.weight)
 
 
 def test_final_head_reads_every_exit():
     model = tiny_model(exit_head="final")
-    assert model.num_params()[1] == 0 and len(model.exit_heads) == 0
+    assert m.count_params(model)[1] == 0 and len(model.exit_heads) == 0
     x = torch.randn(2, 5, model.config.n_embd)
     assert torch.equal(model.exit_logits(x, 0), model.lm_head(model.transformer.ln_f(x)))
     loss = loss_with(model)
@@ -109,7 +109,7 @@ def test_final_head_reads_every_exit():
 
 
 def test_layer_dropout_skips_blocks_in_training_only():
-    assert [m.layer_dropout_prob(l, m.Config(n_layer=4, layer_dropout=0.9)) for l in range(4)] == pytest.approx(
+    assert [m.layer_dropout_prob(l, m.LabConfig(n_layer=4, layer_dropout=0.9)) for l in range(4)] == pytest.approx(
         [0.0, 0.9 * (2 ** (1 / 3) - 1), 0.9 * (2 ** (2 / 3) - 1), 0.9])
     model = tiny_model(layer_dropout=0.99)
     idx, _ = batch()
@@ -149,5 +149,5 @@ def test_evaluation_leaves_the_model_in_the_mode_it_found():
     cfg.eval_iters, cfg.batch_size = 1, 2
     for mode in (False, True):
         model.train(mode)
-        m.estimate_loss(model, {"train": data, "val": data}, cfg, "cpu", m.nullcontext())
+        m.estimate_loss(model, {"train": data, "val": data}, cfg, "cpu")
         assert model.training is mode

@@ -74,8 +74,8 @@ def test_every_character_names_its_layer_and_confidence(page):
     g = report["generation"]
     assert [int(s["data-layer"]) for s in parser.spans] == g["exited_at"]
     assert all(s["title"] == f"layer {l}, confidence {c:.2f}" for s, l, c in zip(parser.spans, g["exited_at"],
-                                                                                    g["confidence"]))
-    assert all(0 < c <= 1 for c in g["confidence"])
+                                                                                    g["confidences"]))
+    assert all(0 < c <= 1 for c in g["confidences"])
 
 
 def test_layer_colours_are_sequential():

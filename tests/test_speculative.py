@@ -44,10 +44,10 @@ def test_each_layer_runs_once_per_fed_position(trained):
     assert spec.layers_run == L * spec.stats["drafted"]
 
 
-def test_batch_above_one_is_a_clear_error(trained):
+def test_bad_draft_settings_are_a_clear_error(trained):
     model, data = trained
-    with pytest.raises(ValueError, match="batch size 1"):
-        m.generate_self_speculative(model, data[None, :5].repeat(2, 1), 10, 1, 4)
+    with pytest.raises(ValueError, match="draft_exit"):
+        m.generate_self_speculative(model, data[None, :5], 10, 3, 4)
 
 
 def accept_distribution(p, q, rule, n=20000, seed=0):
@@ -56,14 +56,21 @@ def accept_distribution(p, q, rule, n=20000, seed=0):
     counts = torch.zeros_like(p)
     for _ in range(n):
         d = torch.multinomial(q, 1, generator=gen)
-        a, nxt = rule(d, q[None], p[None], 1.0, gen)
+        a, nxt = rule(d, q[None], p[None], 1.0, gen)  # one draft (k = 1)
         counts[int(d) if a == 1 else nxt] += 1
     return counts / n
 
 
+def accept_one(drafts, q, p, temperature, generator):
+    """speculative_accept on one row: (kept drafts, the full model's token after them or None)."""
+    q = None if q is None else q[None]
+    a, nxt, has_next = m.speculative_accept(drafts[None], q, p[None], torch.tensor([len(drafts)]), temperature, generator)
+    return int(a), (int(nxt) if bool(has_next) else None)
+
+
 def wrong_rule(drafts, q, p, temperature, generator):
     """A plausible mistake: on rejection, draw from p itself rather than from max(p - q, 0)."""
-    a, _ = m.speculative_accept(drafts, q, p, temperature, generator)
+    a, _ = accept_one(drafts, q, p, temperature, generator)
     return a, (None if a == 1 else int(torch.multinomial(p[0], 1, generator=generator)))
 
 
@@ -71,7 +78,7 @@ def test_accept_rule_is_exact_and_a_wrong_rule_is_caught():
     p = torch.tensor([0.5, 0.3, 0.1, 0.1])
     q = torch.tensor([0.1, 0.2, 0.3, 0.4])
     tv = lambda a, b: 0.5 * (a - b).abs().sum().item()  # noqa: E731
-    assert tv(accept_distribution(p, q, m.speculative_accept), p) < 0.015
+    assert tv(accept_distribution(p, q, accept_one), p) < 0.015
     assert tv(accept_distribution(p, q, wrong_rule), p) > 0.1  # the test has the power to fail
 
 

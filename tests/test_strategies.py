@@ -124,12 +124,13 @@ def test_expected_batch_depth_matches_simulation():
 def test_quality_pass_and_speed_pass_report_what_they_ran():
     model = tiny_model()
     data = torch.randint(0, 11, (100,))
-    runs = {n: m.strategy_runner(model, n, 0.6, [0, 1, 2], "top1") for n in m.STRATEGY_NAMES}
+    plan = {"threshold": 0.6, "checked_exits": [0, 1, 2]}
+    runs = {n: m.decoder(model, n, plan, spec=(0, 4, 0.0)) for n in ("full",) + m.KV_STRATEGIES + ("self_speculative",)}
     quality = {n: m.quality_pass(runs[n], data, 40, 4) for n in ("full",) + m.KV_STRATEGIES}
     assert quality["full"]["mean_layers"] == 4.0 and quality["full"]["exit_fractions"][3] == 1.0
     assert quality["deferred"]["test_loss"] == pytest.approx(quality["backfill"]["test_loss"], abs=1e-5)
     assert quality["state_copy"]["mean_layers"] < 4.0
-    speed = m.speed_pass({n: (r, 1.0) for n, r in runs.items()}, data[:6].view(3, 2), 20, 2, 0, 0)
+    speed = m.speed_pass({n: (r, 1.0) for n, r in runs.items()}, data[:6].view(3, 2), 1, 20, 2, 0, 0)
     assert set(speed) == set(runs) and all(s["tokens_per_second"] > 0 for s in speed.values())
     assert speed["full"]["mean_layers"] == 4.0 and speed["holes"]["mean_layers"] <= 4.0
     assert all(len(s["outputs"]) == 3 for s in speed.values())  # every prompt of the workload was continued

@@ -34,7 +34,7 @@ def test_repetition_of_a_batch_averages_every_row():
 
     def run(prompt, n, generator=None, temperature=0.0, top_k=0):  # a batch of two rows: one loops, one never repeats
         return m.Generation(torch.stack([loop, fresh]), None, None, 0, None)
-    speed = m.speed_pass({"two rows": (run, 0.0)}, torch.zeros(1, 4, dtype=torch.long), 30, 1, 0, 0)
+    speed = m.speed_pass({"two rows": (run, 0.0)}, torch.zeros(2, 4, dtype=torch.long), 2, 30, 1, 0, 0)
     assert speed["two rows"]["repetition"] == pytest.approx((m.repetition(loop.tolist()) + 0.0) / 2)
 
 
