@@ -700,10 +700,12 @@ KV_STRATEGIES = ("backfill",) + tuple(KVStrategy.by_name)  # backfill, deferred,
 # Self-speculative decoding (LayerSkip): the early layers draft, the rest verify, one decoder for any batch
 
 class RowKVCache(KVCache):
-    """The KV cache with a length per row: row b of layer l holds its window positions [0, row_lengths[l, b]).
+    """The KV cache with a length per row: at the start of a round, every layer of row b holds its window positions
+    [0, pos[b]), where pos[b] = n[b] - 1 - start[b] is the row's own position in its window.
 
     The rows of a batch accept different numbers of drafts, roll back on their own and slide their windows at
-    different rounds. Every block call of a step writes each row's entries at its own slots, laid out once
+    different rounds. Rolling a row back is moving its n back: the entries past its position are stale, masked
+    and then overwritten. Every block call of a step writes each row's entries at its own slots, laid out once
     per step (lay_out); attention reads the slots any row has filled, through one mask. `spare` slots past
     block_size take the drafts of rows with less room than others; those are always rolled back."""
 
@@ -712,58 +714,64 @@ class RowKVCache(KVCache):
         L, B, nh, S, hs = self.k.shape
         self.k = torch.zeros(L, B, nh, S + spare, hs, device=device)
         self.v = torch.zeros_like(self.k)
-        self.row_lengths = torch.zeros(L, B, dtype=torch.long, device=device)
         self.layout = None  # what the block calls of one step share: lay_out()
 
-    def lay_out(self, slots, width=None):
-        """(slots (B, T), their scatter index, the additive mask (B, 1, T, W) of what each query may see, new row
-        lengths (B,), W), W the slots any row has filled by then: attention reads no empty slot past the last.
-        One row needs no mask for one query: its W slots are exactly its own."""
+    def lay_out(self, slots):
+        """(slots (B, T), their scatter index, the mask of what each query may see, W), W the slots any row has
+        filled by then: attention reads no empty slot past the last. One row's slots are the last T of its W: a
+        single query needs no mask, a chunk a causal one (and append writes a slice)."""
         B, T = slots.shape
-        nh, hs = self.k.shape[2], self.k.shape[4]
-        width = int(slots.max()) + 1 if width is None else width
-        mask = None
-        if B > 1 or T > 1:
-            seen = torch.arange(width, device=slots.device)[None, None, :] <= slots[:, :, None]  # (B, T, W)
-            mask = torch.zeros(seen.shape, device=slots.device).masked_fill_(~seen, float("-inf"))[:, None]
-        return slots, slots[:, None, :, None].expand(B, nh, T, hs), mask, slots[:, -1] + 1, width
+        width = int(slots.max()) + 1
+        if B == 1:
+            mask = None if T == 1 else torch.ones(T, width, dtype=torch.bool, device=slots.device).tril(width - T)
+            return slots, None, mask, width
+        seen = torch.arange(width, device=slots.device)[None, None, :] <= slots[:, :, None]  # (B, T, W)
+        mask = torch.zeros(seen.shape, device=slots.device).masked_fill_(~seen, float("-inf"))[:, None]
+        return slots, slots[:, None, :, None].expand(B, self.k.size(2), T, self.k.size(4)), mask, width
 
     def lay_out_steps(self, start, k):
         """The layouts of k one-token steps from slot start[b] (B,) on, worked out at once: a list of k."""
         slots = start[:, None] + torch.arange(k, device=start.device)  # (B, k)
-        _, index, mask, _, width = self.lay_out(slots)
+        _, index, mask, width = self.lay_out(slots)
         w = width - k + 1  # the width of the first step; each step reads one slot more
-        one = len(start) == 1  # one row: a single query needs no mask
-        return [(slots[:, j : j + 1], index[:, :, j : j + 1], None if one else mask[:, :, j : j + 1, : w + j],
-                 slots[:, j] + 1, w + j) for j in range(k)]
+        if len(start) == 1:  # one row: a single query sees all of its slots
+            return [(None, None, None, w + j) for j in range(k)]
+        return [(slots[:, j : j + 1], index[:, :, j : j + 1], mask[:, :, j : j + 1, : w + j], w + j) for j in range(k)]
 
     def keep_rows(self, keep):
         """Drop the rows of a batch that are done: keep (B,) bool; the rest become rows 0..R-1."""
         self.k, self.v, self.pending_states = self.k[:, keep], self.v[:, keep], self.pending_states[keep]
-        self.row_lengths = self.row_lengths[:, keep]
 
     def append(self, layer, k, v):
         """Write k, v (B, nh, T, hs) at each row's laid-out slots; return the first W slots and the mask."""
-        slots, index, mask, end, width = self.layout
-        if k.size(2) == 1:  # (B, nh, S, hs): each row's new entry at its own slot
+        slots, index, mask, width = self.layout
+        if index is None:  # one row: its T new entries are the last T of its W slots
+            self.k[layer, :, :, width - k.size(2) : width] = k
+            self.v[layer, :, :, width - k.size(2) : width] = v
+        elif k.size(2) == 1:  # (B, nh, S, hs): each row's new entry at its own slot
             self.k[layer].scatter_(2, index, k)
             self.v[layer].scatter_(2, index, v)
         else:  # a chunk: indexing writes it faster than scatter
             rows = torch.arange(k.size(0), device=k.device)[:, None]
             self.k[layer][rows, :, slots] = k.transpose(1, 2)  # (B, T, nh, hs)
             self.v[layer][rows, :, slots] = v.transpose(1, 2)
-        self.row_lengths[layer] = end
         return self.k[layer, :, :, :width], self.v[layer, :, :, :width], mask
 
 def prefill_rows(model, cache, tokens, rows, starts, n):
     """Re-prefill the windows of `rows`, each tokens[b, starts[b] : n[b] - 1], at full depth (equal lengths)."""
     m = int(n[rows[0]] - 1 - starts[rows[0]])
-    cache.row_lengths[:, rows] = m
     if m == 0:
         return 0
+    window = torch.arange(m, device=tokens.device)
+    idx = tokens[rows[:, None], starts[rows][:, None] + window]  # (R, m)
+    if len(rows) == cache.k.size(1):  # every row (always so at batch 1): straight into this cache
+        cache.layout = cache.lay_out(window.expand(len(rows), m))
+        prefill(model, cache, idx, 0)
+        cache.layout = None
+        return m * model.config.n_layer
     # a plain cache for just these rows (no per-row mask needed: they are level), then copied into place
     level = KVCache(model.config, len(rows), tokens.device)
-    prefill(model, level, tokens[rows[:, None], starts[rows][:, None] + torch.arange(m, device=tokens.device)], 0)
+    prefill(model, level, idx, 0)
     cache.k[:, rows, :, :m], cache.v[:, rows, :, :m] = level.k[:, :, :, :m], level.v[:, :, :, :m]
     cache.layer_evals = [a + b for a, b in zip(cache.layer_evals, level.layer_evals)]
     return m * model.config.n_layer  # block runs counted in layer_evals (one call serves all these rows)
@@ -771,7 +779,7 @@ def prefill_rows(model, cache, tokens, rows, starts, n):
 def slide_rows(model, cache, tokens, starts, n):
     """Each row slides its window by window_start's rule; rows that moved re-prefill together, grouped by window
     length. Returns (block runs counted in layer_evals, block runs x rows)."""
-    if not bool(((starts < 0) | (n - starts > model.config.block_size)).any()):  # most rounds: no row moves
+    if not bool((n - starts > model.config.block_size).any()):  # most rounds: no row moves
         return 0, 0
     moved = {}
     for b in range(len(n)):
@@ -817,7 +825,7 @@ def draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k, ge
 
 def verify(model, cache, pos, x, draft_exit):
     """The layers above the draft run once over every row's drafted states x (B, k, C): (B, k, V) logits."""
-    cache.layout = cache.lay_out(pos[:, None] + torch.arange(x.size(1), device=pos.device))
+    cache.layout = cache.lay_out(pos[:, None] + torch.arange(x.size(1), device=pos.device))  # (B, k) slots
     for l in range(draft_exit + 1, model.config.n_layer):
         x = model.transformer.h[l](x, cache, l)
     cache.layout = None
@@ -876,9 +884,11 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit, num_draft,
     tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens + num_draft)], dim=1)
     exits = torch.full_like(tokens, cfg.n_layer - 1)  # (B, end + num_draft): the layer each token left at
     cache = RowKVCache(cfg, B, dev, spare=num_draft)
-    n, starts = torch.full((B,), T0, device=dev), torch.full((B,), -1, device=dev)
+    # a negative start: no window yet (and far enough back that the first round places one)
+    n, starts = torch.full((B,), T0, device=dev), torch.full((B,), -cfg.block_size - 1, device=dev)
     stats = {"rounds": 0, "drafted": 0, "accepted": 0, "draft_steps": 0, "num_draft": num_draft}
     ids, out_tokens, out_exits = torch.arange(B, device=dev), tokens[:, :end].clone(), exits[:, :end].clone()
+    rows, all_steps = ids, torch.arange(num_draft, device=dev)
     evals, prefilled, t = 0, 0.0, lap(clock, None, None, dev)
     while max_new_tokens > 0 and len(ids):  # the rows still in the batch: ids (R,) of the B
         e, row_runs = slide_rows(model, cache, tokens, starts, n)
@@ -894,19 +904,20 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit, num_draft,
         if temperature > 0:
             q, p = probs_from_logits(q, temperature, top_k), probs_from_logits(p, temperature, top_k)
         accepted, nxt, has_next = speculative_accept(drafts, q, p, room, temperature, generator)
-        cache.row_lengths = torch.minimum(cache.row_lengths, (pos + accepted + has_next.long())[None])  # roll back
-        k, rows, steps = drafts.size(1), torch.arange(len(n), device=dev), torch.arange(drafts.size(1), device=dev)
+        k, steps = drafts.size(1), all_steps[: drafts.size(1)]
         exits[rows[:, None], n[:, None] + steps] = torch.where(steps < accepted[:, None], draft_exit, cfg.n_layer - 1)
         tokens[rows, n + accepted] = nxt  # a row that kept all it could writes a slot its next round overwrites
-        n = n + accepted + has_next.long()
-        stats.update(rounds=stats["rounds"] + 1, drafted=stats["drafted"] + int(room.sum()),
-                     accepted=stats["accepted"] + int(accepted.sum()), draft_steps=stats["draft_steps"] + k)
+        n = n + accepted + has_next.long()  # past the first rejected draft, each row's cache is rolled back
+        stats.update(rounds=stats["rounds"] + 1, drafted=stats["drafted"] + room.sum(),  # summed on the device
+                     accepted=stats["accepted"] + accepted.sum(), draft_steps=stats["draft_steps"] + k)
         done = n >= end  # rows that are done leave: the next rounds run on the rest only
         if bool(done.any()):
             out_tokens[ids[done]], out_exits[ids[done]] = tokens[done, :end], exits[done, :end]
             tokens, exits, n, starts, ids = tokens[~done], exits[~done], n[~done], starts[~done], ids[~done]
             cache.keep_rows(~done)
+            rows = torch.arange(len(ids), device=dev)
         t = lap(clock, "accept and the rest", t, dev)
+    stats.update(drafted=int(stats["drafted"]), accepted=int(stats["accepted"]))
     return Generation(out_tokens, out_exits[:, T0:], None, sum(cache.layer_evals) - evals, cache, stats, prefilled)
 
 # -----------------------------------------------------------------------------
