@@ -799,7 +799,8 @@ def draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k, ge
     room (B,) cut where a row's draft head fell below draft_stop (Kangaroo's rule, arXiv:2404.18911; Draft &
     Verify, arXiv:2309.08168). The rule reads only the draft, so the accept rule keeps every token exact."""
     k = int(room.max())
-    rows, steps, layouts = torch.arange(len(n), device=n.device), torch.arange(k, device=n.device), cache.lay_out_steps(pos, k)
+    rows, steps = torch.arange(len(n), device=n.device), torch.arange(k, device=n.device)
+    layouts = cache.lay_out_steps(pos, k)
     # a row with less room than k drafts on in spare slots at the last position; those drafts are never kept
     wpe = model.transformer.wpe((pos[:, None] + steps).clamp(max=model.config.block_size - 1)).unbind(1)  # k x (B, C)
     token, q, states, drafts = tokens[rows, n - 1], [], [], []
@@ -1229,8 +1230,9 @@ def decoder(model, name, plan=None, measure="top1", spec=(0, 8, 0.0), schedule=N
             assert forced is None, "self-speculative quality is full depth's by construction"
             return generate_self_speculative(model, idx, n, spec[0], spec[1], temperature, top_k, generator, spec[2])
         return decode
-    kw = {"full": dict(exit_threshold=1.0), "skipdecode": dict(strategy=SkipDecode(model, schedule), exit_threshold=0.0)}
-    kw = kw.get(name) or dict(strategy=name, exit_threshold=plan["threshold"], checked_exits=plan["checked_exits"],
+    kw = {"full": dict(exit_threshold=1.0),
+          "skipdecode": dict(strategy=SkipDecode(model, schedule), exit_threshold=0.0)}.get(name)
+    kw = kw or dict(strategy=name, exit_threshold=plan["threshold"], checked_exits=plan["checked_exits"],
                               measure=measure)
     return lambda idx, n, generator=None, temperature=0.0, top_k=0, forced=None: generate(
         model, idx, n, temperature=temperature, top_k=top_k, generator=generator, forced=forced, **kw)
@@ -1277,7 +1279,8 @@ def spec_stats(outputs, full_outputs, mode, draft_exit, draft_stop):
     stats = {k: sum(o.stats[k] for o in outputs) for k in ("rounds", "drafted", "accepted")}
     same = all(torch.equal(a.tokens, b.tokens) for a, b in zip(outputs, full_outputs)) if mode == "greedy" else None
     new_tokens = sum(o.exited_at.numel() for o in outputs)
-    return {"acceptance_rate": stats["accepted"] / max(1, stats["drafted"]), "tokens_per_verify": new_tokens / stats["rounds"],
+    return {"acceptance_rate": stats["accepted"] / max(1, stats["drafted"]),
+            "tokens_per_verify": new_tokens / stats["rounds"],
             "draft_exit": draft_exit, "num_draft": outputs[0].stats["num_draft"], "draft_stop": draft_stop,
             "identical_to_full": same}
 
@@ -1287,7 +1290,8 @@ def table_row(name, mode, speed, quality, config, batch_size=1, plan=None):
     s, full = speed[name, mode], speed["full", mode]
     q = quality.get(name, quality["full"])
     row = {"batch_size": batch_size, "name": name, "mode": mode, "tokens_per_second": s["tokens_per_second"],
-           "speedup": s["tokens_per_second"] / full["tokens_per_second"], "ideal_speedup": config.n_layer / s["mean_layers"],
+           "speedup": s["tokens_per_second"] / full["tokens_per_second"],
+           "ideal_speedup": config.n_layer / s["mean_layers"],
            "mean_layers": s["mean_layers"], "prefill_layers": s["prefill_layers"], "repetition": s["repetition"],
            "test_loss": q["test_loss"], "test_accuracy": q["test_accuracy"],
            "agreement": (q["pred"] == quality["full"]["pred"]).float().mean().item(),
@@ -1402,7 +1406,8 @@ def time_speculative(model, prompts, config, cells):
             decoders[cell, mode] = (decoder(model, "self_speculative", spec=cell), mode_temperature(mode, config))
     speed = speed_pass(decoders, prompts, 1, config.bench_tokens, config.bench_repeats, config.seed, config.top_k)
     return [{**spec_stats(s["outputs"], speed["full", mode]["outputs"], mode, cell[0], cell[2]), "mode": mode,
-             "speedup": s["tokens_per_second"] / speed["full", mode]["tokens_per_second"], "repetition": s["repetition"]}
+             "speedup": s["tokens_per_second"] / speed["full", mode]["tokens_per_second"],
+             "repetition": s["repetition"]}
             for (cell, mode), s in speed.items() if cell != "full"]
 
 SPEC_GRID = dict(draft_exits=(0, 1, 2), num_drafts=(4, 6, 8, 12), draft_stops=(0.0, 0.1, 0.2, 0.3))
@@ -1467,8 +1472,8 @@ def choose_batch_drafts(model, config, val_prompts, batch_size):
     if batch_size == 1:
         return {mode: config.num_draft for mode in MODES}, {}
     grid = sorted(set(BATCH_DRAFTS) | {config.num_draft})
-    decoders = {(k, mode): (decoder(model, "self_speculative", spec=spec_settings(config, k)), mode_temperature(mode, config))
-                for k in grid for mode in MODES}
+    decoders = {(k, mode): (decoder(model, "self_speculative", spec=spec_settings(config, k)),
+                            mode_temperature(mode, config)) for k in grid for mode in MODES}
     speed = speed_pass(decoders, val_prompts, batch_size, config.bench_tokens, config.bench_repeats, config.seed,
                        config.top_k)
     best = {mode: max(grid, key=lambda k: speed[k, mode]["tokens_per_second"]) for mode in MODES}
@@ -1496,7 +1501,8 @@ def measure_batches(model, splits, config, device, plans, val_records):
     test_prompts, val_prompts = (workload(splits[s], config.bench_prompts, config.bench_prompt_len).to(device)
                                  for s in ("test", "val"))
     schedule = choose_schedule(val_records, L, config.block_size, config.schedule_disagreement)
-    state_copy_exits = exits_at_threshold(val_records, config.confidence_measure, plan["threshold"], plan["checked_exits"])
+    state_copy_exits = exits_at_threshold(val_records, config.confidence_measure, plan["threshold"],
+                                          plan["checked_exits"])
     rows, chosen, costs = [], {}, []
     for B in (b for b in BATCH_SIZES if config.bench_prompts % b == 0):
         drafts, val_speed = choose_batch_drafts(model, config, val_prompts, B)
@@ -1609,7 +1615,8 @@ STRATEGY_COLUMNS = (
 def print_strategies(entries, quality, config, costs, depths):
     L = config.n_layer
     print(f"\n=== What does each KV strategy buy? {config.bench_prompts} test prompts of {config.bench_prompt_len} "
-          f"characters, {config.bench_tokens} more each, batch 1, median of {config.bench_repeats} interleaved runs ===")
+          f"characters, {config.bench_tokens} more each, batch 1, median of {config.bench_repeats} interleaved "
+          "runs ===")
     print(f"greedy and sampled (temperature {config.temperature:g}, top_k {config.top_k}) each against full depth in "
           f"the same mode. exits / thr: checked exits and threshold ({config.confidence_measure}), chosen on val: "
           f"exit_layers={config.exit_layers!r}, at least {EARLY_EXIT_FRACTION:.0%} of val positions exiting early "
@@ -1629,15 +1636,16 @@ def print_strategies(entries, quality, config, costs, depths):
               f"draft_stop={spec['draft_stop']:g}, acceptance {spec['acceptance_rate']:.3f}, "
               f"{spec['tokens_per_verify']:.2f} tokens per verify pass, {same}")
     print("the Learn-then-Test guarantee covers argmax agreement with full depth, teacher-forced, with an exact cache "
-          "(backfill, deferred) at the calibrated threshold: not these speed thresholds, sampling, state_copy or holes.")
+          "(backfill, deferred) at the calibrated threshold: not these speed thresholds, sampling, state_copy or "
+          "holes.")
     print("\nwhere test tokens exit (teacher-forced), and layers run per token counting catch-up work:")
     for name, q in quality.items():
         fractions = " ".join(f"{100 * f:5.1f}%" for f in q["exit_fractions"])
         print(f"  {name:<11} {fractions}  | {q['mean_layers']:.2f} layers/token")
     block = costs["block"]
     print(f"measured costs, one token at batch 1: block {1e6 * block:.0f} us, exit check {costs['check'] / block:.2f} "
-          f"of a block, state-copy write {costs['state_copy'] / block:.2f}, final head {costs['final_head'] / block:.2f}; "
-          f"a full-depth token {costs['token'] / block:.1f} blocks")
+          f"of a block, state-copy write {costs['state_copy'] / block:.2f}, final head "
+          f"{costs['final_head'] / block:.2f}; a full-depth token {costs['token'] / block:.1f} blocks")
     print("a batch runs as deep as its deepest row: expected layers per step from the recorded exits:")
     for B, d in depths.items():
         print(f"  B = {B:>2}: {d:.2f} of {L} layers ({100 * (1 - d / L):4.1f}% saved)")
@@ -1697,7 +1705,8 @@ def print_sweep(entries, measure, n_layer):
     print(f"\n=== Which threshold? The sweep on val ({measure}): compute saved against quality ===")
     shown = [dict(e, fractions=" ".join(f"{100 * f:5.1f}" for f in e["exit_fractions"]))
              for e in entries if shown_in_sweep(e["threshold"])]
-    print_table(shown, (("threshold", "threshold", "{:.2f}"), ("fractions", f"% exiting at layer 0..{n_layer - 1}", "{}"),
+    print_table(shown, (("threshold", "threshold", "{:.2f}"),
+                        ("fractions", f"% exiting at layer 0..{n_layer - 1}", "{}"),
                         ("mean_layers", "layers", "{:.2f}"), ("compute_saved", "saved", "{:.1%}"),
                         ("loss", "val loss", "{:.4f}"), ("disagreement", "disagree", "{:.2%}")))
     print("text plot: compute saved (#) and disagreement with full depth (x, same scale), one line per threshold")
@@ -1726,7 +1735,8 @@ def print_logit_lens(entries):
     print_table(entries, LENS_COLUMNS)
 
 def print_slices(slices):
-    print("\n=== What does 'easy' mean for this model? The test tokens leaving at each layer (calibrated threshold) ===")
+    print("\n=== What does 'easy' mean for this model? The test tokens leaving at each layer "
+          "(calibrated threshold) ===")
     for s in slices["per_layer"]:
         acc = "-" if s["accuracy"] is None else f"{s['accuracy']:.3f}"
         print(f"  layer {s['layer']}: {s['tokens']:>6} tokens, accuracy {acc}")
@@ -1749,8 +1759,8 @@ def print_recipes(entries, config):
           f"draft_exit={config.draft_exit}, num_draft={config.num_draft}, draft_stop={config.draft_stop:g}")
     shown = [dict(e, vs_base=e["val_loss_final"] / base - 1, exits=" ".join(f"{v:.2f}" for v in e["val_loss_exits"]))
              for e in entries]
-    print_table(shown, RECIPE_COLUMNS[:2] + (("vs_base", "vs baseline", "{:+.2%}"), ("exits", "val loss per exit", "{}"))
-                + RECIPE_COLUMNS[2:])
+    extra = (("vs_base", "vs baseline", "{:+.2%}"), ("exits", "val loss per exit", "{}"))
+    print_table(shown, RECIPE_COLUMNS[:2] + extra + RECIPE_COLUMNS[2:])
 
 # -----------------------------------------------------------------------------
 # Reports, 2: out_dir/report.html, one self-contained page (inline CSS and SVG, no script, light and dark)
@@ -1816,14 +1826,16 @@ def svg_bars(values, labels, keys, fmt, width=520, height=200, classes=None, col
         h, x = (height - 20) * v / top, 30 + i * w
         cls = (classes or ["a"] * n)[i]
         fill = f' style="fill:{colours[i]}"' if colours else ""
-        parts.append(f'<rect class="{cls}"{fill} x="{x + 4:.1f}" y="{height - h:.1f}" width="{w - 8:.1f}" height="{h:.1f}" '
-                     f'{datum(key, v)}><title>{esc(label)}: {fmt.format(v)}</title></rect>')
+        parts.append(f'<rect class="{cls}"{fill} x="{x + 4:.1f}" y="{height - h:.1f}" width="{w - 8:.1f}" '
+                     f'height="{h:.1f}" {datum(key, v)}><title>{esc(label)}: {fmt.format(v)}</title></rect>')
         parts.append(f'<text x="{x + w / 2:.1f}" y="{height - h - 4:.1f}" text-anchor="middle">{fmt.format(v)}</text>')
         if i % group == 0:
-            parts.append(f'<text x="{x + group * w / 2:.1f}" y="{height + 16}" text-anchor="middle">{esc(label)}</text>')
+            parts.append(f'<text x="{x + group * w / 2:.1f}" y="{height + 16}" text-anchor="middle">'
+                         f'{esc(label)}</text>')
     return "".join(parts) + "</svg>"
 
-def svg_lines(series, x_label, mark=None, width=520, height=220, y_max=None, x_ticks=((0, "0"), (0.5, "0.5"), (1, "1"))):
+def svg_lines(series, x_label, mark=None, width=520, height=220, y_max=None,
+              x_ticks=((0, "0"), (0.5, "0.5"), (1, "1"))):
     """Lines over x in [0, 1]: series of (name, class, xs, ys, keys); `mark` draws a dashed vertical line."""
     y_max = y_max or max(max(ys) for _, _, _, ys, _ in series) or 1.0
     X = lambda x: 40 + (width - 60) * x  # noqa: E731
@@ -1852,7 +1864,8 @@ def html_table(rows, columns, key_prefix):
         cells = []
         for key, _, fmt in columns:
             v = r.get(key)
-            attr = datum(f"{key_prefix}.{i}.{key}", v) if isinstance(v, (int, float)) and not isinstance(v, bool) else ""
+            number = isinstance(v, (int, float)) and not isinstance(v, bool)
+            attr = datum(f"{key_prefix}.{i}.{key}", v) if number else ""
             cells.append(f"<td {attr}>{esc(fmt.format(v)) if v is not None else '-'}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
@@ -1943,7 +1956,8 @@ def html_heatmap(grid):
             for s in stops:
                 i, g = next((i, g) for i, g in cells if (g["draft_exit"], g["num_draft"], g["draft_stop"]) == (E, k, s))
                 bg = layer_colour(g["speedup"] / top, 2)
-                html.append(f'<td style="background:{bg};color:{ink(bg)}" {datum(f"spec_sweep.{i}.speedup", g["speedup"])}>'
+                html.append(f'<td style="background:{bg};color:{ink(bg)}" '
+                            f'{datum(f"spec_sweep.{i}.speedup", g["speedup"])}>'
                             f'{g["speedup"]:.2f}x</td>')
             html.append("</tr>")
         out.append("".join(html) + "</table>")
@@ -1952,7 +1966,8 @@ def html_heatmap(grid):
 def write_html_report(report, path):
     """out_dir/report.html: the same numbers as report.json, as pictures; written to a temporary file, then renamed."""
     body = "".join(html_sections(report))
-    page = (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><meta name="color-scheme" content="light dark">'
+    page = (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
+            f'<meta name="color-scheme" content="light dark">'
             f"<title>nanogpt_exit_head report</title><style>{HTML_STYLE}</style></head><body>"
             f"<h1>Early exit in a character-level GPT</h1><p class='muted'>Every number here is in report.json; "
             f"this page is made by nanogpt_exit_head.py from it.</p>{body}</body></html>")
@@ -2080,8 +2095,9 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
     model, optimizer, iter_num, train_seconds, rng, log = new_or_resumed_model(config, overridden, tokenizer, device)
     ckpt_path, trained_from = os.path.join(config.out_dir, "ckpt.pt"), iter_num
     if rank == 0:
-        print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: "
-              f"{len(splits['train']):,}/{len(splits['val']):,}/{len(splits['test']):,} characters | processes: {world}")
+        sizes = "/".join(f"{len(splits[s]):,}" for s in ("train", "val", "test"))
+        print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: {sizes} characters "
+              f"| processes: {world}")
         base, heads = count_params(model)
         print(f"parameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in {config.n_layer - 1} exit heads "
               f"({config.exit_head}; {100 * heads / base:.2f}% overhead)")
@@ -2102,13 +2118,15 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
         on_main = threading.current_thread() is threading.main_thread()  # signal handlers live in the main thread
         handler = signal.signal(signal.SIGINT, lambda *_: stop.append(1)) if on_main else None
         try:
-            seconds, ms_per_iter, new_log = train(model, optimizer, splits, config, device, iter_num, generator, on_step,
-                                                  step_model_for(model, config, device, world), evaluate=rank == 0)
+            stepper = step_model_for(model, config, device, world)
+            seconds, ms_per_iter, new_log = train(model, optimizer, splits, config, device, iter_num, generator,
+                                                  on_step, stepper, evaluate=rank == 0)
         except KeyboardInterrupt:
             raise Interrupted(ckpt_path) from None
         finally:
             handler and signal.signal(signal.SIGINT, handler)
-        train_seconds, iter_num, log, rng = train_seconds + seconds, config.max_iters, log + new_log, random_states(generator)
+        train_seconds, iter_num, log = train_seconds + seconds, config.max_iters, log + new_log
+        rng = random_states(generator)
     if rank > 0:
         return None
     if ms_per_iter is None:
@@ -2117,7 +2135,8 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
         print(f"median step time: {ms_per_iter:.1f} ms/iter")
     losses = estimate_loss(model, splits, config, device)
     print(format_eval(iter_num, losses))
-    save_checkpoint(ckpt_path, model, optimizer, config, iter_num, tokenizer, train_seconds, rng, log, losses["val"][-1])
+    save_checkpoint(ckpt_path, model, optimizer, config, iter_num, tokenizer, train_seconds, rng, log,
+                    losses["val"][-1])
     print(f"training took {train_seconds:.1f} s{' in all, by the checkpoint' if ms_per_iter is None else ''}; "
           f"checkpoint: {ckpt_path}")
     base, heads = count_params(model)
@@ -2313,7 +2332,8 @@ def choose_exit_rule(model, tokenizer, splits, config, device):
             "calibration": next(c for c in cals if c["measure"] == config.confidence_measure),
             "calibration_by_measure": cals}
     starts = range(0, len(splits["val"]) - config.block_size, config.block_size)[:64]  # up to 64 val windows
-    rule["logit_lens"] = logit_lens(model, torch.stack([splits["val"][i : i + config.block_size] for i in starts]).to(device))
+    windows = torch.stack([splits["val"][i : i + config.block_size] for i in starts]).to(device)  # (<= 64, T)
+    rule["logit_lens"] = logit_lens(model, windows)
     exits = exits_at_threshold(test, config.confidence_measure, rule["calibration"]["threshold"], checked_exits)
     rule["slices"] = exit_slices(test, exits, tokenizer, splits["test"])
     return rule
