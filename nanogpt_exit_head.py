@@ -1581,186 +1581,154 @@ def colour_text(text, layers, n_layer, tty):
         return f"legend: {legend}\n{body}"
     out, i = ["(under each character, the layer it exited at: 0-9, then a for 10, b for 11, ...)"], 0
     for line in text.split("\n"):
-        out.append(line)
-        out.append("".join(LAYER_MARKS[l] for l in layers[i : i + len(line)]))
+        out += [line, "".join(LAYER_MARKS[l] for l in layers[i : i + len(line)])]
         i += len(line) + 1
     return "\n".join(out)
 
-def print_table(entries, columns, title=None):
-    """An aligned table from a list of dicts; columns are (key, header, format) triples."""
+def print_table(title, entries, columns, notes=()):
+    """The question a table answers, the table (columns: (key, header, format) triples), and notes under it."""
     cells = [[fmt.format(e[k]) if e.get(k) is not None else "-" for k, _, fmt in columns] for e in entries]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (_, h, _) in enumerate(columns)]
-    if title:
-        print(title)
-    print("  ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths)))
-    for c in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
+    print(f"\n=== {title} ===")
+    for line in [[h for _, h, _ in columns]] + cells:
+        print("  ".join(v.rjust(w) for v, w in zip(line, widths)))
+    for note in notes:
+        print(note)
 
-STRATEGY_COLUMNS = (
-    ("mode", "mode", "{}"),
-    ("name", "strategy", "{}"),
-    ("checked_exits", "exits", "{}"),
-    ("threshold", "thr", "{:.2f}"),
-    ("tokens_per_second", "tok/s", "{:,.0f}"),
-    ("speedup", "speed-up", "{:.2f}x"),
-    ("predicted_speedup", "predicted", "{:.2f}x"),
-    ("ideal_speedup", "ideal L/layers", "{:.2f}x"),
-    ("mean_layers", "layers/token", "{:.2f}"),
-    ("prefill_layers", "+prefill", "{:.2f}"),
-    ("repetition", "repetition", "{:.2f}"),
-    ("test_loss", "test loss", "{:.4f}"),
-    ("agreement", "agree w/ full", "{:.3f}"),
-)
-
-def print_strategies(entries, quality, config, costs, depths):
-    L = config.n_layer
-    print(f"\n=== What does each KV strategy buy? {config.bench_prompts} test prompts of {config.bench_prompt_len} "
-          f"characters, {config.bench_tokens} more each, batch 1, median of {config.bench_repeats} interleaved "
-          "runs ===")
-    print(f"greedy and sampled (temperature {config.temperature:g}, top_k {config.top_k}) each against full depth in "
-          f"the same mode. exits / thr: checked exits and threshold ({config.confidence_measure}), chosen on val: "
-          f"exit_layers={config.exit_layers!r}, at least {EARLY_EXIT_FRACTION:.0%} of val positions exiting early "
-          "unless strategies_threshold.")
-    print("predicted: the cost-aware plan's speed-up from measured costs and val exit rates. layers/token: blocks run "
-          "while decoding, catch-up included; +prefill: the full-depth re-prefill every block_size/2 tokens, which "
-          "also repairs holes and state-copy approximations, so their damage is bounded by it.")
-    print(f"repetition: 1 - distinct/total 4-grams of the generated text (a loop scores near 1). test loss and "
-          f"agreement: {config.quality_positions} test positions teacher-forced through each decoder; "
-          "self_speculative's are full depth's by construction (its tokens are the full model's, greedy, or have "
-          "its distribution, sampled).")
-    print_table(entries, STRATEGY_COLUMNS)
-    for spec in (e for e in entries if e["name"] == "self_speculative"):
-        same = {True: "identical to full depth on every prompt", False: "NOT identical to full depth",
-                None: "exact in distribution (tested)"}[spec["identical_to_full"]]
-        print(f"self_speculative {spec['mode']}: draft_exit={spec['draft_exit']}, num_draft={spec['num_draft']}, "
-              f"draft_stop={spec['draft_stop']:g}, acceptance {spec['acceptance_rate']:.3f}, "
-              f"{spec['tokens_per_verify']:.2f} tokens per verify pass, {same}")
-    print("the Learn-then-Test guarantee covers argmax agreement with full depth, teacher-forced, with an exact cache "
-          "(backfill, deferred) at the calibrated threshold: not these speed thresholds, sampling, state_copy or "
-          "holes.")
-    print("\nwhere test tokens exit (teacher-forced), and layers run per token counting catch-up work:")
-    for name, q in quality.items():
-        fractions = " ".join(f"{100 * f:5.1f}%" for f in q["exit_fractions"])
-        print(f"  {name:<11} {fractions}  | {q['mean_layers']:.2f} layers/token")
-    block = costs["block"]
-    print(f"measured costs, one token at batch 1: block {1e6 * block:.0f} us, exit check {costs['check'] / block:.2f} "
-          f"of a block, state-copy write {costs['state_copy'] / block:.2f}, final head "
-          f"{costs['final_head'] / block:.2f}; a full-depth token {costs['token'] / block:.1f} blocks")
-    print("a batch runs as deep as its deepest row: expected layers per step from the recorded exits:")
-    for B, d in depths.items():
-        print(f"  B = {B:>2}: {d:.2f} of {L} layers ({100 * (1 - d / L):4.1f}% saved)")
-
-def print_spec_sweep(grid):
-    """Per mode: speed-up over full depth (acceptance) for each (draft_exit, num_draft) line and draft_stop column."""
-    stops = sorted({g["draft_stop"] for g in grid})
-    cell = {(g["mode"], g["draft_exit"], g["num_draft"], g["draft_stop"]): g for g in grid}
-    print("\n=== Which draft_exit, num_draft and draft_stop? The self-speculative sweep on the val workload: "
-          "speed-up over full depth in the same mode (acceptance rate), same-run medians ===")
-    for mode in MODES:
-        print(f"{mode:>8} E,k " + "".join(f"{'stop=' + format(s, 'g'):>16}" for s in stops))
-        for E, k in sorted({(g["draft_exit"], g["num_draft"]) for g in grid if g["mode"] == mode}):
-            cells = (cell[mode, E, k, s] for s in stops)
-            print(f"{E:>8},{k:<3} " + "".join(f"{c['speedup']:>9.2f}x ({c['acceptance_rate']:.2f})" for c in cells))
-        best = max((g for g in grid if g["mode"] == mode), key=lambda g: g["speedup"])
-        print(f"best {mode}: draft_exit={best['draft_exit']}, num_draft={best['num_draft']}, "
-              f"draft_stop={best['draft_stop']:g} ({best['speedup']:.2f}x)")
-    print("greedy output identical to full depth in every cell: "
-          f"{all(g['identical_to_full'] for g in grid if g['mode'] == 'greedy')}")
-
+STRATEGY_COLUMNS = (("mode", "mode", "{}"), ("name", "strategy", "{}"), ("checked_exits", "exits", "{}"),
+                    ("threshold", "thr", "{:.2f}"), ("tokens_per_second", "tok/s", "{:,.0f}"),
+                    ("speedup", "speed-up", "{:.2f}x"), ("predicted_speedup", "predicted", "{:.2f}x"),
+                    ("ideal_speedup", "ideal L/layers", "{:.2f}x"), ("mean_layers", "layers/token", "{:.2f}"),
+                    ("prefill_layers", "+prefill", "{:.2f}"), ("repetition", "repetition", "{:.2f}"),
+                    ("test_loss", "test loss", "{:.4f}"), ("agreement", "agree w/ full", "{:.3f}"))
 BATCH_COLUMNS = (("batch_size", "B", "{}"), ("mode", "mode", "{}"), ("name", "design", "{}"),
                  ("tokens_per_second", "tok/s (batch)", "{:,.0f}"), ("speedup", "speed-up", "{:.2f}x"),
-                 ("num_draft", "k", "{}"),
-                 ("mean_layers", "layers/token", "{:.2f}"), ("expected_layers", "expected", "{:.2f}"),
-                 ("test_loss", "test loss", "{:.4f}"), ("agreement", "agree w/ full", "{:.3f}"),
-                 ("identical_to_full", "identical", "{}"))
-
-def print_batches(batched, config):
-    plan, schedule = batched["plan"], batched["schedule"]
-    print(f"\n=== Does early exit still save in a batch? The test workload, one prompt per row, batch "
-          f"{', '.join(map(str, BATCH_SIZES))}, median of {config.bench_repeats} interleaved runs ===")
-    print(f"state_copy: every row waits for the deepest (exits {plan['checked_exits']}, {config.confidence_measure} > "
-          f"{plan['threshold']:g}; expected: layers per step from val's exits); skipdecode: every row exits at layer "
-          f"{schedule.get('exit_layer', config.n_layer - 1)} from window position {schedule.get('from_position', '-')} "
-          f"(val: {schedule['compute_saved']:.1%} saved, {schedule['disagreement']:.2%} disagreement); "
-          f"self_speculative: draft_exit={config.draft_exit}, num_draft k the fastest on val of "
-          f"{sorted(set(BATCH_DRAFTS) | {config.num_draft})} per batch size and mode (batch 1: num_draft). "
-          "Speed-up: over full depth at the same batch size and mode.")
-    print_table(batched["entries"], BATCH_COLUMNS)
-    print("Where batched greedy speculation's time goes (one timed pass; a batch lasts as long as its slowest row):")
-    for line in speculation_cost_lines(batched["speculation_costs"]):
-        print(line)
-
-def speculation_cost_lines(costs):
-    return [f"  batch {c['batch_size']}, k={c['num_draft']}: {c['rounds']} rounds (alone, each batch's slowest row "
-            f"needs {c['slowest_row_rounds']} in all, its mean row {c['mean_row_rounds']:.1f}); time: "
-            + ", ".join(f"{phase} {share:.0%}" for phase, share in c["shares"].items())
-            + f"; a draft step {c['draft_step_ms']:.2f} ms, a verify pass {c['verify_ms']:.2f} ms, a full-depth step "
-            f"{c['full_step_ms']:.2f} ms (re-prefills included)" for c in costs]
-
-def shown_in_sweep(threshold):
-    """The thresholds the printed sweep shows: every tenth, and the cautious end in finer steps."""
-    return round(100 * threshold) % 10 == 0 or threshold in (0.99, 0.98, 0.95)
-
-def print_sweep(entries, measure, n_layer):
-    print(f"\n=== Which threshold? The sweep on val ({measure}): compute saved against quality ===")
-    shown = [dict(e, fractions=" ".join(f"{100 * f:5.1f}" for f in e["exit_fractions"]))
-             for e in entries if shown_in_sweep(e["threshold"])]
-    print_table(shown, (("threshold", "threshold", "{:.2f}"),
-                        ("fractions", f"% exiting at layer 0..{n_layer - 1}", "{}"),
-                        ("mean_layers", "layers", "{:.2f}"), ("compute_saved", "saved", "{:.1%}"),
-                        ("loss", "val loss", "{:.4f}"), ("disagreement", "disagree", "{:.2%}")))
-    print("text plot: compute saved (#) and disagreement with full depth (x, same scale), one line per threshold")
-    for e in shown:
-        saved, wrong = e["compute_saved"], e["disagreement"]
-        print(f"  {e['threshold']:4.2f} |{'#' * round(40 * saved):<40}| {saved:6.1%} saved "
-              f"|{'x' * min(10, round(wrong * 40)):<10}| {wrong:6.2%} disagree")
-
-def print_calibration(cals, chosen):
-    print(f"\n=== Which threshold, with a guarantee? Learn then Test: disagreement <= {chosen['epsilon']:.0%} "
-          f"with probability >= {1 - chosen['delta']:.0%}, chosen on val, reported on test ===")
-    entries = [{"measure": c["measure"], "threshold": c["threshold"], **c["test"]} for c in cals]
-    print_table(entries, (("measure", "measure", "{}"), ("threshold", "threshold", "{:.2f}"),
-                          ("compute_saved", "test saved", "{:.1%}"), ("disagreement", "disagree", "{:.2%}"),
-                          ("loss", "test loss", "{:.4f}"), ("full_loss", "full loss", "{:.4f}"),
-                          ("accuracy", "accuracy", "{:.3f}")))
-    best = max(cals, key=lambda c: c["test"]["compute_saved"])
-    print(f"most compute saved at the same guarantee: {best['measure']}")
-
+                 ("num_draft", "k", "{}"), ("mean_layers", "layers/token", "{:.2f}"),
+                 ("expected_layers", "expected", "{:.2f}"), ("test_loss", "test loss", "{:.4f}"),
+                 ("agreement", "agree w/ full", "{:.3f}"), ("identical_to_full", "identical", "{}"))
 LENS_COLUMNS = (("layer", "layer", "{}"), ("readout", "readout", "{}"), ("agreement", "top-1 = final", "{:.3f}"),
                 ("mean_rank", "mean rank of final's top-1", "{:.2f}"), ("confidence", "mean confidence", "{:.3f}"))
-
-def print_logit_lens(entries):
-    print("\n=== Does an exit need a trained head? The logit lens: each layer through the final head "
-          "(untrained for it) and through its own exit head ===")
-    print_table(entries, LENS_COLUMNS)
-
-def print_slices(slices):
-    print("\n=== What does 'easy' mean for this model? The test tokens leaving at each layer "
-          "(calibrated threshold) ===")
-    for s in slices["per_layer"]:
-        acc = "-" if s["accuracy"] is None else f"{s['accuracy']:.3f}"
-        print(f"  layer {s['layer']}: {s['tokens']:>6} tokens, accuracy {acc}")
-    print(f"characters that most often leave at layer {slices['first_exit_layer']} (with a typical preceding context):")
-    for c in slices["earliest_chars"]:
-        print(f"  {c['char']!r:>6}: {c['exits']:>5} times, e.g. after {c['example_context']!r}")
-
 RECIPE_COLUMNS = (("recipe", "recipe", "{}"), ("val_loss_final", "val loss", "{:.4f}"),
                   ("calibrated_threshold", "threshold", "{:.2f}"), ("compute_saved", "test saved", "{:.1%}"),
                   ("test_loss", "test loss", "{:.4f}"), ("test_full_loss", "full", "{:.4f}"),
                   ("spec_acceptance_rate", "accept", "{:.3f}"), ("spec_speedup", "spec greedy", "{:.2f}x"),
                   ("spec_speedup_sampled", "spec sampled", "{:.2f}x"))
 
+def print_strategies(entries, quality, config, costs, depths):
+    spec = [f"self_speculative {e['mode']}: draft_exit={e['draft_exit']}, num_draft={e['num_draft']}, draft_stop="
+            f"{e['draft_stop']:g}, acceptance {e['acceptance_rate']:.3f}, {e['tokens_per_verify']:.2f} tokens per "
+            f"verify pass, " + {True: "identical to full depth on every prompt", False: "NOT identical to full depth",
+                                None: "exact in distribution (tested)"}[e["identical_to_full"]]
+            for e in entries if e["name"] == "self_speculative"]
+    b, L = costs["block"], config.n_layer
+    print_table(f"What does each KV strategy buy? {config.bench_prompts} test prompts of {config.bench_prompt_len} "
+                f"characters, {config.bench_tokens} more each, batch 1, median of {config.bench_repeats} interleaved "
+                "runs", entries, STRATEGY_COLUMNS, spec + [
+        f"each mode against full depth in that mode (sampled: temperature {config.temperature:g}, top_k "
+        f"{config.top_k}). exits, thr: chosen on val (exit_layers={config.exit_layers!r}, the highest threshold "
+        f"sending {EARLY_EXIT_FRACTION:.0%} of val positions out early). predicted: the cost-aware plan's figure.",
+        "layers/token: blocks run while decoding, catch-up included; +prefill: the full-depth re-prefill every "
+        "block_size/2 tokens (it also repairs holes and state copies). repetition: 1 - distinct/total 4-grams.",
+        f"test loss, agreement: {config.quality_positions} test positions teacher-forced through each decoder "
+        "(self_speculative: full depth's, by construction). The Learn-then-Test guarantee covers none of these rows.",
+        "\nwhere test tokens exit (teacher-forced), and layers run per token counting catch-up work:"]
+        + [f"  {name:<11} {' '.join(f'{100 * f:5.1f}%' for f in q['exit_fractions'])}  | {q['mean_layers']:.2f} "
+           "layers/token" for name, q in quality.items()]
+        + [f"measured costs, one token at batch 1: block {1e6 * b:.0f} us, exit check {costs['check'] / b:.2f} of a "
+           f"block, state-copy write {costs['state_copy'] / b:.2f}, final head {costs['final_head'] / b:.2f}; a "
+           f"full-depth token {costs['token'] / b:.1f} blocks",
+           "a batch runs as deep as its deepest row: expected layers per step from the recorded exits:"]
+        + [f"  B = {B:>2}: {d:.2f} of {L} layers ({100 * (1 - d / L):4.1f}% saved)" for B, d in depths.items()])
+
+def spec_grid(grid, mode):
+    """The self-speculative sweep of one mode as a grid: (draft_exit, num_draft) lines, draft_stop columns, and
+    cell(E, k, stop) -> (its index in the sweep, its entry)."""
+    cells = {(g["draft_exit"], g["num_draft"], g["draft_stop"]): (i, g)
+             for i, g in enumerate(grid) if g["mode"] == mode}
+    return sorted({c[:2] for c in cells}), sorted({c[2] for c in cells}), lambda E, k, s: cells[E, k, s]
+
+def print_spec_sweep(grid):
+    print("\n=== Which draft_exit, num_draft and draft_stop? The self-speculative sweep on the val workload: "
+          "speed-up over full depth in the same mode (acceptance rate), same-run medians ===")
+    for mode in MODES:
+        lines, stops, cell = spec_grid(grid, mode)
+        print(f"{mode:>8} E,k " + "".join(f"{'stop=' + format(s, 'g'):>16}" for s in stops))
+        for E, k in lines:
+            print(f"{E:>8},{k:<3} " + "".join(f"{cell(E, k, s)[1]['speedup']:>9.2f}x "
+                                             f"({cell(E, k, s)[1]['acceptance_rate']:.2f})" for s in stops))
+        best = max((g for g in grid if g["mode"] == mode), key=lambda g: g["speedup"])
+        print(f"best {mode}: draft_exit={best['draft_exit']}, num_draft={best['num_draft']}, "
+              f"draft_stop={best['draft_stop']:g} ({best['speedup']:.2f}x)")
+    print(f"greedy output identical to full depth in every cell: "
+          f"{all(g['identical_to_full'] for g in grid if g['mode'] == 'greedy')}")
+
+def batch_notes(batched, cfg):
+    """The lines under the batch table; cfg: the config as a dict (report.json's)."""
+    plan, schedule = batched["plan"], batched["schedule"]
+    return [f"state_copy: every row waits for the deepest (exits {plan['checked_exits']}, {cfg['confidence_measure']}"
+            f" > {plan['threshold']:g}; expected: layers per step from val's exits). skipdecode: every row exits at "
+            f"layer {schedule.get('exit_layer', cfg['n_layer'] - 1)} from window position "
+            f"{schedule.get('from_position', '-')} (val: {schedule['compute_saved']:.1%} saved, "
+            f"{schedule['disagreement']:.2%} disagreement). self_speculative: draft_exit={cfg['draft_exit']}, k the "
+            f"fastest on val of {sorted(set(BATCH_DRAFTS) | {cfg['num_draft']})} (batch 1: num_draft). Speed-up: "
+            "over full depth at the same batch size and mode.",
+            "Where batched greedy speculation's time goes (one timed pass; a batch lasts as long as its slowest "
+            "row):"] + [
+        f"  batch {c['batch_size']}, k={c['num_draft']}: {c['rounds']} rounds (alone, each batch's slowest row needs "
+        f"{c['slowest_row_rounds']} in all, its mean row {c['mean_row_rounds']:.1f}); time: "
+        + ", ".join(f"{phase} {share:.0%}" for phase, share in c["shares"].items())
+        + f"; a draft step {c['draft_step_ms']:.2f} ms, a verify pass {c['verify_ms']:.2f} ms, a full-depth step "
+        f"{c['full_step_ms']:.2f} ms (re-prefills included)" for c in batched["speculation_costs"]]
+
+def print_batches(batched, config):
+    print_table(f"Does early exit still save in a batch? The test workload, one prompt per row, batch "
+                f"{', '.join(map(str, BATCH_SIZES))}, median of {config.bench_repeats} interleaved runs",
+                batched["entries"], BATCH_COLUMNS, batch_notes(batched, asdict(config)))
+
+def print_exit_rule(rule, config):
+    """The analysis of choosing the exit rule, each part under the question it answers."""
+    L, cal = config.n_layer, rule["calibration"]
+    shown = [dict(e, fractions=" ".join(f"{100 * f:5.1f}" for f in e["exit_fractions"])) for e in rule["sweep"]
+             if round(100 * e["threshold"]) % 10 == 0 or e["threshold"] in (0.99, 0.98, 0.95)]
+    print_table(f"Which threshold? The sweep on val ({config.confidence_measure}): compute saved against "
+                "quality",
+                shown, (("threshold", "threshold", "{:.2f}"), ("fractions", f"% exiting at layer 0..{L - 1}", "{}"),
+                        ("mean_layers", "layers", "{:.2f}"), ("compute_saved", "saved", "{:.1%}"),
+                        ("loss", "val loss", "{:.4f}"), ("disagreement", "disagree", "{:.2%}")),
+                ["text plot: compute saved (#) and disagreement with full depth (x, same scale), one line a "
+                 "threshold"]
+                + [f"  {e['threshold']:4.2f} |{'#' * round(40 * e['compute_saved']):<40}| {e['compute_saved']:6.1%} "
+                   f"saved |{'x' * min(10, round(40 * e['disagreement'])):<10}| {e['disagreement']:6.2%} disagree"
+                   for e in shown])
+    cals = rule["calibration_by_measure"]
+    print_table(f"Which threshold, with a guarantee? Learn then Test: disagreement <= {cal['epsilon']:.0%} with "
+                f"probability >= {1 - cal['delta']:.0%}, chosen on val, reported on test",
+                [{"measure": c["measure"], "threshold": c["threshold"], **c["test"]} for c in cals],
+                (("measure", "measure", "{}"), ("threshold", "threshold", "{:.2f}"), ("compute_saved", "test saved",
+                 "{:.1%}"), ("disagreement", "disagree", "{:.2%}"), ("loss", "test loss", "{:.4f}"),
+                 ("full_loss", "full loss", "{:.4f}"), ("accuracy", "accuracy", "{:.3f}")),
+                ["most compute saved at the same guarantee: "
+                 + max(cals, key=lambda c: c["test"]["compute_saved"])["measure"]])
+    print_table("Does an exit need a trained head? The logit lens: each layer through the final head (untrained for "
+                "it) and through its own exit head", rule["logit_lens"], LENS_COLUMNS)
+    slices = rule["slices"]
+    print_table("What does 'easy' mean for this model? The test tokens leaving at each layer (calibrated threshold)",
+                slices["per_layer"], (("layer", "layer", "{}"), ("tokens", "tokens", "{}"),
+                                      ("accuracy", "accuracy", "{:.3f}")),
+                [f"characters that most often leave at layer {slices['first_exit_layer']} (with a typical context):"]
+                + [f"  {c['char']!r:>6}: {c['exits']:>5} times, e.g. after {c['example_context']!r}"
+                   for c in slices["earliest_chars"]])
+
 def print_recipes(entries, config):
     base = next(e for e in entries if e["recipe"] == "baseline")["val_loss_final"]
-    print(f"\n=== Which training recipe? Every recipe at the same budget ({config.max_iters} steps, "
-          f"seed {config.seed}) ===")
-    print(f"compute saved and test loss at the calibrated {config.confidence_measure} threshold (epsilon "
-          f"{config.epsilon:g}, delta {config.delta:g}, chosen on val); self-speculative on the val workload at "
-          f"draft_exit={config.draft_exit}, num_draft={config.num_draft}, draft_stop={config.draft_stop:g}")
     shown = [dict(e, vs_base=e["val_loss_final"] / base - 1, exits=" ".join(f"{v:.2f}" for v in e["val_loss_exits"]))
              for e in entries]
     extra = (("vs_base", "vs baseline", "{:+.2%}"), ("exits", "val loss per exit", "{}"))
-    print_table(shown, RECIPE_COLUMNS[:2] + extra + RECIPE_COLUMNS[2:])
+    print_table(f"Which training recipe? Every recipe at the same budget ({config.max_iters} steps, seed "
+                f"{config.seed})", shown, RECIPE_COLUMNS[:2] + extra + RECIPE_COLUMNS[2:],
+                [f"compute saved and test loss at the calibrated {config.confidence_measure} threshold (epsilon "
+                 f"{config.epsilon:g}, delta {config.delta:g}, chosen on val); self-speculative on the val workload at "
+                 f"draft_exit={config.draft_exit}, num_draft={config.num_draft}, draft_stop={config.draft_stop:g}"])
 
 # -----------------------------------------------------------------------------
 # Reports, 2: out_dir/report.html, one self-contained page (inline CSS and SVG, no script, light and dark)
@@ -1770,9 +1738,9 @@ VIRIDIS = ("#440154", "#3b528b", "#21918c", "#5ec962", "#fde725")  # shallow to 
 def layer_colour(layer, n_layer):
     """Viridis at layer / (n_layer - 1), linearly between its stops: a sequential, colour-blind-safe scale."""
     t = layer / max(1, n_layer - 1) * (len(VIRIDIS) - 1)
-    i, f = min(int(t), len(VIRIDIS) - 2), t - min(int(t), len(VIRIDIS) - 2)
+    i = min(int(t), len(VIRIDIS) - 2)
     a, b = (tuple(int(c[j : j + 2], 16) for j in (1, 3, 5)) for c in VIRIDIS[i : i + 2])
-    return "#" + "".join(f"{round(x + f * (y - x)):02x}" for x, y in zip(a, b))
+    return "#" + "".join(f"{round(x + (t - i) * (y - x)):02x}" for x, y in zip(a, b))
 
 def ink(colour):
     """Black or white text, whichever reads on this background."""
@@ -1785,6 +1753,9 @@ def esc(text):
 def datum(key, value):
     """The attributes that tie a number on the page to its place in report.json (checked by a test)."""
     return f'data-key="{esc(key)}" data-value="{value!r}"'
+
+def swatch(colour):
+    return f'style="background:{colour};color:{ink(colour)}"'
 
 HTML_STYLE = """
 :root { --bg: #fff; --fg: #1d1d1f; --muted: #6e6e73; --grid: #d2d2d7; --a: #2a788e; --b: #e66101; }
@@ -1803,32 +1774,16 @@ svg .a { fill: var(--a); stroke: var(--a); } svg .b { fill: var(--b); stroke: va
   stroke-width: 2; } svg .mark { stroke: var(--fg); stroke-dasharray: 4 3; }
 """
 
-def html_legend(n_layer):
-    return '<p class="legend">' + "".join(
-        f'<span style="background:{layer_colour(l, n_layer)};color:{ink(layer_colour(l, n_layer))}">layer {l}</span>'
-        for l in range(n_layer)) + "</p>"
-
-def html_sample(text, layers, confidences, n_layer):
-    """Every character on the colour of the layer it left at; hover: the layer and the head's confidence."""
-    spans = []
-    for ch, l, c in zip(text, layers, confidences):
-        bg = layer_colour(l, n_layer)
-        spans.append(f'<span style="background:{bg};color:{ink(bg)}" title="layer {l}, confidence {c:.2f}" '
-                     f'data-layer="{l}">{esc(ch)}</span>')
-    return '<pre class="sample">' + "".join(spans) + "</pre>"
-
 def svg_bars(values, labels, keys, fmt, width=520, height=200, classes=None, colours=None, group=1):
     """Vertical bars with a value on each, labelled per group of `group` bars; each carries its report key."""
-    top, n = max(max(values), 1e-9), len(values)
-    w = (width - 40) / n
+    top, w = max(max(values), 1e-9), (width - 40) / len(values)
     parts = [f'<svg viewBox="0 0 {width} {height + 40}" width="{width}" role="img">']
     for i, (v, label, key) in enumerate(zip(values, labels, keys)):
-        h, x = (height - 20) * v / top, 30 + i * w
-        cls = (classes or ["a"] * n)[i]
-        fill = f' style="fill:{colours[i]}"' if colours else ""
-        parts.append(f'<rect class="{cls}"{fill} x="{x + 4:.1f}" y="{height - h:.1f}" width="{w - 8:.1f}" '
-                     f'height="{h:.1f}" {datum(key, v)}><title>{esc(label)}: {fmt.format(v)}</title></rect>')
-        parts.append(f'<text x="{x + w / 2:.1f}" y="{height - h - 4:.1f}" text-anchor="middle">{fmt.format(v)}</text>')
+        h, x, fill = (height - 20) * v / top, 30 + i * w, f' style="fill:{colours[i]}"' if colours else ""
+        parts.append(f'<rect class="{(classes or "a" * len(values))[i]}"{fill} x="{x + 4:.1f}" y="{height - h:.1f}" '
+                     f'width="{w - 8:.1f}" height="{h:.1f}" {datum(key, v)}><title>{esc(label)}: {fmt.format(v)}'
+                     f'</title></rect><text x="{x + w / 2:.1f}" y="{height - h - 4:.1f}" text-anchor="middle">'
+                     f'{fmt.format(v)}</text>')
         if i % group == 0:
             parts.append(f'<text x="{x + group * w / 2:.1f}" y="{height + 16}" text-anchor="middle">'
                          f'{esc(label)}</text>')
@@ -1840,10 +1795,9 @@ def svg_lines(series, x_label, mark=None, width=520, height=220, y_max=None,
     y_max = y_max or max(max(ys) for _, _, _, ys, _ in series) or 1.0
     X = lambda x: 40 + (width - 60) * x  # noqa: E731
     Y = lambda y: height - (height - 20) * y / y_max  # noqa: E731
-    parts = [f'<svg viewBox="0 0 {width} {height + 40}" width="{width}" role="img">']
-    for t in (0, 0.5, 1):
-        parts.append(f'<line class="grid" x1="{X(0)}" x2="{X(1)}" y1="{Y(t * y_max):.1f}" y2="{Y(t * y_max):.1f}"/>'
-                     f'<text x="{X(0) - 4}" y="{Y(t * y_max) + 4:.1f}" text-anchor="end">{t * y_max:.0%}</text>')
+    parts = [f'<svg viewBox="0 0 {width} {height + 40}" width="{width}" role="img">'] + [
+        f'<line class="grid" x1="{X(0)}" x2="{X(1)}" y1="{Y(t * y_max):.1f}" y2="{Y(t * y_max):.1f}"/>'
+        f'<text x="{X(0) - 4}" y="{Y(t * y_max) + 4:.1f}" text-anchor="end">{t * y_max:.0%}</text>' for t in (0, .5, 1)]
     for name, cls, xs, ys, keys in series:
         path = " ".join(f"{X(x):.1f},{Y(y):.1f}" for x, y in zip(xs, ys))
         parts.append(f'<polyline class="{cls} line" points="{path}"><title>{esc(name)}</title></polyline>')
@@ -1853,30 +1807,27 @@ def svg_lines(series, x_label, mark=None, width=520, height=220, y_max=None,
         parts.append(f'<line class="mark" x1="{X(mark[0]):.1f}" x2="{X(mark[0]):.1f}" y1="0" y2="{height}" '
                      f'{datum(mark[1], mark[0])}><title>calibrated threshold {mark[0]:g}</title></line>')
     parts += [f'<text x="{X(x):.1f}" y="{height + 14}" text-anchor="middle">{esc(t)}</text>' for x, t in x_ticks]
-    parts.append(f'<text x="{X(0.5)}" y="{height + 32}" text-anchor="middle">{esc(x_label)}</text>')
-    return "".join(parts) + "</svg>"
+    return "".join(parts) + f'<text x="{X(0.5)}" y="{height + 32}" text-anchor="middle">{esc(x_label)}</text></svg>'
 
-def html_table(rows, columns, key_prefix):
+def html_table(entries, columns, key_prefix):
     """A table whose number cells carry their report keys; columns are (key, header, format)."""
-    head = "".join(f"<th>{esc(h)}</th>" for _, h, _ in columns)
-    body = []
-    for i, r in enumerate(rows):
-        cells = []
-        for key, _, fmt in columns:
-            v = r.get(key)
-            number = isinstance(v, (int, float)) and not isinstance(v, bool)
-            attr = datum(f"{key_prefix}.{i}.{key}", v) if number else ""
-            cells.append(f"<td {attr}>{esc(fmt.format(v)) if v is not None else '-'}</td>")
-        body.append("<tr>" + "".join(cells) + "</tr>")
-    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+    def cell(i, key, fmt, v):
+        attr = datum(f"{key_prefix}.{i}.{key}", v) if isinstance(v, (int, float)) and not isinstance(v, bool) else ""
+        return f"<td {attr}>{esc(fmt.format(v)) if v is not None else '-'}</td>"
+    body = "".join("<tr>" + "".join(cell(i, k, fmt, e.get(k)) for k, _, fmt in columns) + "</tr>"
+                   for i, e in enumerate(entries))
+    return "<table><tr>" + "".join(f"<th>{esc(h)}</th>" for _, h, _ in columns) + f"</tr>{body}</table>"
 
 def html_generation(g, L):
     """The early-exit sample coloured by exit layer beside the full-depth one, and where its tokens left."""
+    legend = "".join(f'<span {swatch(layer_colour(l, L))}>layer {l}</span>' for l in range(L))
+    spans = "".join(f'<span {swatch(layer_colour(l, L))} title="layer {l}, confidence {c:.2f}" data-layer="{l}">'
+                    f'{esc(ch)}</span>' for ch, l, c in zip(g["sample"], g["exited_at"], g["confidences"]))
     full = (f"<div><h3>full depth</h3><pre class='sample'>{esc(g['full_depth_sample'])}</pre></div>"
             if g.get("full_depth_sample") is not None else "")
-    return [f"<h2>What does early exit look like?</h2>{html_legend(L)}<p class='muted'>{esc(g['kv_strategy'])}, "
-            f"threshold {g['exit_threshold']:g}; hover a character for its layer and the head's confidence.</p>"
-            f"<div class='row'><div><h3>early exit</h3>{html_sample(g['sample'], g['exited_at'], g['confidences'], L)}"
+    return [f"<h2>What does early exit look like?</h2><p class='legend'>{legend}</p><p class='muted'>"
+            f"{esc(g['kv_strategy'])}, threshold {g['exit_threshold']:g}; hover a character for its layer and the "
+            f"head's confidence.</p><div class='row'><div><h3>early exit</h3><pre class='sample'>{spans}</pre>"
             f"</div>{full}</div>",
             "<h2>Where do the tokens leave?</h2>" + svg_bars(
                 g["exit_counts"], [f"layer {l}" for l in range(L)], [f"generation.exit_counts.{l}" for l in range(L)],
@@ -1903,11 +1854,23 @@ def html_strategies(entries):
     for mode in MODES:
         idx = [j for j, e in enumerate(entries) if e["mode"] == mode]
         values = [v for j in idx for v in (entries[j]["speedup"], entries[j]["ideal_speedup"])]
-        labels = [entries[j]["name"] for j in idx for _ in ("measured", "ideal")]
         keys = [f"strategies.{j}.{k}" for j in idx for k in ("speedup", "ideal_speedup")]
-        out.append(f"<h3>{mode}</h3>" + svg_bars(values, labels, keys, "{:.2f}x", width=980,
-                                                 classes=["a", "b"] * len(idx), group=2))
+        out.append(f"<h3>{mode}</h3>" + svg_bars(values, [entries[j]["name"] for j in idx for _ in "ab"], keys,
+                                                 "{:.2f}x", width=980, classes="ab" * len(idx), group=2))
     return out + [html_table(entries, STRATEGY_COLUMNS, "strategies")]
+
+def html_heatmap(grid):
+    """The self-speculative sweep per mode: a cell per (draft_exit, num_draft) line and draft_stop column."""
+    out, top = [], max(g["speedup"] for g in grid)
+    for mode in MODES:
+        lines, stops, cell = spec_grid(grid, mode)
+        out.append(f"<h3>{mode}: speed-up over full depth</h3><table><tr><th>E, k</th>"
+                   + "".join(f"<th>stop {s:g}</th>" for s in stops) + "</tr>" + "".join(
+                       f"<tr><th>{E}, {k}</th>" + "".join(
+                           f'<td {swatch(layer_colour(g["speedup"] / top, 2))} '
+                           f'{datum(f"spec_sweep.{i}.speedup", g["speedup"])}>{g["speedup"]:.2f}x</td>'
+                           for i, g in (cell(E, k, s) for s in stops)) + "</tr>" for E, k in lines) + "</table>")
+    return "".join(out)
 
 def html_lens(lens, L):
     """Agreement with the final prediction per layer, through the exit head and through the final head."""
@@ -1920,65 +1883,28 @@ def html_lens(lens, L):
             "layer: its trained exit head (blue) and the final head read there, untrained for it (orange).</p>"
             + svg_lines(series, "layer", y_max=1.0, x_ticks=[(x(l), str(l)) for l in range(L - 1)]))
 
-def html_sections(report):
-    """Every section the report has data for, each under the question it answers."""
-    L, out = report.get("config", {}).get("n_layer", 0), []
-    if report.get("generation"):
-        out += html_generation(report["generation"], L)
-    out += [html_sweep(report, i, s) for i, s in enumerate(report.get("sweep_by_measure", []))]
-    if report.get("strategies"):
-        out += html_strategies(report["strategies"])
-    if report.get("batched"):
-        costs = speculation_cost_lines(report["batched"]["speculation_costs"])
-        out.append("<h2>Does early exit still save in a batch?</h2>"
-                   + html_table(report["batched"]["entries"], BATCH_COLUMNS, "batched.entries")
-                   + "".join(f"<p>{esc(line)}</p>" for line in costs))
-    if report.get("spec_sweep"):
-        out.append("<h2>Which draft_exit, num_draft and draft_stop?</h2>" + html_heatmap(report["spec_sweep"]))
-    if report.get("logit_lens"):
-        out.append(html_lens(report["logit_lens"], L))
-    if report.get("recipes"):
-        out.append("<h2>Which training recipe?</h2>" + html_table(report["recipes"], RECIPE_COLUMNS, "recipes"))
-    return out
-
-def html_heatmap(grid):
-    """The self-speculative grid per mode: a cell per (draft_exit, num_draft) row and draft_stop column."""
-    out = []
-    top = max(g["speedup"] for g in grid)
-    for mode in MODES:
-        cells = [(i, g) for i, g in enumerate(grid) if g["mode"] == mode]
-        rows = sorted({(g["draft_exit"], g["num_draft"]) for _, g in cells})
-        stops = sorted({g["draft_stop"] for _, g in cells})
-        html = [f"<h3>{mode}: speed-up over full depth</h3><table><tr><th>E, k</th>"
-                + "".join(f"<th>stop {s:g}</th>" for s in stops) + "</tr>"]
-        for E, k in rows:
-            html.append(f"<tr><th>{E}, {k}</th>")
-            for s in stops:
-                i, g = next((i, g) for i, g in cells if (g["draft_exit"], g["num_draft"], g["draft_stop"]) == (E, k, s))
-                bg = layer_colour(g["speedup"] / top, 2)
-                html.append(f'<td style="background:{bg};color:{ink(bg)}" '
-                            f'{datum(f"spec_sweep.{i}.speedup", g["speedup"])}>'
-                            f'{g["speedup"]:.2f}x</td>')
-            html.append("</tr>")
-        out.append("".join(html) + "</table>")
-    return "".join(out)
-
 def write_html_report(report, path):
-    """out_dir/report.html: the same numbers as report.json, as pictures; written to a temporary file, then renamed."""
-    body = "".join(html_sections(report))
-    page = (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
-            f'<meta name="color-scheme" content="light dark">'
-            f"<title>nanogpt_exit_head report</title><style>{HTML_STYLE}</style></head><body>"
-            f"<h1>Early exit in a character-level GPT</h1><p class='muted'>Every number here is in report.json; "
-            f"this page is made by nanogpt_exit_head.py from it.</p>{body}</body></html>")
-
-    def dump(text, p):
-        with open(p, "w", encoding="utf-8") as f:
-            f.write(text)
-
-    atomic_save(page, path, dump)
-
-
+    """out_dir/report.html: the same numbers as report.json, as pictures, every section under its question."""
+    L, body = report.get("config", {}).get("n_layer", 0), []
+    if report.get("generation"):
+        body += html_generation(report["generation"], L)
+    body += [html_sweep(report, i, s) for i, s in enumerate(report.get("sweep_by_measure", []))]
+    if report.get("strategies"):
+        body += html_strategies(report["strategies"])
+    if report.get("batched"):
+        body.append("<h2>Does early exit still save in a batch?</h2>"
+                    + html_table(report["batched"]["entries"], BATCH_COLUMNS, "batched.entries")
+                    + "".join(f"<p>{esc(line)}</p>" for line in batch_notes(report["batched"], report["config"])))
+    if report.get("spec_sweep"):
+        body.append("<h2>Which draft_exit, num_draft and draft_stop?</h2>" + html_heatmap(report["spec_sweep"]))
+    if report.get("logit_lens"):
+        body.append(html_lens(report["logit_lens"], L))
+    if report.get("recipes"):
+        body.append("<h2>Which training recipe?</h2>" + html_table(report["recipes"], RECIPE_COLUMNS, "recipes"))
+    write_text(f'<!doctype html><html lang="en"><head><meta charset="utf-8"><meta name="color-scheme" '
+               f'content="light dark"><title>nanogpt_exit_head report</title><style>{HTML_STYLE}</style></head><body>'
+               f"<h1>Early exit in a character-level GPT</h1><p class='muted'>Every number here is in report.json; "
+               f"this page is made by nanogpt_exit_head.py from it.</p>{''.join(body)}</body></html>", path)
 
 # -----------------------------------------------------------------------------
 # Checkpoints: written to a temporary file, then renamed, so none is ever half-written
@@ -2366,13 +2292,6 @@ def generation_report(lesson, config):
             "layers_run_per_token": layers_run, "tokens_per_second": speed, "full_depth_tokens_per_second": full_speed,
             "sample": text, "exited_at": exited_at, "full_depth_sample": tokenizer.decode(full.tokens[0, T0:].tolist()),
             "confidences": confidence(forced.logits[0], config.confidence_measure).tolist()}
-
-def print_exit_rule(rule, config):
-    """The analysis of choosing the exit rule, each part under the question it answers."""
-    print_sweep(rule["sweep"], config.confidence_measure, config.n_layer)
-    print_calibration(rule["calibration_by_measure"], rule["calibration"])
-    print_logit_lens(rule["logit_lens"])
-    print_slices(rule["slices"])
 
 def measure_strategies(model, splits, config, device):
     """The strategies table on the workload, costs and plans, batch depth, and (--spec_sweep) the self-speculative
