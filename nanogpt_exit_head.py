@@ -561,6 +561,7 @@ import threading
 import zipfile
 from collections import Counter
 from dataclasses import asdict, fields
+from pathlib import Path
 
 @dataclass
 class LabConfig(Config):
@@ -1907,54 +1908,41 @@ def write_html_report(report, path):
                f"this page is made by nanogpt_exit_head.py from it.</p>{''.join(body)}</body></html>", path)
 
 # -----------------------------------------------------------------------------
-# Checkpoints: written to a temporary file, then renamed, so none is ever half-written
+# Checkpoints: written to a temporary file, then renamed, so none is ever half-written; resume, Ctrl-C, torchrun
 
 ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "exit_head")  # forced from a checkpoint
 CHECKPOINT_KEYS = {"model", "optimizer", "config", "iter_num", "vocab"}  # older ones lack rng and train_log
 
 def atomic_save(obj, path, writer):
-    tmp = path + ".tmp"
-    writer(obj, tmp)
-    os.replace(tmp, path)
+    writer(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 def write_text(text, path):
-    def dump(t, p):
-        with open(p, "w", encoding="utf-8") as f:
-            f.write(t)
-
-    atomic_save(text, path, dump)
+    atomic_save(text, path, lambda t, p: Path(p).write_text(t, encoding="utf-8"))
 
 def write_json(obj, path):
     write_text(json.dumps(obj, indent=2), path)
 
 def save_checkpoint(path, model, optimizer, config, iter_num, tokenizer, train_seconds, rng, train_log, val_loss=None):
-    """Tensors and plain Python data only, so torch.load(weights_only=True) can read it back."""
-    ckpt = {
-        "train_seconds": train_seconds,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "config": asdict(config),
-        "iter_num": iter_num,  # steps done; training resumes at this step
-        "val_loss": val_loss,  # the last full-depth val loss (None when saved mid-training)
-        "vocab": tokenizer.chars,
-        "rng": rng,  # the batch sampler's and torch's random states, for an exact resume
-        "train_log": train_log,
-    }
-    atomic_save(ckpt, path, torch.save)
+    """Tensors and plain Python data only, so torch.load(weights_only=True) can read it back. iter_num: steps done;
+    val_loss: the last full-depth val loss (None mid-training); rng: the sampler's and torch's states."""
+    atomic_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": asdict(config),
+                 "iter_num": iter_num, "vocab": tokenizer.chars, "train_seconds": train_seconds, "rng": rng,
+                 "train_log": train_log, "val_loss": val_loss}, path, torch.save)
 
 def load_checkpoint(path, config, overridden, tokenizer):
     """Load ckpt.pt; architecture fields come from it, and must agree with explicit overrides."""
+    again = "delete it, or train anew with --init_from=scratch"
     if not os.path.isfile(path):
         raise ValueError(f"--init_from=resume but there is no checkpoint at {path!r}")
     try:  # weights_only: a checkpoint is data, never code to run
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, OSError, KeyError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
         raise ValueError(f"{path!r} is not a readable checkpoint (truncated or corrupt: {type(e).__name__}); "
-                         "delete it, or train anew with --init_from=scratch") from None
+                         f"{again}") from None
     if not isinstance(ckpt, dict) or not CHECKPOINT_KEYS <= set(ckpt):
         missing = ", ".join(sorted(CHECKPOINT_KEYS - set(ckpt))) if isinstance(ckpt, dict) else "everything"
-        raise ValueError(f"{path!r} is not a checkpoint of this script (it lacks {missing}); "
-                         "delete it, or train anew with --init_from=scratch")
+        raise ValueError(f"{path!r} is not a checkpoint of this script (it lacks {missing}); {again}")
     if ckpt["vocab"] != tokenizer.chars:
         raise ValueError(f"checkpoint vocabulary ({len(ckpt['vocab'])} chars) does not match {config.input_path!r}")
     for name in ARCH_FIELDS:
@@ -1964,28 +1952,17 @@ def load_checkpoint(path, config, overridden, tokenizer):
         setattr(config, name, ckpt["config"][name])
     return ckpt
 
-def restore_model(ckpt, config, device):
+def restore(ckpt, config, device):
+    """The checkpoint's model and optimizer, or a one-line error where they do not fit."""
     model = RecipeGPT(config)
     try:
         model.load_state_dict(ckpt["model"])
-    except (RuntimeError, TypeError, AttributeError) as e:  # shapes or names that do not fit this model
-        raise ValueError(f"checkpoint does not fit the model: {str(e).splitlines()[0]}") from None
-    return model.to(device)
-
-def new_or_resumed_model(config, overridden, tokenizer, device):
-    """A new model, or the checkpoint's; returns (model, optimizer, iter_num, train_seconds, rng, train_log)."""
-    if config.init_from == "resume":
-        ckpt = load_checkpoint(os.path.join(config.out_dir, "ckpt.pt"), config, overridden, tokenizer)
-        model = restore_model(ckpt, config, device)
+        model.to(device)
         optimizer = configure_optimizer(model, config)
-        try:
-            optimizer.load_state_dict(ckpt["optimizer"])
-        except (ValueError, KeyError) as e:
-            raise ValueError(f"checkpoint's optimizer state does not fit the model: {str(e)[:100]}") from None
-        return (model, optimizer, ckpt["iter_num"], ckpt.get("train_seconds", 0.0), ckpt.get("rng"),
-                ckpt.get("train_log", []))
-    model = RecipeGPT(config).to(device)
-    return model, configure_optimizer(model, config), 0, 0.0, None, []
+        optimizer.load_state_dict(ckpt["optimizer"])
+    except (RuntimeError, TypeError, AttributeError, ValueError, KeyError) as e:  # shapes or names that do not fit
+        raise ValueError(f"checkpoint does not fit the model: {str(e).splitlines()[0][:200]}") from None
+    return model, optimizer
 
 class Interrupted(Exception):
     """Ctrl-C stopped training; the checkpoint at `path` holds every step done."""
@@ -2018,73 +1995,72 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
     """The lab's build_model for run_lesson: a new model or the checkpoint's, trained up to max_iters with a
     checkpoint at every evaluation and on Ctrl-C; None on the ranks of a torchrun job above 0. The training
     figures go into report."""
-    model, optimizer, iter_num, train_seconds, rng, log = new_or_resumed_model(config, overridden, tokenizer, device)
-    ckpt_path, trained_from = os.path.join(config.out_dir, "ckpt.pt"), iter_num
+    path, ckpt = os.path.join(config.out_dir, "ckpt.pt"), {}
+    if config.init_from == "resume":
+        ckpt = load_checkpoint(path, config, overridden, tokenizer)
+        model, optimizer = restore(ckpt, config, device)
+    else:
+        model = RecipeGPT(config).to(device)
+        optimizer = configure_optimizer(model, config)
+    done, seconds, log, rng = (ckpt.get(k, d) for k, d in (("iter_num", 0), ("train_seconds", 0.0),
+                                                           ("train_log", []), ("rng", None)))
+    base, heads = count_params(model)
     if rank == 0:
         sizes = "/".join(f"{len(splits[s]):,}" for s in ("train", "val", "test"))
-        print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: {sizes} characters "
-              f"| processes: {world}")
-        base, heads = count_params(model)
-        print(f"parameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in {config.n_layer - 1} exit heads "
-              f"({config.exit_head}; {100 * heads / base:.2f}% overhead)")
+        print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: {sizes} "
+              f"characters | processes: {world}\nparameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in "
+              f"{config.n_layer - 1} exit heads ({config.exit_head}; {100 * heads / base:.2f}% overhead)")
         os.makedirs(config.out_dir, exist_ok=True)
-    generator, stop, ms_per_iter = torch.Generator().manual_seed(config.seed + rank), [], None
+    generator, stop, ms_per_iter, t0 = torch.Generator().manual_seed(config.seed + rank), [], None, time.time()
     if rng is not None:  # the sampler's and torch's random states: a resumed run repeats an uninterrupted one
         generator.set_state(rng["batches"]), torch.set_rng_state(rng["torch"])
-    t0 = time.time()
 
     def on_step(it, new_log):  # before every step: a checkpoint at each evaluation, and on Ctrl-C (then stop)
-        if rank == 0 and (stop or (it % config.eval_interval == 0 and it > trained_from)):
-            save_checkpoint(ckpt_path, model, optimizer, config, it, tokenizer, train_seconds + time.time() - t0,
+        if rank == 0 and (stop or (it % config.eval_interval == 0 and it > done)):
+            save_checkpoint(path, model, optimizer, config, it, tokenizer, seconds + time.time() - t0,
                             random_states(generator), log + new_log)
         if stop:
             raise KeyboardInterrupt
 
-    if iter_num < config.max_iters:
+    if done < config.max_iters:
         on_main = threading.current_thread() is threading.main_thread()  # signal handlers live in the main thread
         handler = signal.signal(signal.SIGINT, lambda *_: stop.append(1)) if on_main else None
         try:
-            stepper = step_model_for(model, config, device, world)
-            seconds, ms_per_iter, new_log = train(model, optimizer, splits, config, device, iter_num, generator,
-                                                  on_step, stepper, evaluate=rank == 0)
+            took, ms_per_iter, new_log = train(model, optimizer, splits, config, device, done, generator, on_step,
+                                               step_model_for(model, config, device, world), evaluate=rank == 0)
         except KeyboardInterrupt:
-            raise Interrupted(ckpt_path) from None
+            raise Interrupted(path) from None
         finally:
             handler and signal.signal(signal.SIGINT, handler)
-        train_seconds, iter_num, log = train_seconds + seconds, config.max_iters, log + new_log
-        rng = random_states(generator)
+        seconds, log, rng = seconds + took, log + new_log, random_states(generator)
     if rank > 0:
         return None
-    if ms_per_iter is None:
-        print(f"resumed: the checkpoint is at iteration {iter_num} (max_iters={config.max_iters}), nothing to train")
-    else:
-        print(f"median step time: {ms_per_iter:.1f} ms/iter")
     losses = estimate_loss(model, splits, config, device)
-    print(format_eval(iter_num, losses))
-    save_checkpoint(ckpt_path, model, optimizer, config, iter_num, tokenizer, train_seconds, rng, log,
+    print(f"resumed: the checkpoint is at iteration {done} (max_iters={config.max_iters}), nothing to train"
+          if ms_per_iter is None else f"median step time: {ms_per_iter:.1f} ms/iter")
+    print(format_eval(max(done, config.max_iters), losses))
+    save_checkpoint(path, model, optimizer, config, max(done, config.max_iters), tokenizer, seconds, rng, log,
                     losses["val"][-1])
-    print(f"training took {train_seconds:.1f} s{' in all, by the checkpoint' if ms_per_iter is None else ''}; "
-          f"checkpoint: {ckpt_path}")
-    base, heads = count_params(model)
-    report.update({"config": asdict(config), "n_params": base, "n_params_exit_heads": heads,
-                   "train_seconds": train_seconds, "ms_per_iter": ms_per_iter,
-                   "val_loss": {"final": losses["val"][-1], "exits": losses["val"][:-1]},
+    print(f"training took {seconds:.1f} s{' in all, by the checkpoint' if ms_per_iter is None else ''}; "
+          f"checkpoint: {path}")
+    report.update({"config": asdict(config), "n_params": base, "n_params_exit_heads": heads, "train_seconds": seconds,
+                   "ms_per_iter": ms_per_iter, "val_loss": {"final": losses["val"][-1], "exits": losses["val"][:-1]},
                    "train_loss": losses["train"][-1], "train_log": log, "processes": world})
     return model.eval()
 
 def load_trained(config, tokenizer, splits, device, overridden=()):
     """The lab's build_model for --sample_only: the checkpoint's model, no training."""
     ckpt = load_checkpoint(os.path.join(config.out_dir, "ckpt.pt"), config, overridden, tokenizer)
-    return restore_model(ckpt, config, device).eval()
+    return restore(ckpt, config, device)[0].eval()
 
 # -----------------------------------------------------------------------------
-# Command line: every field of LabConfig as --name=value (argparse), the rules it checks, and the runs
+# Command line: every field of the two Config dataclasses as --name=value (argparse), and the rules it checks
 
 def boolean(text):
     """An argparse type for true/false fields."""
-    if text.lower() in ("1", "true", "yes", "0", "false", "no"):
-        return text.lower() in ("1", "true", "yes")
-    raise argparse.ArgumentTypeError(f"takes true/false (or 1/0), not {text!r}")
+    if text.lower() not in ("1", "true", "yes", "0", "false", "no"):
+        raise argparse.ArgumentTypeError(f"takes true/false (or 1/0), not {text!r}")
+    return text.lower() in ("1", "true", "yes")
 
 def number(kind, low, high=math.inf, low_open=False, high_open=True):
     """An argparse type: a number of this kind between low and high (the ends included unless open)."""
@@ -2103,34 +2079,22 @@ def number(kind, low, high=math.inf, low_open=False, high_open=True):
     return parse
 
 RULES = {  # the numbers each field takes; names come from CHOICES, true/false from boolean
-    "seed": number(int, 0), "n_layer": number(int, 2), "n_head": number(int, 1), "n_embd": number(int, 1),
-    "block_size": number(int, 2), "dropout": number(float, 0, 1), "alpha": number(float, 0),
-    "batch_size": number(int, 1), "max_iters": number(int, 0), "learning_rate": number(float, 0, low_open=True),
-    "min_lr": number(float, 0), "warmup_iters": number(int, 0), "weight_decay": number(float, 0),
-    "beta1": number(float, 0, 1), "beta2": number(float, 0, 1), "grad_clip": number(float, 0),
-    "eval_interval": number(int, 1), "eval_iters": number(int, 1), "max_new_tokens": number(int, 1),
-    "temperature": number(float, 0), "top_k": number(int, 0), "exit_threshold": number(float, 0, 1, high_open=False),
-    "distill_weight": number(float, 0), "distill_temperature": number(float, 0, low_open=True),
-    "layer_dropout": number(float, 0, 1), "draft_exit": number(int, 0), "num_draft": number(int, 1),
-    "draft_stop": number(float, 0, 1), "quality_positions": number(int, 1), "bench_prompts": number(int, 1),
-    "bench_prompt_len": number(int, 1), "bench_tokens": number(int, 1), "bench_repeats": number(int, 1),
-    "epsilon": number(float, 0, 1, low_open=True), "delta": number(float, 0, 1, low_open=True),
-    "sweep_positions": number(int, 1), "strategies_threshold": number(float, -1, 1, high_open=False),
-    "schedule_disagreement": number(float, 0, 1, high_open=False),
+    **{name: number(int, 0) for name in ("seed", "max_iters", "warmup_iters", "top_k", "draft_exit")},
+    **{name: number(int, 1) for name in ("n_head", "n_embd", "batch_size", "eval_interval", "eval_iters",
+                                          "max_new_tokens", "num_draft", "quality_positions", "bench_prompts",
+                                          "bench_prompt_len", "bench_tokens", "bench_repeats", "sweep_positions")},
+    **{name: number(float, 0) for name in ("alpha", "min_lr", "weight_decay", "grad_clip", "temperature",
+                                            "distill_weight")},
+    **{name: number(float, 0, 1) for name in ("dropout", "beta1", "beta2", "layer_dropout", "draft_stop")},
+    **{name: number(float, 0, 1, low_open=True) for name in ("epsilon", "delta")},
+    **{name: number(float, 0, 1, high_open=False) for name in ("exit_threshold", "schedule_disagreement")},
+    "n_layer": number(int, 2), "block_size": number(int, 2), "learning_rate": number(float, 0, low_open=True),
+    "distill_temperature": number(float, 0, low_open=True),
+    "strategies_threshold": number(float, -1, 1, high_open=False),
 }
 CHOICES = {"init_from": ("scratch", "resume"), "exit_weights": ("constant", "linear", "geometric", "layerskip"),
            "exit_head": ("separate", "shared", "final"), "kv_strategy": KV_STRATEGIES,
            "confidence_measure": tuple(CONFIDENCE_MEASURES)}
-
-def field_comments():
-    """The comment beside each field of Config and LabConfig: its --help text."""
-    comments = {}
-    for cls in (Config, LabConfig):
-        for line in inspect.getsource(cls).splitlines():
-            name, sep, rest = line.strip().partition(":")
-            if sep and "#" in rest and name.isidentifier():
-                comments[name] = rest.split("#", 1)[1].strip()
-    return comments
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, with a bad argument raised as a ValueError: main prints one line and exits with status 2."""
@@ -2139,40 +2103,27 @@ class ArgumentParser(argparse.ArgumentParser):
         raise ValueError(message)
 
 def build_parser():
-    parser = ArgumentParser(prog="nanogpt_exit_head.py", allow_abbrev=False,
+    """One --name for every field of LabConfig (vocab_size aside); its help is the comment beside the field."""
+    comments = {}
+    for line in inspect.getsource(Config).splitlines() + inspect.getsource(LabConfig).splitlines():
+        name, sep, rest = line.strip().partition(":")
+        if sep and "#" in rest and name.isidentifier():
+            comments[name] = rest.split("#", 1)[1].strip()
+    parser = ArgumentParser(prog="nanogpt_exit_head.py", allow_abbrev=False, epilog="several processes: torchrun "
+                            "--standalone --nproc_per_node=N nanogpt_exit_head.py [...] (batch_size per process)",
                             description="Train a character-level GPT with an exit head after every layer, then "
-                                        "measure early exit. Every field of the Config dataclasses is a --name=value.",
-                            epilog="several processes: torchrun --standalone --nproc_per_node=N nanogpt_exit_head.py "
-                                   "[...] (batch_size per process)")
-    comments = field_comments()
-    for f in fields(LabConfig):
-        if f.name == "vocab_size":
-            continue
+                                        "measure early exit. Every field of the Config dataclasses is a --name=value.")
+    for f in (f for f in fields(LabConfig) if f.name != "vocab_size"):
         kind = boolean if f.type is bool else RULES.get(f.name, f.type)
-        rule = getattr(kind, "rule", None)
+        rule = f" in {kind.rule}" if hasattr(kind, "rule") else ""
+        rule += f" one of {', '.join(CHOICES[f.name])}" if f.name in CHOICES else ""
         parser.add_argument(f"--{f.name}", type=kind, default=f.default, choices=CHOICES.get(f.name), metavar="",
-                            help=f"{comments.get(f.name, '')} (default {f.default!r})" + (f" in {rule}" if rule else "")
-                            + (f" one of {', '.join(CHOICES[f.name])}" if f.name in CHOICES else ""))
+                            help=f"{comments.get(f.name, '')} (default {f.default!r}){rule}")
     return parser
-
-def validate(config):
-    """The rules that tie fields together, or the files and the machine, with a message that says what to change."""
-    if config.n_embd % config.n_head:
-        raise ValueError(f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}")
-    if config.min_lr > config.learning_rate:
-        raise ValueError(f"min_lr={config.min_lr} is above learning_rate={config.learning_rate}")
-    if config.strategies_threshold < 0 and config.strategies_threshold != -1:
-        raise ValueError(f"strategies_threshold={config.strategies_threshold}: -1 (choose on val) or a value in [0, 1]")
-    if config.draft_exit >= config.n_layer - 1:
-        raise ValueError(f"draft_exit={config.draft_exit} must be a layer below the last (0..{config.n_layer - 2})")
-    parse_exit_layers(config.exit_layers, config.n_layer)
-    check_out_dir(config.out_dir)
-    check_text(config)
 
 def parse_args(argv):
     """--name=value for any field; returns (config, the names given)."""
-    parser = build_parser()
-    known, unknown = parser.parse_known_args(argv)
+    known, unknown = build_parser().parse_known_args(argv)
     if unknown:
         close = difflib.get_close_matches(unknown[0].split("=")[0], [f"--{f.name}" for f in fields(LabConfig)], n=1)
         raise ValueError(f"unknown argument {unknown[0]!r}: arguments are --name=value for a field of --help"
@@ -2181,33 +2132,46 @@ def parse_args(argv):
     validate(config)
     return config, {a[2:].split("=")[0] for a in argv if a.startswith("--")}
 
+def validate(config):
+    """The rules that tie fields together, or the files and the machine, with a message that says what to change."""
+    for bad, message in (
+            (config.n_embd % config.n_head, f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}"),
+            (config.min_lr > config.learning_rate,
+             f"min_lr={config.min_lr} is above learning_rate={config.learning_rate}"),
+            (-1 < config.strategies_threshold < 0, f"strategies_threshold={config.strategies_threshold}: -1 (choose "
+                                                   "on val) or a value in [0, 1]"),
+            (config.draft_exit >= config.n_layer - 1, f"draft_exit={config.draft_exit} must be a layer below the last "
+                                                      f"(0..{config.n_layer - 2})"),
+            (not config.prompt, "--prompt must hold at least one character")):
+        if bad:
+            raise ValueError(message)
+    parse_exit_layers(config.exit_layers, config.n_layer)
+    check_out_dir(config.out_dir)
+    check_text(config)
+
 def check_text(config):
     """The input file is UTF-8 text long enough for every split, and the prompt's characters are in it."""
     path = config.input_path
     if not os.path.isfile(path):
         raise ValueError(f"--input_path={path!r}: no such file (the repository ships input.txt)")
-    with open(path, "rb") as f:
-        raw = f.read()
+    raw = Path(path).read_bytes()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
         raise ValueError(f"input file {path!r} is not UTF-8: byte {e.start} (line {line}) is "
                          f"{raw[e.start:e.start + 1]!r}; convert it, e.g. iconv -t UTF-8") from None
-    if not text:
-        raise ValueError(f"input file {path!r} is empty")
-    if not config.prompt:
-        raise ValueError("--prompt must hold at least one character")
-    unknown = sorted(set(config.prompt) - set(text))
-    if unknown:
-        raise ValueError(f"--prompt has characters not in the vocabulary of {path!r}: "
-                         f"{', '.join(repr(c) for c in unknown)}")
-    need, sizes = max(config.block_size, config.bench_prompt_len) + 2, [len(d) for d in split_data(text).values()]
-    short = [name for name, n in zip(("train", "val", "test"), sizes) if n < need]
-    if short:
-        raise ValueError(f"input file {path!r} ({len(text):,} characters) is too short: the {', '.join(short)} "
-                         f"split(s) need at least {need} characters for block_size={config.block_size} and "
-                         f"bench_prompt_len={config.bench_prompt_len}; use a longer text or a smaller block_size")
+    unknown = ", ".join(repr(c) for c in sorted(set(config.prompt) - set(text)))
+    need = max(config.block_size, config.bench_prompt_len) + 2
+    short = ", ".join(name for name, d in split_data(text).items() if len(d) < need)
+    for bad, message in ((not text, f"input file {path!r} is empty"),
+                         (unknown, f"--prompt has characters not in the vocabulary of {path!r}: {unknown}"),
+                         (short, f"input file {path!r} ({len(text):,} characters) is too short: the {short} split(s) "
+                                 f"need at least {need} characters for block_size={config.block_size} and "
+                                 f"bench_prompt_len={config.bench_prompt_len}; use a longer text or a smaller "
+                                 "block_size")):
+        if bad:
+            raise ValueError(message)
 
 def check_out_dir(path):
     """out_dir must be a folder we can write: say so now, not after training."""
