@@ -717,12 +717,12 @@ class RowKVCache(KVCache):
         self.v = torch.zeros_like(self.k)
         self.layout = None  # what the block calls of one step share: lay_out()
 
-    def lay_out(self, slots):
+    def lay_out(self, slots, width=None):
         """(slots (B, T), their scatter index, the mask of what each query may see, W), W the slots any row has
         filled by then: attention reads no empty slot past the last. One row's slots are the last T of its W: a
         single query needs no mask, a chunk a causal one (and append writes a slice)."""
         B, T = slots.shape
-        width = int(slots.max()) + 1
+        width = int(slots.max()) + 1 if width is None else width
         if B == 1:
             mask = None if T == 1 else torch.ones(T, width, dtype=torch.bool, device=slots.device).tril(width - T)
             return slots, None, mask, width
@@ -730,13 +730,13 @@ class RowKVCache(KVCache):
         mask = torch.zeros(seen.shape, device=slots.device).masked_fill_(~seen, float("-inf"))[:, None]
         return slots, slots[:, None, :, None].expand(B, self.k.size(2), T, self.k.size(4)), mask, width
 
-    def lay_out_steps(self, start, k):
-        """The layouts of k one-token steps from slot start[b] (B,) on, worked out at once: a list of k."""
-        slots = start[:, None] + torch.arange(k, device=start.device)  # (B, k)
-        _, index, mask, width = self.lay_out(slots)
-        w = width - k + 1  # the width of the first step; each step reads one slot more
+    def lay_out_steps(self, start, k, furthest):
+        """The layouts of k one-token steps from slot start[b] (B,) on (furthest: max(start)), at once: a list of k."""
+        w = furthest + 1  # the width of the first step; each step reads one slot more
         if len(start) == 1:  # one row: a single query sees all of its slots
             return [(None, None, None, w + j) for j in range(k)]
+        slots = start[:, None] + torch.arange(k, device=start.device)  # (B, k)
+        _, index, mask, _ = self.lay_out(slots, furthest + k)
         return [(slots[:, j : j + 1], index[:, :, j : j + 1], mask[:, :, j : j + 1, : w + j], w + j) for j in range(k)]
 
     def keep_rows(self, keep):
@@ -798,10 +798,11 @@ def draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k, ge
     """Every row drafts with layers 0..draft_exit from its own position pos[b], up to max(room) steps. Returns the
     draft logits (B, k, V), the drafts (B, k), their states (B, k, C), which the verify pass takes up from, and
     room (B,) cut where a row's draft head fell below draft_stop (Kangaroo's rule, arXiv:2404.18911; Draft &
-    Verify, arXiv:2309.08168). The rule reads only the draft, so the accept rule keeps every token exact."""
-    k = int(room.max())
+    Verify, arXiv:2309.08168). The rule reads only the draft, so the accept rule keeps every token exact. Last, the
+    slots any row has filled: the verify pass's width."""
+    k, furthest = torch.stack((room.max(), pos.max())).tolist()  # one read of the device a round
     rows, steps = torch.arange(len(n), device=n.device), torch.arange(k, device=n.device)
-    layouts = cache.lay_out_steps(pos, k)
+    layouts = cache.lay_out_steps(pos, k, furthest)
     # a row with less room than k drafts on in spare slots at the last position; those drafts are never kept
     wpe = model.transformer.wpe((pos[:, None] + steps).clamp(max=model.config.block_size - 1)).unbind(1)  # k x (B, C)
     token, q, states, drafts = tokens[rows, n - 1], [], [], []
@@ -823,11 +824,12 @@ def draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k, ge
     cache.layout = None
     drafts = torch.stack(drafts, dim=1)
     tokens[rows[:, None], n[:, None] + steps[: drafts.size(1)]] = drafts
-    return torch.stack(q, dim=1), drafts, torch.stack(states, dim=1), room  # (B, k, V), (B, k), (B, k, C), (B,)
+    width = furthest + drafts.size(1)
+    return torch.stack(q, dim=1), drafts, torch.stack(states, dim=1), room, width  # (B, k, V), (B, k), (B, k, C), (B,)
 
-def verify(model, cache, pos, x, draft_exit):
+def verify(model, cache, pos, x, draft_exit, width):
     """The layers above the draft run once over every row's drafted states x (B, k, C): (B, k, V) logits."""
-    cache.layout = cache.lay_out(pos[:, None] + torch.arange(x.size(1), device=pos.device))  # (B, k) slots
+    cache.layout = cache.lay_out(pos[:, None] + torch.arange(x.size(1), device=pos.device), width)  # (B, k) slots
     for l in range(draft_exit + 1, model.config.n_layer):
         x = model.transformer.h[l](x, cache, l)
     cache.layout = None
@@ -840,18 +842,20 @@ def speculative_accept(drafts, q, p, room, temperature, generator):
     model's choice. Sampled (q, p probabilities): keep draft d with probability min(1, p(d) / q(d)); at the first
     rejection draw from max(p - q, 0), renormalised. Either way each emitted token has exactly the full model's
     distribution (speculative sampling: Leviathan et al. 2023, Chen et al. 2023). drafts (B, k), q, p (B, k, V).
-    Returns (accepted (B,), next token (B,), has_next (B,)): has_next is false where a row kept all it could."""
+    Returns (accepted (B,), next token (B,), has_next (B,)): has_next is false where a row kept all it could;
+    room (B,) is how many drafts each row may keep (None: all k)."""
     B, k = drafts.shape
-    inside = torch.arange(k, device=drafts.device)[None] < room[:, None]  # (B, k)
     rows = torch.arange(B, device=drafts.device)
     if temperature == 0:
         target = p.argmax(-1)  # (B, k)
-        keep = (target == drafts) & inside
+        keep = target == drafts
     else:
         ratio = p.gather(-1, drafts[..., None])[..., 0] / q.gather(-1, drafts[..., None])[..., 0]  # (B, k)
-        keep = (torch.rand(B, k, generator=generator, device=drafts.device) < ratio) & inside
+        keep = torch.rand(B, k, generator=generator, device=drafts.device) < ratio
+    if room is not None:  # None: every row had room for all k drafts
+        keep &= torch.arange(k, device=drafts.device)[None] < room[:, None]  # (B, k)
     accepted = keep.long().cumprod(1).sum(1)  # (B,)
-    has_next = accepted < room
+    has_next = accepted < (k if room is None else room)
     at = accepted.clamp(max=k - 1)
     if temperature == 0:
         return accepted, target[rows, at], has_next
@@ -884,43 +888,51 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit, num_draft,
                          f"got draft_exit={draft_exit}, num_draft={num_draft}")
     end, dev = T0 + max_new_tokens, idx.device
     tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens + num_draft)], dim=1)
-    exits = torch.full_like(tokens, cfg.n_layer - 1)  # (B, end + num_draft): the layer each token left at
     cache = RowKVCache(cfg, B, dev, spare=num_draft)
     # a negative start: no window yet (and far enough back that the first round places one)
     n, starts = torch.full((B,), T0, device=dev), torch.full((B,), -cfg.block_size - 1, device=dev)
-    stats = {"rounds": 0, "drafted": 0, "accepted": 0, "draft_steps": 0, "num_draft": num_draft}
-    ids, out_tokens, out_exits = torch.arange(B, device=dev), tokens[:, :end].clone(), exits[:, :end].clone()
-    rows, all_steps = ids, torch.arange(num_draft, device=dev)
-    evals, prefilled, t = 0, 0.0, lap(clock, None, None, dev)
+    rounds = []  # per round: the rows in the batch, where each one's drafts began, the room it had, how many it kept
+    ids, out_tokens, rows = torch.arange(B, device=dev), tokens[:, :end].clone(), torch.arange(B, device=dev)
+    evals, prefilled, draft_steps, t = 0, 0.0, 0, lap(clock, None, None, dev)
     while max_new_tokens > 0 and len(ids):  # the rows still in the batch: ids (R,) of the B
         e, row_runs = slide_rows(model, cache, tokens, starts, n)
         t = lap(clock, "re-prefill", t, dev)
         evals, prefilled = evals + e, prefilled + row_runs / B
         pos = n - 1 - starts  # (R,) window position of each row's first token fed this round
         room = torch.minimum(end - n, cfg.block_size - pos).clamp(max=num_draft)  # (R,) no position past block_size
-        q, drafts, states, room = draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k, generator,
-                                        draft_stop)
+        q, drafts, states, room, width = draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k,
+                                               generator, draft_stop)
         t = lap(clock, "draft", t, dev)
-        p = verify(model, cache, pos, states, draft_exit)
+        p = verify(model, cache, pos, states, draft_exit, width)
         t = lap(clock, "verify", t, dev)
         if temperature > 0:
             q, p = probs_from_logits(q, temperature, top_k), probs_from_logits(p, temperature, top_k)
-        accepted, nxt, has_next = speculative_accept(drafts, q, p, room, temperature, generator)
-        k, steps = drafts.size(1), all_steps[: drafts.size(1)]
-        exits[rows[:, None], n[:, None] + steps] = torch.where(steps < accepted[:, None], draft_exit, cfg.n_layer - 1)
+        # one row that drafted without draft_stop had room for all its drafts
+        accepted, nxt, has_next = speculative_accept(drafts, q, p, None if len(n) == 1 and draft_stop == 0 else room,
+                                                     temperature, generator)
         tokens[rows, n + accepted] = nxt  # a row that kept all it could writes a slot its next round overwrites
-        n = n + accepted + has_next.long()  # past the first rejected draft, each row's cache is rolled back
-        stats.update(rounds=stats["rounds"] + 1, drafted=stats["drafted"] + room.sum(),  # summed on the device
-                     accepted=stats["accepted"] + accepted.sum(), draft_steps=stats["draft_steps"] + k)
+        rounds.append((ids, n, room, accepted))
+        n, draft_steps = n + accepted + has_next, draft_steps + drafts.size(1)  # each row's cache is rolled back
         done = n >= end  # rows that are done leave: the next rounds run on the rest only
         if bool(done.any()):
-            out_tokens[ids[done]], out_exits[ids[done]] = tokens[done, :end], exits[done, :end]
-            tokens, exits, n, starts, ids = tokens[~done], exits[~done], n[~done], starts[~done], ids[~done]
+            out_tokens[ids[done]] = tokens[done, :end]
+            tokens, n, starts, ids = tokens[~done], n[~done], starts[~done], ids[~done]
             cache.keep_rows(~done)
             rows = torch.arange(len(ids), device=dev)
         t = lap(clock, "accept and the rest", t, dev)
-    stats.update(drafted=int(stats["drafted"]), accepted=int(stats["accepted"]))
-    return Generation(out_tokens, out_exits[:, T0:], None, sum(cache.layer_evals) - evals, cache, stats, prefilled)
+    exited_at = kept_drafts(rounds, B, end, draft_exit, cfg.n_layer - 1)[:, T0:]
+    stats = {"rounds": len(rounds), "draft_steps": draft_steps, "num_draft": num_draft,
+             "drafted": sum(int(r[2].sum()) for r in rounds), "accepted": sum(int(r[3].sum()) for r in rounds)}
+    return Generation(out_tokens, exited_at, None, sum(cache.layer_evals) - evals, cache, stats, prefilled)
+
+def kept_drafts(rounds, B, end, draft_exit, full_exit):
+    """(B, end): draft_exit where a token is a kept draft, full_exit elsewhere, from each round's (rows, first
+    draft position, room, drafts kept): +1 where a row's kept drafts begin, -1 where they end, summed along."""
+    ids, n, _, accepted = (torch.cat(parts) for parts in zip(*rounds)) if rounds else [torch.zeros(0).long()] * 4
+    marks = torch.zeros(B, end + 1, dtype=torch.long, device=n.device)
+    marks.index_put_((ids, n), torch.ones_like(n), accumulate=True)
+    marks.index_put_((ids, n + accepted), -torch.ones_like(n), accumulate=True)
+    return torch.where(marks.cumsum(1)[:, :end] > 0, draft_exit, full_exit)
 
 # -----------------------------------------------------------------------------
 # Training recipes: exits that agree with the final head draft well (layer dropout, self-distillation)
