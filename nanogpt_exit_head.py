@@ -2121,16 +2121,21 @@ def build_parser():
         name, sep, rest = line.strip().partition(":")
         if sep and "#" in rest and name.isidentifier():
             comments[name] = rest.split("#", 1)[1].strip()
-    parser = ArgumentParser(prog="nanogpt_exit_head.py", allow_abbrev=False, epilog="several processes: torchrun "
+    parser = ArgumentParser(prog="nanogpt_exit_head.py", usage="%(prog)s [--name=value ...]", allow_abbrev=False,
+                            epilog="several processes: torchrun "
                             "--standalone --nproc_per_node=N nanogpt_exit_head.py [...] (batch_size per process)",
                             description="Train a character-level GPT with an exit head after every layer, then "
                                         "measure early exit. Every field of the Config dataclasses is a --name=value.")
+    groups = {cls: parser.add_argument_group(title) for cls, title in
+              ((Config, "Part I, the lesson (Config)"), (LabConfig, "Part II, the lab (LabConfig)"))}
+    lesson = {f.name for f in fields(Config)}
     for f in (f for f in fields(LabConfig) if f.name != "vocab_size"):
         kind = boolean if f.type is bool else RULES.get(f.name, f.type)
         rule = f" in {kind.rule}" if hasattr(kind, "rule") else ""
         rule += f" one of {', '.join(CHOICES[f.name])}" if f.name in CHOICES else ""
-        parser.add_argument(f"--{f.name}", type=kind, default=f.default, choices=CHOICES.get(f.name), metavar="",
-                            help=f"{comments.get(f.name, '')} (default {f.default!r}){rule}")
+        groups[Config if f.name in lesson else LabConfig].add_argument(
+            f"--{f.name}", type=kind, default=f.default, choices=CHOICES.get(f.name), metavar="",
+            help=f"{comments.get(f.name, '')} (default {f.default!r}){rule}")
     return parser
 
 def parse_args(argv):
