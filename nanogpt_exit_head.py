@@ -585,6 +585,7 @@ class LabConfig(Config):
     draft_exit: int = 0  # self-speculative: the last layer of the draft (its exit head drafts)
     num_draft: int = 8  # self-speculative: the most tokens drafted per verify pass
     draft_stop: float = 0.0  # self-speculative: stop drafting when the draft's top-1 falls below this (0: never)
+    cuda_graphs: bool = True  # on CUDA, time full depth with its step replayed as one CUDA graph (false: eager)
     # measurement
     quality_positions: int = 2000  # test positions decoded teacher-forced per decoder; more is steadier and slower
     bench_prompts: int = 16  # timed workload: prompts from evenly spaced places of test (val, when choosing)
@@ -708,22 +709,24 @@ class RowKVCache(KVCache):
     different rounds. Rolling a row back is moving its n back: the entries past its position are stale, masked
     and then overwritten. Every block call of a step writes each row's entries at its own slots, laid out once
     per step (lay_out); attention reads the slots any row has filled, through one mask. `spare` slots past
-    block_size take the drafts of rows with less room than others; those are always rolled back."""
+    block_size take the drafts of rows with less room than others; those are always rolled back. static: every
+    layout reads all the slots, the unfilled ones masked, so a step's shapes never change (a CUDA graph can
+    record it)."""
 
-    def __init__(self, config, batch_size, device, spare=0):
+    def __init__(self, config, batch_size, device, spare=0, static=False):
         super().__init__(config, batch_size, device)
         L, B, nh, S, hs = self.k.shape
         self.k = torch.zeros(L, B, nh, S + spare, hs, device=device)
         self.v = torch.zeros_like(self.k)
-        self.layout = None  # what the block calls of one step share: lay_out()
+        self.layout, self.static = None, static  # layout: what the block calls of one step share, lay_out()
 
     def lay_out(self, slots, width=None):
         """(slots (B, T), their scatter index, the mask of what each query may see, W), W the slots any row has
         filled by then: attention reads no empty slot past the last. One row's slots are the last T of its W: a
         single query needs no mask, a chunk a causal one (and append writes a slice)."""
         B, T = slots.shape
-        width = int(slots.max()) + 1 if width is None else width
-        if B == 1:
+        width = self.k.size(3) if self.static else int(slots.max()) + 1 if width is None else width
+        if B == 1 and not self.static:
             mask = None if T == 1 else torch.ones(T, width, dtype=torch.bool, device=slots.device).tril(width - T)
             return slots, None, mask, width
         seen = torch.arange(width, device=slots.device)[None, None, :] <= slots[:, :, None]  # (B, T, W)
@@ -732,12 +735,13 @@ class RowKVCache(KVCache):
 
     def lay_out_steps(self, start, k, furthest):
         """The layouts of k one-token steps from slot start[b] (B,) on (furthest: max(start)), at once: a list of k."""
-        w = furthest + 1  # the width of the first step; each step reads one slot more
-        if len(start) == 1:  # one row: a single query sees all of its slots
-            return [(None, None, None, w + j) for j in range(k)]
+        widths = [self.k.size(3) if self.static else furthest + 1 + j for j in range(k)]  # each step reads one more
+        if len(start) == 1 and not self.static:  # one row: a single query sees all of its slots
+            return [(None, None, None, w) for w in widths]
         slots = start[:, None] + torch.arange(k, device=start.device)  # (B, k)
         _, index, mask, _ = self.lay_out(slots, furthest + k)
-        return [(slots[:, j : j + 1], index[:, :, j : j + 1], mask[:, :, j : j + 1, : w + j], w + j) for j in range(k)]
+        return [(slots[:, j : j + 1], index[:, :, j : j + 1], mask[:, :, j : j + 1, :w], w)
+                for j, w in enumerate(widths)]
 
     def keep_rows(self, keep):
         """Drop the rows of a batch that are done: keep (B,) bool; the rest become rows 0..R-1."""
@@ -876,19 +880,19 @@ def lap(clock, phase, since, device):
 
 @torch.inference_mode()
 def generate_self_speculative(model, idx, max_new_tokens, draft_exit, num_draft, temperature=0.0, top_k=0,
-                              generator=None, draft_stop=0.0, clock=None):
+                              generator=None, draft_stop=0.0, clock=None, static=False):
     """Self-speculative decoding of B rows at once (B = 1 included): each round every row drafts up to num_draft
     tokens with layers 0..draft_exit, the layers above verify them in one pass, and each row keeps its own
     accepted prefix, rolls back and slides its window on its own; a row that is done leaves the batch. Every
     row's tokens are the ones it would get alone at full depth (greedy), or have their distribution (sampled).
-    A clock dict, if given, adds up the seconds spent in each phase of a round."""
+    A clock dict, if given, adds up the seconds spent in each phase of a round; static: fixed-shape steps."""
     cfg, (B, T0) = model.config, idx.shape
     if not 0 <= draft_exit < cfg.n_layer - 1 or num_draft < 1:
         raise ValueError(f"need 0 <= draft_exit < {cfg.n_layer - 1} and num_draft >= 1, "
                          f"got draft_exit={draft_exit}, num_draft={num_draft}")
     end, dev = T0 + max_new_tokens, idx.device
     tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens + num_draft)], dim=1)
-    cache = RowKVCache(cfg, B, dev, spare=num_draft)
+    cache = RowKVCache(cfg, B, dev, spare=num_draft, static=static)
     # a negative start: no window yet (and far enough back that the first round places one)
     n, starts = torch.full((B,), T0, device=dev), torch.full((B,), -cfg.block_size - 1, device=dev)
     rounds = []  # per round: the rows in the batch, where each one's drafts began, the room it had, how many it kept
@@ -933,6 +937,63 @@ def kept_drafts(rounds, B, end, draft_exit, full_exit):
     marks.index_put_((ids, n), torch.ones_like(n), accumulate=True)
     marks.index_put_((ids, n + accepted), -torch.ones_like(n), accumulate=True)
     return torch.where(marks.cumsum(1)[:, :end] > 0, draft_exit, full_exit)
+
+# -----------------------------------------------------------------------------
+# Fixed shapes: a full-depth decode step that a CUDA graph records once and replays (on a GPU, launches cost most)
+
+def static_step(model, cache, token, pos):
+    """One full-depth step of B rows whose shapes never change: token (B,) at window positions pos (B,), the row
+    cache (static) read through all its slots under a mask, and no read back to the host. Returns (B, V) logits."""
+    cache.layout = cache.lay_out(pos[:, None])
+    x = model.transformer.drop(model.transformer.wte(token) + model.transformer.wpe(pos))[:, None]  # (B, 1, C)
+    for l, block in enumerate(model.transformer.h):
+        x = block(x, cache, l)
+    return model.exit_logits(x[:, 0], model.config.n_layer - 1)
+
+def cuda_graph(step, *inputs):
+    """Record step(*inputs) once as a CUDA graph; returns replay(*values): copy the values into the recorded input
+    tensors, replay every kernel at once, return the recorded output. Warm-up runs on a side stream first."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(*inputs)
+
+    def replay(*values):
+        for buffer, value in zip(inputs, values):
+            buffer.copy_(value)
+        graph.replay()
+        return out
+
+    return replay
+
+@torch.inference_mode()
+def generate_static(model, idx, max_new_tokens, temperature=1.0, top_k=0, generator=None, graphs=False,
+                    forced=None):
+    """Full-depth decoding through static_step: generate()'s tokens, at batch B. graphs: replay the step as one
+    CUDA graph, recorded on the first step (its warm-up rewrites that step's own entries, with the same values);
+    a window slide re-prefills eagerly into the same cache, which the graph reads in place."""
+    cfg, (B, T0), dev = model.config, idx.shape, idx.device
+    tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)
+    cache, start, step, prefilled, emitted = RowKVCache(cfg, B, dev, static=True), None, None, 0, []
+    for n in range(T0, T0 + max_new_tokens):  # every row feeds token n - 1 at the same window position
+        s = window_start(start, n, cfg.block_size)
+        if s != start:
+            start, rows = s, torch.arange(B, device=dev)
+            prefilled += prefill_rows(model, cache, tokens, rows, torch.full_like(rows, s), torch.full_like(rows, n))
+        token, pos = tokens[:, n - 1], torch.full((B,), n - 1 - start, device=dev)
+        if graphs and step is None:
+            step = cuda_graph(lambda t, p: static_step(model, cache, t, p), token.clone(), pos)
+        logits = step(token, pos) if step else static_step(model, cache, token, pos)
+        if forced is not None:  # teacher-forced: keep what the step said, feed the given token
+            emitted.append(logits.float().clone())
+        tokens[:, n] = sample(logits, temperature, top_k, generator) if forced is None else forced[:, n - T0]
+    exits, logits = idx.new_full((B, max_new_tokens), cfg.n_layer - 1), torch.stack(emitted, 1) if emitted else None
+    return Generation(tokens, exits, logits, cfg.n_layer * max_new_tokens, cache, None, prefilled)
 
 # -----------------------------------------------------------------------------
 # Training recipes: exits that agree with the final head draft well (layer dropout, self-distillation)
@@ -1235,14 +1296,18 @@ def repetition(tokens, n=4):
 def mode_temperature(mode, config):
     return 0.0 if mode == "greedy" else config.temperature
 
-def decoder(model, name, plan=None, measure="top1", spec=(0, 8, 0.0), schedule=None):
+def decoder(model, name, plan=None, measure="top1", spec=(0, 8, 0.0), schedule=None, graphs=False):
     """The decoder of one table row, for any batch size: (idx (B, T0), n, generator, temperature, top_k,
-    forced) -> Generation. name: full, a KV strategy (with its exit plan), skipdecode, or self_speculative."""
+    forced) -> Generation. name: full, a KV strategy (with its exit plan), skipdecode, or self_speculative;
+    graphs: full depth through generate_static with CUDA graphs."""
     if name == "self_speculative":
         def decode(idx, n, generator=None, temperature=0.0, top_k=0, forced=None):
             assert forced is None, "self-speculative quality is full depth's by construction"
             return generate_self_speculative(model, idx, n, spec[0], spec[1], temperature, top_k, generator, spec[2])
         return decode
+    if name == "full" and graphs:
+        return lambda idx, n, generator=None, temperature=0.0, top_k=0, forced=None: generate_static(
+            model, idx, n, temperature, top_k, generator, graphs=True, forced=forced)
     kw = {"full": dict(exit_threshold=1.0),
           "skipdecode": dict(strategy=SkipDecode(model, schedule), exit_threshold=0.0)}.get(name)
     kw = kw or dict(strategy=name, exit_threshold=plan["threshold"], checked_exits=plan["checked_exits"],
@@ -1392,6 +1457,10 @@ def strategy_plans(val_records, costs, config):
                        "predicted_speedup": predict_speedup(val_records, measure, t, checked, costs, name, L)}
     return plans
 
+def graphs_on(config, device):
+    """Whether full depth is timed with CUDA graphs: on CUDA, unless --cuda_graphs=false."""
+    return config.cuda_graphs and str(device).startswith("cuda")
+
 def spec_settings(config, num_draft=None):
     return (config.draft_exit, num_draft or config.num_draft, config.draft_stop)
 
@@ -1403,7 +1472,8 @@ def compare_strategies(model, splits, config, device):
     val_records = record_exits(model, splits["val"].to(device), config.quality_positions)
     costs = decode_costs(model, val_prompts[:4], config.bench_tokens)
     plans = strategy_plans(val_records, costs, config)
-    decoders = {name: decoder(model, name, plans.get(name), config.confidence_measure, spec_settings(config))
+    decoders = {name: decoder(model, name, plans.get(name), config.confidence_measure, spec_settings(config),
+                              graphs=graphs_on(config, device))
                 for name in ("full",) + KV_STRATEGIES + ("self_speculative",)}
     rows, quality, _ = measure_decoders({name: {mode: d for mode in MODES} for name, d in decoders.items()},
                                         splits["test"].to(device), test_prompts, config, 1, plans)
@@ -1414,7 +1484,8 @@ def time_speculative(model, prompts, config, cells):
     modes, all interleaved in one pass over the workload; one entry per cell and mode."""
     decoders = {}
     for mode in MODES:
-        decoders["full", mode] = (decoder(model, "full"), mode_temperature(mode, config))
+        decoders["full", mode] = (decoder(model, "full", graphs=graphs_on(config, prompts.device)),
+                                  mode_temperature(mode, config))
         for cell in cells:
             decoders[cell, mode] = (decoder(model, "self_speculative", spec=cell), mode_temperature(mode, config))
     speed = speed_pass(decoders, prompts, 1, config.bench_tokens, config.bench_repeats, config.seed, config.top_k)
@@ -1521,7 +1592,8 @@ def measure_batches(model, splits, config, device, plans, val_records):
         drafts, val_speed = choose_batch_drafts(model, config, val_prompts, B)
         chosen[B] = {"num_draft": drafts, "val_tokens_per_second": val_speed}
         decoders = {name: {mode: decoder(model, name, plan, config.confidence_measure,
-                                         spec_settings(config, drafts[mode]), schedule["schedule"]) for mode in MODES}
+                                         spec_settings(config, drafts[mode]), schedule["schedule"],
+                                         graphs_on(config, device)) for mode in MODES}
                     for name in BATCH_DESIGNS}
         batch_rows, _, speed = measure_decoders(decoders, test, test_prompts, config, B, {"state_copy": plan})
         depth = expected_batch_depth(state_copy_exits, (B,), L)[B]

@@ -1,0 +1,71 @@
+"""On a GPU: every path runs on CUDA with tiny configs, decode steps agree with the CPU's, and the full-depth step
+replayed as a CUDA graph gives the eager step's tokens and logits. Skipped where CUDA is not available:
+run them on a GPU with `python -m pytest -q tests/test_cuda.py`."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, m, tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+TINY = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--eval_iters=1",
+        "--eval_interval=2", "--max_iters=4", "--max_new_tokens=20", "--device=cuda", "--quality_positions=48",
+        "--bench_tokens=12", "--bench_repeats=1", "--bench_prompts=4", "--bench_prompt_len=8",
+        "--sweep_positions=500"]
+
+
+@pytest.mark.parametrize("study", [[], ["--bench_batch=1"], ["--spec_sweep=1"], ["--cuda_graphs=false"]])
+def test_the_default_run_and_every_study_on_cuda(tmp_path, study):
+    with torch.enable_grad():
+        assert m.main(TINY + study + [f"--out_dir={tmp_path}"]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["config"]["device"] == "cuda" and report["strategies"]
+    assert all(r["identical_to_full"] for r in report["strategies"] if r["name"] == "self_speculative"
+               and r["mode"] == "greedy")
+
+
+def test_recipes_resume_and_sample_only_on_cuda(tmp_path):
+    with torch.enable_grad():
+        assert m.main(TINY + ["--max_iters=2", "--compare_recipes=1", f"--out_dir={tmp_path / 'recipes'}"]) == 0
+        assert m.main(TINY + [f"--out_dir={tmp_path}"]) == 0
+        assert m.main(TINY + ["--max_iters=6", "--init_from=resume", f"--out_dir={tmp_path}"]) == 0
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == 6
+    assert m.main(TINY + ["--init_from=resume", "--sample_only=1", f"--out_dir={tmp_path}"]) == 0
+
+
+def test_torchrun_with_nccl(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                           os.path.join(ROOT, "nanogpt_exit_head.py"), *TINY, "--lesson_only=true",
+                           f"--out_dir={tmp_path}"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "ckpt.pt").exists()
+
+
+@torch.no_grad()
+def test_decode_steps_on_cuda_equal_the_cpus():
+    model = tiny_model()
+    gpu = copy.deepcopy(model).cuda()
+    idx, forced = torch.randint(0, 11, (2, 3)), torch.randint(0, 11, (2, 20))
+    for strategy in m.KV_STRATEGIES:
+        cpu = m.generate(model, idx, 20, strategy=strategy, exit_threshold=0.6, forced=forced)
+        cuda = m.generate(gpu, idx.cuda(), 20, strategy=strategy, exit_threshold=0.6, forced=forced.cuda())
+        assert torch.allclose(cpu.logits, cuda.logits.cpu(), atol=1e-4), strategy
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("batch", [1, 4])
+def test_cuda_graphs_replay_the_eager_step(batch):
+    model = tiny_model().cuda()
+    idx = torch.randint(0, 11, (batch, 3), device="cuda")
+    forced = torch.randint(0, 11, (batch, 40), device="cuda")  # two window slides at block 16
+    eager, graphed = (m.generate_static(model, idx, 40, forced=forced, graphs=g) for g in (False, True))
+    assert torch.allclose(eager.logits, graphed.logits, atol=1e-5)
+    reference = m.generate(model, idx, 40, temperature=0.0)
+    assert torch.equal(m.generate_static(model, idx, 40, temperature=0.0, graphs=True).tokens, reference.tokens)
