@@ -880,12 +880,13 @@ def lap(clock, phase, since, device):
 
 @torch.inference_mode()
 def generate_self_speculative(model, idx, max_new_tokens, draft_exit, num_draft, temperature=0.0, top_k=0,
-                              generator=None, draft_stop=0.0, clock=None, static=False):
+                              generator=None, draft_stop=0.0, clock=None, static=False, controller=None):
     """Self-speculative decoding of B rows at once (B = 1 included): each round every row drafts up to num_draft
     tokens with layers 0..draft_exit, the layers above verify them in one pass, and each row keeps its own
     accepted prefix, rolls back and slides its window on its own; a row that is done leaves the batch. Every
     row's tokens are the ones it would get alone at full depth (greedy), or have their distribution (sampled).
-    A clock dict, if given, adds up the seconds spent in each phase of a round; static: fixed-shape steps."""
+    A clock dict, if given, adds up the seconds spent in each phase of a round; static: fixed-shape steps;
+    controller: chooses each round's (draft exit, most drafts), at most num_draft (GoodputController)."""
     cfg, (B, T0) = model.config, idx.shape
     if not 0 <= draft_exit < cfg.n_layer - 1 or num_draft < 1:
         raise ValueError(f"need 0 <= draft_exit < {cfg.n_layer - 1} and num_draft >= 1, "
@@ -903,11 +904,12 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit, num_draft,
         t = lap(clock, "re-prefill", t, dev)
         evals, prefilled = evals + e, prefilled + row_runs / B
         pos = n - 1 - starts  # (R,) window position of each row's first token fed this round
-        room = torch.minimum(end - n, cfg.block_size - pos).clamp(max=num_draft)  # (R,) no position past block_size
-        q, drafts, states, room, width = draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k,
+        exit_r, k_r = controller.choose() if controller else (draft_exit, num_draft)
+        room = torch.minimum(end - n, cfg.block_size - pos).clamp(max=k_r)  # (R,) no position past block_size
+        q, drafts, states, room, width = draft(model, cache, tokens, n, pos, room, exit_r, temperature, top_k,
                                                generator, draft_stop)
         t = lap(clock, "draft", t, dev)
-        p = verify(model, cache, pos, states, draft_exit, width)
+        p = verify(model, cache, pos, states, exit_r, width)
         t = lap(clock, "verify", t, dev)
         if temperature > 0:
             q, p = probs_from_logits(q, temperature, top_k), probs_from_logits(p, temperature, top_k)
@@ -915,7 +917,9 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit, num_draft,
         accepted, nxt, has_next = speculative_accept(drafts, q, p, None if len(n) == 1 and draft_stop == 0 else room,
                                                      temperature, generator)
         tokens[rows, n + accepted] = nxt  # a row that kept all it could writes a slot its next round overwrites
-        rounds.append((ids, n, room, accepted))
+        rounds.append((ids, n, room, accepted, torch.full_like(n, exit_r)))
+        if controller and exit_r < cfg.n_layer - 1:
+            controller.update(int(room.sum()), int(accepted.sum()))
         n, draft_steps = n + accepted + has_next, draft_steps + drafts.size(1)  # each row's cache is rolled back
         done = n >= end  # rows that are done leave: the next rounds run on the rest only
         if bool(done.any()):
@@ -924,19 +928,22 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit, num_draft,
             cache.keep_rows(~done)
             rows = torch.arange(len(ids), device=dev)
         t = lap(clock, "accept and the rest", t, dev)
-    exited_at = kept_drafts(rounds, B, end, draft_exit, cfg.n_layer - 1)[:, T0:]
+    exited_at = kept_drafts(rounds, B, end, cfg.n_layer - 1)[:, T0:]
+    spec = [r for r in rounds if int(r[4][0]) < cfg.n_layer - 1]  # full-depth rounds (a controller's) draft nothing
     stats = {"rounds": len(rounds), "draft_steps": draft_steps, "num_draft": num_draft,
-             "drafted": sum(int(r[2].sum()) for r in rounds), "accepted": sum(int(r[3].sum()) for r in rounds)}
+             "full_rounds": len(rounds) - len(spec), "drafted": sum(int(r[2].sum()) for r in spec),
+             "accepted": sum(int(r[3].sum()) for r in spec)}
     return Generation(out_tokens, exited_at, None, sum(cache.layer_evals) - evals, cache, stats, prefilled)
 
-def kept_drafts(rounds, B, end, draft_exit, full_exit):
-    """(B, end): draft_exit where a token is a kept draft, full_exit elsewhere, from each round's (rows, first
-    draft position, room, drafts kept): +1 where a row's kept drafts begin, -1 where they end, summed along."""
-    ids, n, _, accepted = (torch.cat(parts) for parts in zip(*rounds)) if rounds else [torch.zeros(0).long()] * 4
+def kept_drafts(rounds, B, end, full_exit):
+    """(B, end): the draft's exit where a token is a kept draft, full_exit elsewhere, from each round's (rows, first
+    draft position, room, drafts kept, draft exit): the exit's offset from full_exit added where a row's kept
+    drafts begin and taken away where they end, summed along (kept runs never overlap)."""
+    ids, n, _, accepted, exit_ = (torch.cat(parts) for parts in zip(*rounds)) if rounds else [torch.zeros(0).long()] * 5
     marks = torch.zeros(B, end + 1, dtype=torch.long, device=n.device)
-    marks.index_put_((ids, n), torch.ones_like(n), accumulate=True)
-    marks.index_put_((ids, n + accepted), -torch.ones_like(n), accumulate=True)
-    return torch.where(marks.cumsum(1)[:, :end] > 0, draft_exit, full_exit)
+    marks.index_put_((ids, n), exit_ - full_exit, accumulate=True)
+    marks.index_put_((ids, n + accepted), full_exit - exit_, accumulate=True)
+    return full_exit + marks.cumsum(1)[:, :end]
 
 # -----------------------------------------------------------------------------
 # Fixed shapes: a full-depth decode step that a CUDA graph records once and replays (on a GPU, launches cost most)
@@ -1296,14 +1303,24 @@ def repetition(tokens, n=4):
 def mode_temperature(mode, config):
     return 0.0 if mode == "greedy" else config.temperature
 
-def decoder(model, name, plan=None, measure="top1", spec=(0, 8, 0.0), schedule=None, graphs=False):
+SPECULATIVE = ("self_speculative", "auto")  # exact decoders: their quality is full depth's by construction
+
+def decoder(model, name, plan=None, measure="top1", spec=(0, 8, 0.0), schedule=None, graphs=False, costs=None):
     """The decoder of one table row, for any batch size: (idx (B, T0), n, generator, temperature, top_k,
-    forced) -> Generation. name: full, a KV strategy (with its exit plan), skipdecode, or self_speculative;
-    graphs: full depth through generate_static with CUDA graphs."""
-    if name == "self_speculative":
+    forced) -> Generation. name: full, a KV strategy (with its exit plan), skipdecode, self_speculative, or
+    auto (a GoodputController from costs per mode, at most spec[1] drafts); graphs: full depth through
+    generate_static with CUDA graphs."""
+    if name in SPECULATIVE:
         def decode(idx, n, generator=None, temperature=0.0, top_k=0, forced=None):
             assert forced is None, "self-speculative quality is full depth's by construction"
-            return generate_self_speculative(model, idx, n, spec[0], spec[1], temperature, top_k, generator, spec[2])
+            controller = None
+            if name == "auto":
+                c = costs["greedy" if temperature == 0 else "sampled"]
+                controller = GoodputController(c, c["acceptance"], spec[0], spec[1], model.config.n_layer)
+                if controller.choose()[0] == controller.full_exit:  # speculation cannot pay here: plain full depth
+                    return generate(model, idx, n, temperature=temperature, top_k=top_k, generator=generator)
+            return generate_self_speculative(model, idx, n, spec[0], spec[1], temperature, top_k, generator, spec[2],
+                                             controller=controller)
         return decode
     if name == "full" and graphs:
         return lambda idx, n, generator=None, temperature=0.0, top_k=0, forced=None: generate_static(
@@ -1353,13 +1370,14 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed, top_k):
 
 def spec_stats(outputs, full_outputs, mode, draft_exit, draft_stop):
     """Acceptance, tokens per verify pass, the draft length that ran, and (greedy) whether every row's output
-    equals full depth's."""
-    stats = {k: sum(o.stats[k] for o in outputs) for k in ("rounds", "drafted", "accepted")}
+    equals full depth's. Outputs without speculation (auto choosing full depth) count no drafts."""
+    runs = [o.stats for o in outputs if o.stats]
+    stats = {k: sum(s[k] for s in runs) for k in ("rounds", "drafted", "accepted")}
     same = all(torch.equal(a.tokens, b.tokens) for a, b in zip(outputs, full_outputs)) if mode == "greedy" else None
-    new_tokens = sum(o.exited_at.numel() for o in outputs)
-    return {"acceptance_rate": stats["accepted"] / max(1, stats["drafted"]),
-            "tokens_per_verify": new_tokens / stats["rounds"],
-            "draft_exit": draft_exit, "num_draft": outputs[0].stats["num_draft"], "draft_stop": draft_stop,
+    new_tokens = sum(o.exited_at.numel() for o in outputs if o.stats)
+    return {"acceptance_rate": stats["accepted"] / stats["drafted"] if stats["drafted"] else None,
+            "tokens_per_verify": new_tokens / stats["rounds"] if stats["rounds"] else None,
+            "draft_exit": draft_exit, "num_draft": runs[0]["num_draft"] if runs else None, "draft_stop": draft_stop,
             "identical_to_full": same}
 
 def table_row(name, mode, speed, quality, config, batch_size=1, plan=None):
@@ -1377,7 +1395,7 @@ def table_row(name, mode, speed, quality, config, batch_size=1, plan=None):
            "identical_to_full": None}
     if plan is not None:
         row.update(plan, checked_exits=",".join(map(str, plan["checked_exits"])))
-    if name == "self_speculative":
+    if name in SPECULATIVE:
         row.update(spec_stats(s["outputs"], full["outputs"], mode, config.draft_exit, config.draft_stop))
     return row
 
@@ -1385,7 +1403,7 @@ def measure_decoders(decoders, test, prompts, config, batch_size=1, plans=None):
     """The rows of a decoder table at one batch size, both modes: quality (greedy decoders, teacher-forced on
     test) and speed on the test workload. decoders: name -> {mode: decode}."""
     quality = {name: quality_pass(d["greedy"], test, config.quality_positions, config.n_layer, batch_size)
-               for name, d in decoders.items() if name != "self_speculative"}
+               for name, d in decoders.items() if name not in SPECULATIVE}
     timed = {(name, mode): (d[mode], mode_temperature(mode, config)) for mode in MODES for name, d in decoders.items()}
     speed = speed_pass(timed, prompts, batch_size, config.bench_tokens, config.bench_repeats, config.seed, config.top_k)
     rows = [table_row(name, mode, speed, quality, config, batch_size, (plans or {}).get(name))
@@ -1544,7 +1562,7 @@ def choose_schedule(records, n_layer, block_size, budget):
                         "compute_saved": figures["compute_saved"], "disagreement": figures["disagreement"]}
     return best
 
-BATCH_DESIGNS = ("full", "state_copy", "skipdecode", "self_speculative")
+BATCH_DESIGNS = ("full", "state_copy", "skipdecode", "self_speculative", "auto")
 BATCH_DRAFTS = (4, 8, 11, 16)  # num_draft tried for batched speculation (11 fills 33 new tokens, block 64's half + 1)
 
 def choose_batch_drafts(model, config, val_prompts, batch_size):
@@ -1590,17 +1608,88 @@ def measure_batches(model, splits, config, device, plans, val_records):
     rows, chosen, costs = [], {}, []
     for B in (b for b in BATCH_SIZES if config.bench_prompts % b == 0):
         drafts, val_speed = choose_batch_drafts(model, config, val_prompts, B)
-        chosen[B] = {"num_draft": drafts, "val_tokens_per_second": val_speed}
+        goodput = {mode: goodput_costs(model, val_prompts, B, config, mode) for mode in MODES}  # on val
+        most = 2 * config.num_draft  # auto's longest draft
+        chosen[B] = {"num_draft": drafts, "val_tokens_per_second": val_speed, "goodput_costs": goodput}
         decoders = {name: {mode: decoder(model, name, plan, config.confidence_measure,
-                                         spec_settings(config, drafts[mode]), schedule["schedule"],
-                                         graphs_on(config, device)) for mode in MODES}
+                                         spec_settings(config, drafts[mode] if name != "auto" else most),
+                                         schedule["schedule"], graphs_on(config, device), goodput) for mode in MODES}
                     for name in BATCH_DESIGNS}
         batch_rows, _, speed = measure_decoders(decoders, test, test_prompts, config, B, {"state_copy": plan})
         depth = expected_batch_depth(state_copy_exits, (B,), L)[B]
-        rows += [dict(r, expected_layers=depth if r["name"] == "state_copy" else None) for r in batch_rows]
+        rows += [dict(r, expected_layers=depth if r["name"] == "state_copy" else None,
+                      **goodput_prediction(r, goodput[r["mode"]], config)) for r in batch_rows]
         costs.append(speculation_costs(model, test_prompts, B, config, drafts["greedy"],
                                        speed["full", "greedy"]["tokens_per_second"]))
     return {"entries": rows, "schedule": schedule, "plan": plan, "drafts": chosen, "speculation_costs": costs}
+
+def goodput_prediction(row, costs, config):
+    """The cost model's speed-up beside a batch-table row (full depth, speculation, auto) and what auto chose."""
+    controller = GoodputController(costs, costs["acceptance"], config.draft_exit, 2 * config.num_draft, config.n_layer)
+    if row["name"] == "self_speculative":
+        return {"predicted_speedup": controller.speedup(row["num_draft"])}
+    if row["name"] != "auto":
+        return {"predicted_speedup": 1.0} if row["name"] == "full" else {}
+    exit_, k = controller.choose()
+    full = exit_ == controller.full_exit
+    return {"predicted_speedup": 1.0 if full else controller.speedup(k), "choice": "full depth" if full else f"k={k}"}
+
+# -----------------------------------------------------------------------------
+# Goodput: what each draft length buys at a batch size, and a controller that chooses it round by round
+
+def expected_tokens(acceptance, k):
+    """Tokens a row gains in a round of k drafts, each kept with probability `acceptance` until the first miss:
+    the kept prefix and the full model's token after it, k at most: 1 + a + ... + a^(k-1)."""
+    return float(k) if acceptance >= 1 else (1 - acceptance**k) / (1 - acceptance)
+
+class GoodputController:
+    """Chooses each round's draft: the length k in 1..most with the most tokens per second by the cost model, or
+    full depth (a draft through every layer, kept whole) when no k beats it. A round costs k draft steps, a
+    verify pass (a line in k), the rest of the round, and lasts `slowest` times what the mean row needs; a row
+    gains expected_tokens(a, k). a starts at val's acceptance (worth `prior` drafts) and follows the rounds."""
+
+    def __init__(self, costs, acceptance, draft_exit, most, n_layer, prior=32):
+        self.costs, self.draft_exit, self.most, self.full_exit = costs, draft_exit, most, n_layer - 1
+        self.kept, self.drafted = acceptance * prior, float(prior)
+
+    def speedup(self, k, acceptance=None):
+        """Predicted tokens per second of k drafts a round over full depth's, at this batch size."""
+        c, a = self.costs, self.kept / self.drafted if acceptance is None else acceptance
+        seconds = c["slowest"] * (k * c["draft_step"] + c["verify_base"] + k * c["verify_per_draft"] + c["rest"])
+        return c["full_step"] * expected_tokens(a, k) / seconds
+
+    def choose(self):
+        """(draft exit, most drafts) for the next round."""
+        k = max(range(1, self.most + 1), key=self.speedup)
+        return (self.draft_exit, k) if self.speedup(k) > 1 else (self.full_exit, self.most)
+
+    def update(self, drafted, kept):
+        self.drafted, self.kept = self.drafted + drafted, self.kept + kept
+
+def goodput_costs(model, prompts, batch_size, config, mode):
+    """The cost model's figures on a workload at batch_size, in seconds: a full-depth step, a draft step, a verify
+    pass (base and per draft: a line through k = 2 and num_draft), the rest of a round, the slowest-row factor
+    (rounds taken over rounds the mean row needs), and the acceptance in this mode."""
+    T, n_batches = mode_temperature(mode, config), len(prompts) // batch_size
+    full = speed_pass({"full": (decoder(model, "full"), T)}, prompts, batch_size, config.bench_tokens, 1,
+                      config.seed, config.top_k)["full"]
+    passes = {}
+    for k in (2, config.num_draft):
+        clock, stats = {}, Counter()
+        for i, batch in enumerate(prompts.split(batch_size)):
+            gen = torch.Generator(device=prompts.device).manual_seed(config.seed + i)
+            stats.update(generate_self_speculative(model, batch, config.bench_tokens, config.draft_exit, k, T,
+                                                   config.top_k, gen, clock=clock).stats)
+        passes[k] = clock, stats
+    (clock2, stats2), (clock, stats) = passes[2], passes[config.num_draft]
+    per_draft = (clock["verify"] / stats["rounds"] - clock2["verify"] / stats2["rounds"]) / (config.num_draft - 2)
+    acceptance = stats["accepted"] / stats["drafted"]
+    mean_rounds = n_batches * config.bench_tokens / expected_tokens(acceptance, config.num_draft)
+    return {"full_step": batch_size / full["tokens_per_second"], "draft_step": clock["draft"] / stats["draft_steps"],
+            "verify_base": clock["verify"] / stats["rounds"] - config.num_draft * per_draft,
+            "verify_per_draft": per_draft,
+            "rest": (clock["re-prefill"] + clock["accept and the rest"]) / stats["rounds"],
+            "slowest": stats["rounds"] / mean_rounds, "acceptance": acceptance}
 
 # -----------------------------------------------------------------------------
 # Measurement, 2: training recipes compared at the same budget, and what exit heads cost to train
@@ -1688,6 +1777,7 @@ STRATEGY_COLUMNS = (("mode", "mode", "{}"), ("name", "strategy", "{}"), ("checke
                     ("test_loss", "test loss", "{:.4f}"), ("agreement", "agree w/ full", "{:.3f}"))
 BATCH_COLUMNS = (("batch_size", "B", "{}"), ("mode", "mode", "{}"), ("name", "design", "{}"),
                  ("tokens_per_second", "tok/s (batch)", "{:,.0f}"), ("speedup", "speed-up", "{:.2f}x"),
+                 ("predicted_speedup", "predicted", "{:.2f}x"), ("choice", "auto chose", "{}"),
                  ("num_draft", "k", "{}"), ("mean_layers", "layers/token", "{:.2f}"),
                  ("expected_layers", "expected", "{:.2f}"), ("test_loss", "test loss", "{:.4f}"),
                  ("agreement", "agree w/ full", "{:.3f}"), ("identical_to_full", "identical", "{}"))

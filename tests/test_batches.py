@@ -105,8 +105,12 @@ def test_batch_table_in_the_report(tmp_path, capsys, monkeypatch):
         (b, mode, n) for b in (1, 4) for mode in ("greedy", "sampled") for n in m.BATCH_DESIGNS}
     keys = {"batch_size", "name", "mode", "tokens_per_second", "speedup", "agreement", "identical_to_full"}
     assert all(keys <= set(r) for r in rows)
-    spec = [r for r in rows if r["name"] == "self_speculative" and r["mode"] == "greedy"]
-    assert all(r["identical_to_full"] is True for r in spec)
+    spec = [r for r in rows if r["name"] in ("self_speculative", "auto") and r["mode"] == "greedy"]
+    assert len(spec) == 4 and all(r["identical_to_full"] is True for r in spec)
+    auto = [r for r in rows if r["name"] == "auto"]
+    assert all(r["choice"] == "full depth" or r["choice"].startswith("k=") for r in auto)
+    assert all(r["predicted_speedup"] > 0 for r in rows if r["name"] in ("full", "self_speculative", "auto"))
+    assert set(batched["drafts"]["4"]["goodput_costs"]) == {"greedy", "sampled"}
     assert all(r["num_draft"] == {"greedy": 3, "sampled": 5}[r["mode"]] == batched["drafts"][str(r["batch_size"])]
                ["num_draft"][r["mode"]] for r in rows if r["name"] == "self_speculative")
 

@@ -1,0 +1,96 @@
+"""Goodput: the cost model, and a controller that picks full depth or a draft length and never changes the output."""
+
+import copy
+
+import pytest
+import torch
+
+from conftest import m, tiny_model
+
+pytestmark = pytest.mark.usefixtures("no_grad")
+
+COSTS = {"full_step": 1.0, "draft_step": 0.2, "verify_base": 1.0, "verify_per_draft": 0.05, "rest": 0.1,
+         "slowest": 1.0, "acceptance": 0.8}
+
+
+def test_expected_tokens_by_hand():
+    assert m.expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25)
+    assert m.expected_tokens(1.0, 4) == 4 and m.expected_tokens(0.0, 4) == 1
+
+
+def test_the_controller_speculates_when_drafts_are_kept_and_stops_when_they_are_not():
+    keen = m.GoodputController(COSTS, 1.0, 0, 16, 6)  # a draft head equal to the final head: every draft kept
+    assert keen.choose() == (0, 16)
+    assert keen.speedup(16) == pytest.approx(16 / (16 * 0.2 + 1.0 + 16 * 0.05 + 0.1))
+    hopeless = m.GoodputController(COSTS, 0.0, 0, 16, 6)  # a draft head that always disagrees
+    assert hopeless.choose() == (5, 16)  # full depth: a draft through every layer
+    mid = m.GoodputController(COSTS, 0.8, 0, 16, 6, prior=10)
+    k = mid.choose()[1]
+    assert 1 < k < 16 and mid.speedup(k) >= max(mid.speedup(j) for j in range(1, 17))
+    mid.update(200, 0)  # the rounds so far kept nothing: it stops speculating
+    assert mid.choose() == (5, 16)
+
+
+class Alternating:
+    """A controller that changes the draft length and the draft exit from round to round (full depth included)."""
+
+    def __init__(self, n_layer):
+        self.plan, self.i, self.seen = [(0, 1), (0, 3), (n_layer - 1, 2), (1, 2)], 0, 0
+
+    def choose(self):
+        self.i += 1
+        return self.plan[(self.i - 1) % len(self.plan)]
+
+    def update(self, drafted, kept):
+        self.seen += drafted
+
+
+def test_a_controller_never_changes_greedy_output(trained):
+    model, data = trained
+    idx = torch.stack([data[1700 * b : 1700 * b + 5] for b in range(4)])
+    full = m.generate(model, idx, 90, temperature=0.0)
+    controller = Alternating(model.config.n_layer)
+    out = m.generate_self_speculative(model, idx, 90, 0, 4, controller=controller)
+    assert torch.equal(out.tokens, full.tokens) and controller.seen > 0 and out.stats["full_rounds"] > 0
+    kept = out.exited_at < model.config.n_layer - 1
+    assert kept.any() and set(out.exited_at[kept].tolist()) == {0, 1}, "kept drafts carry their own round's exit"
+
+
+def test_auto_picks_full_depth_when_the_draft_head_disagrees(trained):
+    model, data = trained
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        model.exit_heads[0].lm_head.weight.mul_(-1)  # the draft head now prefers what the final head does not
+    prompts = m.workload(data[:20000], 4, 8)
+    config = copy.copy(model.config)
+    config.bench_tokens, config.num_draft, config.draft_exit = 30, 4, 0
+    costs = m.goodput_costs(model, prompts, 2, config, "greedy")
+    assert costs["acceptance"] < 0.1 and all(costs[k] > 0 for k in ("full_step", "draft_step", "slowest"))
+    auto = m.decoder(model, "auto", spec=(0, 8, 0.0), costs={"greedy": costs})
+    out = auto(prompts[:2], 30)
+    assert out.stats is None, "full depth: the plain decoder, no speculation"
+    assert torch.equal(out.tokens, m.generate(model, prompts[:2], 30, temperature=0.0).tokens)
+
+
+def test_auto_speculates_when_the_draft_is_good_and_keeps_greedy_output(trained):
+    model, data = trained
+    prompts = m.workload(data[:20000], 4, 8)
+    costs = dict(COSTS, acceptance=0.9)
+    out = m.decoder(model, "auto", spec=(0, 8, 0.0), costs={"greedy": costs})(prompts, 60)
+    assert out.stats["rounds"] > 0 and out.stats["accepted"] > 0
+    assert torch.equal(out.tokens, m.generate(model, prompts, 60, temperature=0.0).tokens)
+
+
+def test_sampled_output_keeps_its_distribution_under_a_changing_controller():
+    model = tiny_model(n_layer=3)
+    idx, V = torch.tensor([[3, 1, 4]]), 11
+    dist = lambda ctx: m.probs_from_logits(model(ctx)[0][0, -1], 1.0, 0)  # noqa: E731
+    joint = torch.stack([dist(idx)[a] * dist(torch.cat([idx, torch.tensor([[a]])], 1)) for a in range(V)])
+    gen, counts = torch.Generator().manual_seed(0), torch.zeros(V, V)
+    for _ in range(400):  # 400 batches of 8 rows, the controller's plan restarting each time
+        out = m.generate_self_speculative(model, idx.repeat(8, 1), 2, 0, 3, 1.0, 0, gen, controller=Alternating(3))
+        for a, b in out.tokens[:, 3:].tolist():
+            counts[a, b] += 1
+    emp = counts / counts.sum()
+    assert 0.5 * (emp.sum(1) - joint.sum(1)).abs().sum() < 0.04
+    assert 0.5 * (emp - joint).abs().sum() < 0.1
