@@ -65,7 +65,6 @@ class Config:
 
 class CharTokenizer:
     """A vocabulary of the distinct characters of a text."""
-
     def __init__(self, chars):
         self.chars = "".join(sorted(set(chars)))
         self.stoi = {ch: i for i, ch in enumerate(self.chars)}
@@ -102,7 +101,6 @@ def load_data(config):
 
 class CausalSelfAttention(nn.Module):
     """All heads in one fused QKV projection and one scaled_dot_product_attention call."""
-
     def __init__(self, config):
         super().__init__()
         self.n_head, self.n_embd = config.n_head, config.n_embd
@@ -142,7 +140,6 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Pre-LayerNorm transformer block; with a cache it appends this layer's K/V for x."""
-
     def __init__(self, config):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
@@ -158,7 +155,6 @@ class Block(nn.Module):
 
 class ExitHead(nn.Module):
     """LayerNorm + Linear to the vocabulary: reads a middle layer's hidden state as logits."""
-
     def __init__(self, config):
         super().__init__()
         self.ln = nn.LayerNorm(config.n_embd, bias=config.bias)
@@ -172,7 +168,6 @@ def cross_entropy(logits, targets):
 
 class GPT(nn.Module):
     """nanoGPT with exit_heads[l] after block l for l < n_layer - 1; the last exit is ln_f + lm_head."""
-
     def __init__(self, config):
         super().__init__()
         self.config = config  # the recipes' fields (exit_weights, exit_head, distill_*, layer_dropout) are Part II's
@@ -247,7 +242,6 @@ class KVCache:
     full depth keeps all lengths equal. A token that exits early leaves the layers above behind, and what a
     KVStrategy does about it is all that tells strategies apart. pending_states: the state each position reached,
     for layers above that have not run it yet (deferred recompute, the speculative verify)."""
-
     def __init__(self, config, batch_size, device, dtype=torch.float32):
         shape = (config.n_layer, batch_size, config.n_head, config.block_size, config.n_embd // config.n_head)
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nh, block_size, hs)
@@ -329,8 +323,7 @@ def slide_window(model, cache, tokens, start, n):
 
 class KVStrategy:
     """Backfill, and the hook Part II's strategies override: run_layer runs a block for the newest token; once every
-    row has exited, skips: are the layers above skipped? skip_layers: what the cache gets for them."""
-
+    row has exited, skips (bool) says whether the layers above are skipped and skip_layers what the cache gets."""
     name, skips, by_name = "backfill", False, {}
 
     def __init_subclass__(cls):
@@ -389,13 +382,11 @@ class Generation:
 def generate(model, idx, max_new_tokens, strategy="backfill", exit_threshold=1.0, checked_exits=None,
              measure="top1", temperature=1.0, top_k=0, generator=None, forced=None):
     """Decode max_new_tokens after idx (B, T0) with the KV cache; forced (B, N) teacher-forces the tokens."""
-    cfg = model.config
-    B, T0 = idx.shape
+    cfg, (B, T0) = model.config, idx.shape
     checked_exits = range(cfg.n_layer - 1) if checked_exits is None else checked_exits
     kv_strategy = strategy if isinstance(strategy, KVStrategy) else KVStrategy.by_name.get(strategy, KVStrategy)(model)
     tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # (B, T0 + N)
-    exits = idx.new_zeros(B, max_new_tokens)
-    emitted, prefilled = [], 0
+    exits, emitted, prefilled = idx.new_zeros(B, max_new_tokens), [], 0
     cache, start = KVCache(cfg, B, idx.device), None
     for i in range(max_new_tokens):
         n = T0 + i
@@ -416,11 +407,9 @@ def generate(model, idx, max_new_tokens, strategy="backfill", exit_threshold=1.0
 
 def format_exit_stats(counts):
     """The seed's per-layer lines, 'Layer 0:   42 tokens (21.0%)', with a bar each."""
-    total, last = sum(counts), len(counts) - 1
-    lines = []
-    for l, c in enumerate(counts):
-        name = f"Layer {l}{' (full)' if l == last else ''}:"
-        lines.append(f"{name:<16}{c:>6} tokens ({100 * c / total:5.1f}%) {'#' * round(30 * c / total)}")
+    total, names = sum(counts), [f"Layer {l}:" for l in range(len(counts) - 1)] + [f"Layer {len(counts) - 1} (full):"]
+    lines = [f"{name:<16}{c:>6} tokens ({100 * c / total:5.1f}%) {'#' * round(30 * c / total)}"
+             for name, c in zip(names, counts)]
     mean = sum((l + 1) * c for l, c in enumerate(counts)) / total
     lines.append(f"mean exit depth: {mean:.2f} of {len(counts)} layers per token")
     return "\n".join(lines)
@@ -521,9 +510,18 @@ def train_new_model(config, tokenizer, splits, device):
     print(format_eval(config.max_iters, estimate_loss(model, splits, config, device)))
     return model.eval()
 
-def run_lesson(config, device, build_model=train_new_model, choose_threshold=None, **decoding):
-    """Part I end to end: train, a full-depth and an early-exit sample (backfill) from one prompt and seed, and where
-    the tokens left. Returns what Part II goes on from; Part II's hooks: build_model, choose_threshold, decoding."""
+def speed_note(samples, checked_exits, n_layer):
+    """Why the early-exit sample ran faster or slower than full depth: the work it did per token."""
+    (_, full), (out, speed) = samples.values()
+    N = out.exited_at.size(1)
+    checks = sum(int((out.exited_at >= l).sum()) for l in checked_exits if l < n_layer - 1) / N
+    how = (f" in {out.stats['rounds']} verify passes, not {N} steps" if out.stats else
+           f", plus {checks:.2f} exit checks (each a head, a softmax and a host sync)")
+    return f"{speed / full:.2f}x full depth's speed: {out.layers_run / N:.2f} layer runs per token (of {n_layer}){how}"
+
+def run_lesson(config, device, build_model=train_new_model, choose_threshold=None, sample=None, **decoding):
+    """Part I end to end: train, a full-depth and an early-exit sample (backfill) from one prompt and seed, where the
+    tokens left. Part II's hooks: build_model, choose_threshold, decoding, sample (generate's twin, with a label)."""
     tokenizer, splits = load_data(config)
     model = build_model(config, tokenizer, splits, device)
     if model is None:
@@ -531,16 +529,18 @@ def run_lesson(config, device, build_model=train_new_model, choose_threshold=Non
     threshold = config.exit_threshold if choose_threshold is None else choose_threshold(model, tokenizer, splits)
     idx = torch.tensor([tokenizer.encode(config.prompt)], dtype=torch.long, device=device)
     print("\n=== What does early exit look like? Two samples from the same prompt and seed ===")
-    samples = {}  # name -> (Generation, tokens per second)
-    how = f": {decoding.get('strategy', 'backfill')}, {config.confidence_measure} > {threshold:g}"
+    samples, rule = {}, f"{decoding.get('strategy', 'backfill')}, {config.confidence_measure} > {threshold:g}"
+    how = getattr(sample, "label", rule)  # samples: name -> (Generation, tokens per second)
     for name, t in (("full-depth", 1.0), ("early-exit", threshold)):
         t0, gen = time.perf_counter(), torch.Generator(device=device).manual_seed(config.seed)
-        out = generate(model, idx, config.max_new_tokens, exit_threshold=t, measure=config.confidence_measure,
-                       temperature=config.temperature, top_k=config.top_k, generator=gen, **decoding)
+        out = (sample or generate if t < 1 else generate)(
+            model, idx, config.max_new_tokens, exit_threshold=t, generator=gen, measure=config.confidence_measure,
+            temperature=config.temperature, top_k=config.top_k, **decoding)
         synchronize(device)
         samples[name] = out, config.max_new_tokens / (time.perf_counter() - t0)
         text = tokenizer.decode(out.tokens[0, idx.size(1) :].tolist())
-        print(f"\n--- {name} sample{how if t < 1 else ''} ({samples[name][1]:,.0f} tok/s) ---\n{text}")
+        print(f"\n--- {name} sample{': ' + how if t < 1 else ''} ({samples[name][1]:,.0f} tok/s) ---\n{text}")
+    print(f"({speed_note(samples, decoding.get('checked_exits', range(config.n_layer - 1)), config.n_layer)})")
     counts = torch.bincount(out.exited_at[0], minlength=config.n_layer).tolist()
     print("\nper-layer exit statistics:\n" + format_exit_stats(counts))
     return {"model": model, "tokenizer": tokenizer, "splits": splits, "threshold": threshold, "idx": idx,
@@ -555,8 +555,10 @@ import inspect
 import itertools
 import json
 import os
+import re
 import pickle
 import signal
+import textwrap
 import threading
 import zipfile
 from collections import Counter
@@ -580,7 +582,7 @@ class LabConfig(Config):
     distill_temperature: float = 1.0  # temperature of that distillation; higher matches more of the distribution
     layer_dropout: float = 0.2  # LayerSkip's p_max: in training skip block l with p_max * (2^(l / (L-1)) - 1)
     # decoders
-    kv_strategy: str = "backfill"  # the early-exit sample's KV strategy: backfill, deferred, state_copy, holes
+    kv_strategy: str = "backfill"  # the early-exit sample's decoder: a KV strategy (backfill, ...) or self_speculative
     exit_layers: str = "auto"  # exits checked: 'auto' (the cost-aware plan per strategy; all in samples), 'all', '1,3'
     draft_exit: int = 0  # self-speculative: the last layer of the draft (its exit head drafts)
     num_draft: int = 8  # self-speculative: the most tokens drafted per verify pass
@@ -626,7 +628,6 @@ def flush(model, cache):
 class Deferred(KVStrategy):
     """An exit parks its state in pending_states; the next token that needs a layer runs the pending
     positions and itself there as one causal chunk. Exact, like backfill, with the work postponed."""
-
     name, skips = "deferred", True
 
     def run_layer(self, block, cache, layer, x, pos):
@@ -676,7 +677,6 @@ def write_state_copy(cache, first_layer, x, weight, bias):
 
 class StateCopy(KVStrategy):
     """Approximate: the skipped layers see the exit state where their own input would have been."""
-
     name, skips = "state_copy", True
 
     def __init__(self, model):
@@ -690,7 +690,6 @@ class StateCopy(KVStrategy):
 
 class Holes(KVStrategy):
     """Later tokens attend only to the entries that exist: the skipped layers' caches just have fewer."""
-
     name, skips = "holes", True
 
     def skip_layers(self, model, cache, x, pos, layer):
@@ -712,7 +711,6 @@ class RowKVCache(KVCache):
     block_size take the drafts of rows with less room than others; those are always rolled back. static: every
     layout reads all the slots, the unfilled ones masked, so a step's shapes never change (a CUDA graph can
     record it)."""
-
     def __init__(self, config, batch_size, device, spare=0, static=False):
         super().__init__(config, batch_size, device)
         L, B, nh, S, hs = self.k.shape
@@ -935,6 +933,15 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit, num_draft,
              "accepted": sum(int(r[3].sum()) for r in spec)}
     return Generation(out_tokens, exited_at, None, sum(cache.layer_evals) - evals, cache, stats, prefilled)
 
+def speculative_sample(config):
+    """run_lesson's `sample` for --kv_strategy=self_speculative: generate()'s arguments, drafted and verified."""
+    def sample(model, idx, n, temperature=1.0, top_k=0, generator=None, **_):
+        return generate_self_speculative(model, idx, n, config.draft_exit, config.num_draft, temperature, top_k,
+                                         generator, config.draft_stop)
+    drafters = "layer 0 drafts" if config.draft_exit == 0 else f"layers 0..{config.draft_exit} draft"
+    sample.label = f"self_speculative, {drafters} up to {config.num_draft} a round, the rest verify"
+    return sample
+
 def kept_drafts(rounds, B, end, full_exit):
     """(B, end): the draft's exit where a token is a kept draft, full_exit elsewhere, from each round's (rows, first
     draft position, room, drafts kept, draft exit): the exit's offset from full_exit added where a row's kept
@@ -1034,7 +1041,6 @@ class RecipeGPT(GPT):
     """The lesson's GPT trained with a recipe of LabConfig: exit-loss weights, one shared head or the final head
     at every exit, self-distillation toward the final head, LayerSkip's layer dropout. The seed recipe
     (SEED_RECIPE) computes exactly GPT's loss; the default, dropout_distill, won the recipe comparison."""
-
     def __init__(self, config):
         super().__init__(config)
         if config.exit_head != "separate":  # one shared head (its parameters count once), or none at all
@@ -1115,7 +1121,6 @@ CONFIDENCE_MEASURES.update(margin=margin, entropy=normalised_entropy)
 @dataclass
 class ExitRecords:
     """What every exit says at each position of a text, read in the decoder's own windows."""
-
     confidences: dict  # measure -> (L, N): each exit's confidence in its top prediction
     pred: torch.Tensor  # (L, N): each exit's top prediction
     nll: torch.Tensor  # (L, N): -log p(true next character) at each exit
@@ -1411,9 +1416,10 @@ def measure_decoders(decoders, test, prompts, config, batch_size=1, plans=None):
     return rows, quality, speed
 
 @torch.inference_mode()
-def decode_costs(model, prompts, n_tokens, repeats=200):
+def decode_costs(model, prompts, n_tokens, repeats=200, attempts=3):
     """Seconds, one new token at batch 1 (medians): a block, an exit check (head, confidence and the host
-    sync that decides), a state-copy write, the final head, and a whole full-depth token on these prompts."""
+    sync that decides), a state-copy write, the final head, and a whole full-depth token on these prompts. A
+    token cheaper than n_layer blocks is impossible (a busy machine): measured again, up to `attempts` times."""
     cfg, device = model.config, prompts.device
     cache, x = KVCache(cfg, 1, device), torch.zeros(1, 1, cfg.n_embd, device=device)
     weight, bias = state_copy_projections(model)
@@ -1421,17 +1427,21 @@ def decode_costs(model, prompts, n_tokens, repeats=200):
               "check": lambda: bool((confidence(model.exit_logits(x[:, 0], 0)) > 0.9).any()),
               "state_copy": lambda: write_state_copy(cache, 1, x, weight, bias),
               "final_head": lambda: model.exit_logits(x[:, 0], cfg.n_layer - 1).argmax(-1).tolist()}
-    t = {key: [] for key in stages}
-    for _ in range(repeats):
-        cache.reset()
-        for key, stage in stages.items():
-            t0 = time.perf_counter()
-            stage()
-            synchronize(device)  # each timer reads finished work
-            t[key].append(time.perf_counter() - t0)
-    costs = {key: float(np.median(v)) for key, v in t.items()}
-    full = speed_pass({"full": (decoder(model, "full"), 0.0)}, prompts, 1, n_tokens, 1, 0, 0)["full"]
-    return {**costs, "token": 1.0 / full["tokens_per_second"]}
+    for attempt in range(1, attempts + 1):
+        t = {key: [] for key in stages}
+        for _ in range(repeats):
+            cache.reset()
+            for key, stage in stages.items():
+                t0 = time.perf_counter()
+                stage()
+                synchronize(device)  # each timer reads finished work
+                t[key].append(time.perf_counter() - t0)
+        costs = {key: float(np.median(v)) for key, v in t.items()}
+        full = speed_pass({"full": (decoder(model, "full"), 0.0)}, prompts, 1, n_tokens, 1, 0, 0)["full"]
+        costs.update(token=1.0 / full["tokens_per_second"], attempts=attempt)
+        if costs["token"] >= cfg.n_layer * costs["block"]:
+            return costs
+    return costs
 
 def predict_speedup(records, measure, threshold, checked_exits, costs, strategy, n_layer):
     """Full depth's measured time per token over the predicted time of a strategy checking these exits.
@@ -1533,7 +1543,6 @@ class SkipDecode(Holes):
     """After SkipDecode (arXiv:2307.02628): every row at window position pos exits at schedule[pos], a depth that
     never rises along the window, so a later token never reads a layer an earlier one skipped: no holes are ever
     read, no exit check is needed, and a batch saves what a row saves."""
-
     name = "skipdecode"
 
     def __init__(self, model, schedule):
@@ -1647,7 +1656,6 @@ class GoodputController:
     full depth (a draft through every layer, kept whole) when no k beats it. A round costs k draft steps, a
     verify pass (a line in k), the rest of the round, and lasts `slowest` times what the mean row needs; a row
     gains expected_tokens(a, k). a starts at val's acceptance (worth `prior` drafts) and follows the rounds."""
-
     def __init__(self, costs, acceptance, draft_exit, most, n_layer, prior=32):
         self.costs, self.draft_exit, self.most, self.full_exit = costs, draft_exit, most, n_layer - 1
         self.kept, self.drafted = acceptance * prior, float(prior)
@@ -1759,35 +1767,37 @@ def colour_text(text, layers, n_layer, tty):
         i += len(line) + 1
     return "\n".join(out)
 
+WIDTH = 120  # console tables and their notes fit this many columns
+
 def print_table(title, entries, columns, notes=()):
     """The question a table answers, the table (columns: (key, header, format) triples), and notes under it."""
     cells = [[fmt.format(e[k]) if e.get(k) is not None else "-" for k, _, fmt in columns] for e in entries]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (_, h, _) in enumerate(columns)]
-    print(f"\n=== {title} ===")
+    print("\n=== " + "\n    ".join(textwrap.wrap(title, WIDTH - 8)) + " ===")
     for line in [[h for _, h, _ in columns]] + cells:
         print("  ".join(v.rjust(w) for v, w in zip(line, widths)))
     for note in notes:
-        print(note)
+        print(textwrap.fill(note, WIDTH, subsequent_indent="  ") if len(note) > WIDTH else note)
 
-STRATEGY_COLUMNS = (("mode", "mode", "{}"), ("name", "strategy", "{}"), ("checked_exits", "exits", "{}"),
+STRATEGY_COLUMNS = (("mode", "mode", "{}"), ("name", "decoder", "{}"), ("checked_exits", "exits", "{}"),
                     ("threshold", "thr", "{:.2f}"), ("tokens_per_second", "tok/s", "{:,.0f}"),
                     ("speedup", "speed-up", "{:.2f}x"), ("predicted_speedup", "predicted", "{:.2f}x"),
-                    ("ideal_speedup", "ideal L/layers", "{:.2f}x"), ("mean_layers", "layers/token", "{:.2f}"),
-                    ("prefill_layers", "+prefill", "{:.2f}"), ("repetition", "repetition", "{:.2f}"),
-                    ("test_loss", "test loss", "{:.4f}"), ("agreement", "agree w/ full", "{:.3f}"))
+                    ("ideal_speedup", "ideal", "{:.2f}x"), ("mean_layers", "layers", "{:.2f}"),
+                    ("repetition", "repeats", "{:.2f}"), ("test_loss", "test loss", "{:.4f}"),
+                    ("agreement", "agree", "{:.3f}"))
 BATCH_COLUMNS = (("batch_size", "B", "{}"), ("mode", "mode", "{}"), ("name", "design", "{}"),
-                 ("tokens_per_second", "tok/s (batch)", "{:,.0f}"), ("speedup", "speed-up", "{:.2f}x"),
+                 ("tokens_per_second", "tok/s", "{:,.0f}"), ("speedup", "speed-up", "{:.2f}x"),
                  ("predicted_speedup", "predicted", "{:.2f}x"), ("choice", "auto chose", "{}"),
-                 ("num_draft", "k", "{}"), ("mean_layers", "layers/token", "{:.2f}"),
+                 ("num_draft", "k", "{}"), ("mean_layers", "layers", "{:.2f}"),
                  ("expected_layers", "expected", "{:.2f}"), ("test_loss", "test loss", "{:.4f}"),
-                 ("agreement", "agree w/ full", "{:.3f}"), ("identical_to_full", "identical", "{}"))
+                 ("agreement", "agree", "{:.3f}"), ("identical_to_full", "identical", "{}"))
 LENS_COLUMNS = (("layer", "layer", "{}"), ("readout", "readout", "{}"), ("agreement", "top-1 = final", "{:.3f}"),
-                ("mean_rank", "mean rank of final's top-1", "{:.2f}"), ("confidence", "mean confidence", "{:.3f}"))
+                ("mean_rank", "mean rank", "{:.2f}"), ("confidence", "mean confidence", "{:.3f}"))
 RECIPE_COLUMNS = (("recipe", "recipe", "{}"), ("val_loss_final", "val loss", "{:.4f}"),
-                  ("calibrated_threshold", "threshold", "{:.2f}"), ("compute_saved", "test saved", "{:.1%}"),
+                  ("calibrated_threshold", "thr", "{:.2f}"), ("compute_saved", "saved", "{:.1%}"),
                   ("test_loss", "test loss", "{:.4f}"), ("test_full_loss", "full", "{:.4f}"),
-                  ("spec_acceptance_rate", "accept", "{:.3f}"), ("spec_speedup", "spec greedy", "{:.2f}x"),
-                  ("spec_speedup_sampled", "spec sampled", "{:.2f}x"))
+                  ("spec_acceptance_rate", "accept", "{:.3f}"), ("spec_speedup", "greedy", "{:.2f}x"),
+                  ("spec_speedup_sampled", "sampled", "{:.2f}x"))
 
 def print_strategies(entries, quality, config, costs, depths):
     spec = [f"self_speculative {e['mode']}: draft_exit={e['draft_exit']}, num_draft={e['num_draft']}, draft_stop="
@@ -1795,25 +1805,32 @@ def print_strategies(entries, quality, config, costs, depths):
             f"verify pass, " + {True: "identical to full depth on every prompt", False: "NOT identical to full depth",
                                 None: "exact in distribution (tested)"}[e["identical_to_full"]]
             for e in entries if e["name"] == "self_speculative"]
-    b, L = costs["block"], config.n_layer
+    b, L, prefill = costs["block"], config.n_layer, sorted({round(e["prefill_layers"], 2) for e in entries})
+    impossible = (f" IMPOSSIBLE (a token runs {L} blocks and a head): still so after {costs['attempts']} measurements, "
+                  "the machine is busy; the predictions above use it" if costs["token"] < L * b else "")
     print_table(f"What does each KV strategy buy? {config.bench_prompts} test prompts of {config.bench_prompt_len} "
                 f"characters, {config.bench_tokens} more each, batch 1, median of {config.bench_repeats} interleaved "
                 "runs", entries, STRATEGY_COLUMNS, spec + [
-        f"each mode against full depth in that mode (sampled: temperature {config.temperature:g}, top_k "
-        f"{config.top_k}). exits, thr: chosen on val (exit_layers={config.exit_layers!r}, the highest threshold "
-        f"sending {EARLY_EXIT_FRACTION:.0%} of val positions out early). predicted: the cost-aware plan's figure.",
-        "layers/token: blocks run while decoding, catch-up included; +prefill: the full-depth re-prefill every "
-        "block_size/2 tokens (it also repairs holes and state copies). repetition: 1 - distinct/total 4-grams.",
-        f"test loss, agreement: {config.quality_positions} test positions teacher-forced through each decoder "
-        "(self_speculative: full depth's, by construction). The Learn-then-Test guarantee covers none of these rows.",
+        f"speed-up: tokens per second over full depth's in the same mode (sampled: temperature {config.temperature:g}, "
+        f"top_k {config.top_k}); predicted: the cost model's figure for the exit plan; ideal: {L} / layers, what the "
+        "skipped layers would give if a layer were all a step cost.",
+        f"exits, thr: the exits checked and their threshold, chosen on val (exit_layers={config.exit_layers!r}: the "
+        f"highest threshold sending {EARLY_EXIT_FRACTION:.0%} of val positions out early). layers: blocks run per "
+        f"token while decoding, catch-up included; re-prefilling the window every block_size/2 tokens adds "
+        f"{' to '.join(map(str, prefill))} per token for every decoder (it also repairs holes and state copies).",
+        "repeats: the share of the text's 4-grams that repeat an earlier one (a loop is easy to draft and to exit "
+        f"from). test loss, agree: {config.quality_positions} test positions teacher-forced through each decoder, "
+        "and how often its top-1 equals full depth's (self_speculative: full depth's, by construction). The "
+        "Learn-then-Test guarantee covers none of these rows.",
         "\nwhere test tokens exit (teacher-forced), and layers run per token counting catch-up work:"]
         + [f"  {name:<11} {' '.join(f'{100 * f:5.1f}%' for f in q['exit_fractions'])}  | {q['mean_layers']:.2f} "
            "layers/token" for name, q in quality.items()]
         + [f"measured costs, one token at batch 1: block {1e6 * b:.0f} us, exit check {costs['check'] / b:.2f} of a "
            f"block, state-copy write {costs['state_copy'] / b:.2f}, final head {costs['final_head'] / b:.2f}; a "
-           f"full-depth token {costs['token'] / b:.1f} blocks",
-           "a batch runs as deep as its deepest row: expected layers per step from the recorded exits:"]
-        + [f"  B = {B:>2}: {d:.2f} of {L} layers ({100 * (1 - d / L):4.1f}% saved)" for B, d in depths.items()])
+           f"full-depth token {costs['token'] / b:.1f} blocks{impossible}",
+           "a batch runs as deep as its deepest row: expected layers per step, from where these test tokens exit:"]
+        + [f"  B = {B:>2}: {d:.2f} of {L} layers ({100 * (1 - d / L):4.1f}% of layer runs saved)"
+           for B, d in depths.items()])
 
 def spec_grid(grid, mode):
     """The self-speculative sweep of one mode as a grid: (draft_exit, num_draft) lines, draft_stop columns, and
@@ -1840,7 +1857,12 @@ def print_spec_sweep(grid):
 def batch_notes(batched, cfg):
     """The lines under the batch table; cfg: the config as a dict (report.json's)."""
     plan, schedule = batched["plan"], batched["schedule"]
-    return [f"state_copy: every row waits for the deepest (exits {plan['checked_exits']}, {cfg['confidence_measure']}"
+    return ["tok/s: characters per second of the whole batch; speed-up: over full depth at the same batch size and "
+            "mode; predicted: the cost model's speed-up; auto chose: the goodput controller's first choice (k drafts "
+            "a round, or full depth); k: drafts a round; layers: blocks run per token; expected: what the recorded "
+            "exits predict; test loss, agree: teacher-forced test positions, agreement with full depth's top-1; "
+            "identical: greedy output equal to full depth's on every row.",
+            f"state_copy: every row waits for the deepest (exits {plan['checked_exits']}, {cfg['confidence_measure']}"
             f" > {plan['threshold']:g}; expected: layers per step from val's exits). skipdecode: every row exits at "
             f"layer {schedule.get('exit_layer', cfg['n_layer'] - 1)} from window position "
             f"{schedule.get('from_position', '-')} (val: {schedule['compute_saved']:.1%} saved, "
@@ -1862,32 +1884,38 @@ def print_batches(batched, config):
 
 def print_exit_rule(rule, config):
     """The analysis of choosing the exit rule, each part under the question it answers."""
-    L, cal = config.n_layer, rule["calibration"]
+    L, cal, n = config.n_layer, rule["calibration"], f"{config.sweep_positions:,}"
     shown = [dict(e, fractions=" ".join(f"{100 * f:5.1f}" for f in e["exit_fractions"])) for e in rule["sweep"]
              if round(100 * e["threshold"]) % 10 == 0 or e["threshold"] in (0.99, 0.98, 0.95)]
-    print_table(f"Which threshold? The sweep on val ({config.confidence_measure}): compute saved against "
-                "quality",
+    print_table(f"Which threshold? The sweep on {n} val positions, teacher-forced ({config.confidence_measure}): "
+                "compute saved against quality",
                 shown, (("threshold", "threshold", "{:.2f}"), ("fractions", f"% exiting at layer 0..{L - 1}", "{}"),
-                        ("mean_layers", "layers", "{:.2f}"), ("compute_saved", "saved", "{:.1%}"),
+                        ("mean_layers", "layers", "{:.2f}"), ("compute_saved", "val saved", "{:.1%}"),
                         ("loss", "val loss", "{:.4f}"), ("disagreement", "disagree", "{:.2%}")),
-                ["text plot: compute saved (#) and disagreement with full depth (x, same scale), one line a "
-                 "threshold"]
+                [f"layers: mean layers run per position; val saved: the share of layer runs skipped; val loss: the "
+                 f"loss of the head each position exits at (full depth's: {rule['sweep'][0]['full_loss']:.4f} on "
+                 "these positions); disagree: the share of positions whose top-1 differs from full depth's.",
+                 "text plot: compute saved (#) and disagreement with full depth (x, same scale), one line a threshold"]
                 + [f"  {e['threshold']:4.2f} |{'#' * round(40 * e['compute_saved']):<40}| {e['compute_saved']:6.1%} "
                    f"saved |{'x' * min(10, round(40 * e['disagreement'])):<10}| {e['disagreement']:6.2%} disagree"
                    for e in shown])
     cals = rule["calibration_by_measure"]
     print_table(f"Which threshold, with a guarantee? Learn then Test: disagreement <= {cal['epsilon']:.0%} with "
-                f"probability >= {1 - cal['delta']:.0%}, chosen on val, reported on test",
+                f"probability >= {1 - cal['delta']:.0%}, chosen on val, reported on {n} test positions",
                 [{"measure": c["measure"], "threshold": c["threshold"], **c["test"]} for c in cals],
                 (("measure", "measure", "{}"), ("threshold", "threshold", "{:.2f}"), ("compute_saved", "test saved",
                  "{:.1%}"), ("disagreement", "disagree", "{:.2%}"), ("loss", "test loss", "{:.4f}"),
-                 ("full_loss", "full loss", "{:.4f}"), ("accuracy", "accuracy", "{:.3f}")),
-                ["most compute saved at the same guarantee: "
-                 + max(cals, key=lambda c: c["test"]["compute_saved"])["measure"]])
-    print_table("Does an exit need a trained head? The logit lens: each layer through the final head (untrained for "
-                "it) and through its own exit head", rule["logit_lens"], LENS_COLUMNS)
+                 ("full_loss", "full depth's", "{:.4f}"), ("accuracy", "accuracy", "{:.3f}")),
+                ["teacher-forced with an exact cache (backfill, deferred); test loss and accuracy at the calibrated "
+                 "threshold, beside full depth's test loss on the same positions. Most compute saved at the same "
+                 "guarantee: " + max(cals, key=lambda c: c["test"]["compute_saved"])["measure"]])
+    print_table("Does an exit need a trained head? The logit lens on up to 64 val windows: each layer through the "
+                "final head (untrained for it) and through its own exit head", rule["logit_lens"], LENS_COLUMNS,
+                ["top-1 = final: how often the layer's top-1 is the final prediction; mean rank: how many characters "
+                 "it ranks above the final top-1 (0 when it agrees)."])
     slices = rule["slices"]
-    print_table("What does 'easy' mean for this model? The test tokens leaving at each layer (calibrated threshold)",
+    print_table(f"What does 'easy' mean for this model? The {n} test positions by the layer they leave at (calibrated "
+                f"threshold {cal['threshold']:g})",
                 slices["per_layer"], (("layer", "layer", "{}"), ("tokens", "tokens", "{}"),
                                       ("accuracy", "accuracy", "{:.3f}")),
                 [f"characters that most often leave at layer {slices['first_exit_layer']} (with a typical context):"]
@@ -1898,12 +1926,16 @@ def print_recipes(entries, config):
     base = next(e for e in entries if e["recipe"] == "baseline")["val_loss_final"]
     shown = [dict(e, vs_base=e["val_loss_final"] / base - 1, exits=" ".join(f"{v:.2f}" for v in e["val_loss_exits"]))
              for e in entries]
-    extra = (("vs_base", "vs baseline", "{:+.2%}"), ("exits", "val loss per exit", "{}"))
+    extra = (("vs_base", "vs base", "{:+.2%}"), ("exits", "val loss per exit", "{}"))
     print_table(f"Which training recipe? Every recipe at the same budget ({config.max_iters} steps, seed "
                 f"{config.seed})", shown, RECIPE_COLUMNS[:2] + extra + RECIPE_COLUMNS[2:],
-                [f"compute saved and test loss at the calibrated {config.confidence_measure} threshold (epsilon "
-                 f"{config.epsilon:g}, delta {config.delta:g}, chosen on val); self-speculative on the val workload at "
-                 f"draft_exit={config.draft_exit}, num_draft={config.num_draft}, draft_stop={config.draft_stop:g}"])
+                [f"val loss: full depth's on {config.eval_iters} val batches, and beside it each exit's; vs base: over "
+                 f"the plain GPT's. thr, saved, test loss: the calibrated {config.confidence_measure} threshold "
+                 f"(epsilon {config.epsilon:g}, delta {config.delta:g}, chosen on val), the share of layer runs it "
+                 f"saves and its loss on {config.sweep_positions:,} test positions (full: full depth's there). accept, "
+                 f"greedy, sampled: self-speculative decoding on the val workload at draft_exit={config.draft_exit}, "
+                 f"num_draft={config.num_draft}, draft_stop={config.draft_stop:g}: the greedy drafts kept, the "
+                 "speed-up over full depth in each mode."])
 
 # -----------------------------------------------------------------------------
 # Reports, 2: out_dir/report.html, one self-contained page (inline CSS and SVG, no script, light and dark)
@@ -1946,46 +1978,77 @@ table { border-collapse: collapse; font-variant-numeric: tabular-nums; } td, th 
   border-bottom: 1px solid var(--grid); text-align: right; } th { color: var(--muted); font-weight: 500; }
 svg text { fill: var(--fg); font: 12px system-ui, sans-serif; } svg .grid { stroke: var(--grid); }
 svg .a { fill: var(--a); stroke: var(--a); } svg .b { fill: var(--b); stroke: var(--b); } svg .line { fill: none;
-  stroke-width: 2; } svg .mark { stroke: var(--fg); stroke-dasharray: 4 3; }
+  stroke-width: 2; } svg .mark { stroke: var(--fg); stroke-dasharray: 4 3; } a { color: var(--a); }
+.acc { background: var(--a); color: var(--bg); } .fix { background: var(--b); color: #000; }
+#summary { border: 1px solid var(--grid); border-radius: 6px; padding: 0 1em; }
 """
 
-def svg_bars(values, labels, keys, fmt, width=520, height=200, classes=None, colours=None, group=1):
-    """Vertical bars with a value on each, labelled per group of `group` bars; each carries its report key."""
-    top, w = max(max(values), 1e-9), (width - 40) / len(values)
-    parts = [f'<svg viewBox="0 0 {width} {height + 40}" width="{width}" role="img">']
-    for i, (v, label, key) in enumerate(zip(values, labels, keys)):
-        h, x, fill = (height - 20) * v / top, 30 + i * w, f' style="fill:{colours[i]}"' if colours else ""
-        parts.append(f'<rect class="{(classes or "a" * len(values))[i]}"{fill} x="{x + 4:.1f}" y="{height - h:.1f}" '
-                     f'width="{w - 8:.1f}" height="{h:.1f}" {datum(key, v)}><title>{esc(label)}: {fmt.format(v)}'
-                     f'</title></rect><text x="{x + w / 2:.1f}" y="{height - h - 4:.1f}" text-anchor="middle">'
-                     f'{fmt.format(v)}</text>')
-        if i % group == 0:
-            parts.append(f'<text x="{x + group * w / 2:.1f}" y="{height + 16}" text-anchor="middle">'
-                         f'{esc(label)}</text>')
-    return "".join(parts) + "</svg>"
+def nice_ticks(top, n=5):
+    """Round ticks from 0 up to top or just past it: steps of 1, 2 or 5 times a power of ten, about n of them."""
+    power = 10 ** math.floor(math.log10(max(top, 1e-9) / n))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power * n >= top)
+    return [i * step for i in range(math.ceil(top / step - 1e-9) + 1)]
 
-def svg_lines(series, x_label, mark=None, width=520, height=220, y_max=None,
-              x_ticks=((0, "0"), (0.5, "0.5"), (1, "1"))):
-    """Lines over x in [0, 1]: series of (name, class, xs, ys, keys); `mark` draws a dashed vertical line."""
-    y_max = y_max or max(max(ys) for _, _, _, ys, _ in series) or 1.0
-    X = lambda x: 40 + (width - 60) * x  # noqa: E731
-    Y = lambda y: height - (height - 20) * y / y_max  # noqa: E731
-    parts = [f'<svg viewBox="0 0 {width} {height + 40}" width="{width}" role="img">'] + [
-        f'<line class="grid" x1="{X(0)}" x2="{X(1)}" y1="{Y(t * y_max):.1f}" y2="{Y(t * y_max):.1f}"/>'
-        f'<text x="{X(0) - 4}" y="{Y(t * y_max) + 4:.1f}" text-anchor="end">{t * y_max:.0%}</text>' for t in (0, .5, 1)]
+def svg_frame(width, height, y_ticks, y_fmt, y_title, Y):
+    """The opening of a chart that fills the page width: horizontal grid lines with round ticks, the y axis title."""
+    return [f'<svg viewBox="0 0 {width} {height + 72}" width="100%" role="img">',
+            f'<text transform="translate(14 {height / 2}) rotate(-90)" text-anchor="middle">{esc(y_title)}</text>'] + [
+        f'<line class="grid" x1="64" x2="{width - 10}" y1="{Y(t):.1f}" y2="{Y(t):.1f}"/><text x="58" y="{Y(t) + 4:.1f}"'
+        f' text-anchor="end">{y_fmt.format(t)}</text>' for t in y_ticks]
+
+def svg_legend(y, entries):
+    """A legend in one line along the chart's foot, at height y: (class, label) pairs."""
+    parts, x = [], 70
+    for cls, label in entries:
+        parts.append(f'<rect class="{cls}" x="{x}" y="{y - 10}" width="12" height="12"/><text x="{x + 18}" y="{y}">'
+                     f'{esc(label)}</text>')
+        x += 40 + 7 * len(label)  # about 7 px a character at 12 px
+    return "".join(parts)
+
+def svg_bars(values, labels, keys, fmt, y_title, y_fmt, classes=None, colours=None, group=1, legend=(), ref=None,
+             width=1100, height=230):
+    """Vertical bars with a value on each (None: no bar), labelled per group of `group` bars, each carrying its report
+    key; ref: (value, label) drawn as a dashed line at the right (the 1.0x of full depth)."""
+    ticks = nice_ticks(max([v for v in values if v is not None] + [ref[0] if ref else 0]))
+    Y, w = (lambda y: height - (height - 24) * y / ticks[-1]), (width - 180) / len(values)  # noqa: E731
+    parts = svg_frame(width, height, ticks, y_fmt, y_title, Y)
+    for i, (v, label, key) in enumerate(zip(values, labels, keys)):
+        x, fill = 70 + i * w, f' style="fill:{colours[i]}"' if colours else ""
+        if v is not None:
+            parts.append(f'<rect class="{(classes or "a" * len(values))[i]}"{fill} x="{x + 3:.1f}" y="{Y(v):.1f}" '
+                         f'width="{w - 6:.1f}" height="{height - Y(v):.1f}" {datum(key, v)}><title>{esc(label)}: '
+                         f'{fmt.format(v)}</title></rect><text x="{x + w / 2:.1f}" y="{Y(v) - 4:.1f}" '
+                         f'text-anchor="middle">{fmt.format(v)}</text>')
+        if i % group == 0:
+            parts.append(f'<text x="{x + group * w / 2:.1f}" y="{height + 16}" text-anchor="middle">{esc(label)}'
+                         '</text>')
+    if ref:
+        parts.append(f'<line class="mark" x1="64" x2="{width - 104}" y1="{Y(ref[0]):.1f}" y2="{Y(ref[0]):.1f}"/>'
+                     f'<text x="{width - 100}" y="{Y(ref[0]) + 4:.1f}">{esc(ref[1])}</text>')
+    return "".join(parts) + svg_legend(height + 62, legend) + "</svg>"
+
+def svg_lines(series, x_title, y_title, x_ticks, x_name, mark=None, width=1100, height=250):
+    """Lines over x in [0, 1], y a fraction shown in percent: series of (name, class, xs, ys, keys); x_name(x) names
+    a point in its hover text; mark: (x, report key, label) drawn as a labelled dashed vertical line."""
+    ticks = nice_ticks(max(max(ys) for _, _, _, ys, _ in series) or 1.0)
+    X = lambda x: 70 + (width - 90) * x  # noqa: E731
+    Y = lambda y: height - (height - 24) * y / ticks[-1]  # noqa: E731
+    parts = svg_frame(width, height, ticks, "{:.0%}", y_title, Y)
     for name, cls, xs, ys, keys in series:
         path = " ".join(f"{X(x):.1f},{Y(y):.1f}" for x, y in zip(xs, ys))
         parts.append(f'<polyline class="{cls} line" points="{path}"><title>{esc(name)}</title></polyline>')
-        parts += [f'<circle class="{cls}" cx="{X(x):.1f}" cy="{Y(y):.1f}" r="2" {datum(k, y)}><title>{esc(name)} at '
-                  f'{x:.2f}: {y:.2%}</title></circle>' for x, y, k in zip(xs, ys, keys) if k]
+        parts += [f'<circle class="{cls}" cx="{X(x):.1f}" cy="{Y(y):.1f}" r="2.5" {datum(k, y)}><title>{esc(name)}, '
+                  f'{esc(x_name(x))}: {y:.2%}</title></circle>' for x, y, k in zip(xs, ys, keys) if k]
     if mark is not None:
         parts.append(f'<line class="mark" x1="{X(mark[0]):.1f}" x2="{X(mark[0]):.1f}" y1="0" y2="{height}" '
-                     f'{datum(mark[1], mark[0])}><title>calibrated threshold {mark[0]:g}</title></line>')
-    parts += [f'<text x="{X(x):.1f}" y="{height + 14}" text-anchor="middle">{esc(t)}</text>' for x, t in x_ticks]
-    return "".join(parts) + f'<text x="{X(0.5)}" y="{height + 32}" text-anchor="middle">{esc(x_label)}</text></svg>'
+                     f'{datum(mark[1], mark[0])}/><text x="{X(mark[0]) + 4:.1f}" y="{height - 6}">{esc(mark[2])}'
+                     '</text>')
+    parts += [f'<text x="{X(x):.1f}" y="{height + 16}" text-anchor="middle">{esc(t)}</text>' for x, t in x_ticks]
+    parts.append(f'<text x="{X(0.5)}" y="{height + 38}" text-anchor="middle">{esc(x_title)}</text>')
+    return "".join(parts) + svg_legend(height + 62, [(cls, name) for name, cls, *_ in series]) + "</svg>"
 
 def html_table(entries, columns, key_prefix):
-    """A table whose number cells carry their report keys; columns are (key, header, format)."""
+    """A table whose number cells carry their report keys (key_prefix.i.column key); columns: (key, header, format)."""
     def cell(i, key, fmt, v):
         attr = datum(f"{key_prefix}.{i}.{key}", v) if isinstance(v, (int, float)) and not isinstance(v, bool) else ""
         return f"<td {attr}>{esc(fmt.format(v)) if v is not None else '-'}</td>"
@@ -1993,20 +2056,80 @@ def html_table(entries, columns, key_prefix):
                    for i, e in enumerate(entries))
     return "<table><tr>" + "".join(f"<th>{esc(h)}</th>" for _, h, _ in columns) + f"</tr>{body}</table>"
 
+def section(anchor, question, *body):
+    return f"<h2 id='{anchor}'>{esc(question)}</h2>" + "".join(body)
+
+def headlines(report):
+    """The summary's figures, each with its report key and its conditions: (text before, key, value, format, after)."""
+    out, cals = [], report.get("calibration_by_measure", [])
+    for i, c in enumerate(cals[:1]):
+        out.append((f"Early exit calibrated on val ({c['measure']} > {c['threshold']:g}) skips ",
+                    f"calibration_by_measure.{i}.test.compute_saved", c["test"]["compute_saved"], "{:.1%}",
+                    f" of the layer runs on test at most {c['epsilon']:.0%} disagreement with full depth, with "
+                    f"probability {1 - c['delta']:.0%}."))
+    rows = report.get("strategies", [])
+    for j, e in enumerate(rows):
+        if e["name"] == "self_speculative":
+            out.append((f"Self-speculative decoding, exact ({e['mode']}): ", f"strategies.{j}.speedup", e["speedup"],
+                        "{:.2f}x", " full depth's speed on the test workload at batch 1."))
+    approx = [(j, e) for j, e in enumerate(rows) if e["mode"] == "sampled" and e["name"] in ("state_copy", "holes")]
+    if approx:
+        j, e = max(approx, key=lambda je: je[1]["speedup"])
+        out.append((f"The fastest approximate per-token strategy, sampled ({e['name']}): ", f"strategies.{j}.speedup",
+                    e["speedup"], "{:.2f}x", f", agreeing with full depth on {e['agreement']:.1%} of test positions."))
+    return out
+
+def html_summary(report, sections):
+    """What was trained on what, the headline figures with their conditions, and links to every section."""
+    cfg, L = report.get("config", {}), report.get("config", {}).get("n_layer", 0)
+    model = (f"a {L}-layer GPT ({cfg.get('n_head')} heads, {cfg.get('n_embd')} wide, context {cfg.get('block_size')} "
+             f"characters) with an exit head after every layer but the last, trained on {cfg.get('input_path')}")
+    val = report.get("val_loss", {}).get("final")
+    loss = f"; full-depth val loss <span {datum('val_loss.final', val)}>{val:.4f}</span>" if val is not None else ""
+    figures = "".join(f"<li>{esc(a)}<b {datum(k, v)}>{fmt.format(v)}</b>{esc(b)}</li>" for a, k, v, fmt, b in
+                      headlines(report))
+    links = " · ".join(f"<a href='#{a}'>{esc(q)}</a>" for a, q in sections)
+    return (f"<div id='summary'><p>{esc(model)}{loss}.</p><ul>{figures}</ul><p class='muted'>Speeds are medians of "
+            "interleaved runs on the machine that wrote this page and move with its load; every number here is in "
+            f"report.json.</p><p>{links}</p></div>")
+
+def sample_spans(text, paint):
+    """A sample as spans; paint(i) gives (attributes, title) of character i. A newline shows as a mark, then breaks."""
+    return "".join(f'<span {attrs} title="{esc(title)}">{"&#8629;" if ch == chr(10) else esc(ch)}</span>'
+                   + ("\n" if ch == "\n" else "") for ch, (attrs, title) in zip(text, map(paint, range(len(text)))))
+
 def html_generation(g, L):
     """The early-exit sample coloured by exit layer beside the full-depth one, and where its tokens left."""
     legend = "".join(f'<span {swatch(layer_colour(l, L))}>layer {l}</span>' for l in range(L))
-    spans = "".join(f'<span {swatch(layer_colour(l, L))} title="layer {l}, confidence {c:.2f}" data-layer="{l}">'
-                    f'{esc(ch)}</span>' for ch, l, c in zip(g["sample"], g["exited_at"], g["confidences"]))
-    full = (f"<div><h3>full depth</h3><pre class='sample'>{esc(g['full_depth_sample'])}</pre></div>"
+    spans = sample_spans(g["sample"], lambda i: (f'{swatch(layer_colour(g["exited_at"][i], L))} data-layer='
+                                                 f'"{g["exited_at"][i]}"', f"layer {g['exited_at'][i]}, confidence "
+                                                 f"{g['confidences'][i]:.2f}"))
+    full = (f"<div><h3>full depth</h3><pre class='sample'>\n{esc(g['full_depth_sample'])}</pre></div>"
             if g.get("full_depth_sample") is not None else "")
-    return [f"<h2>What does early exit look like?</h2><p class='legend'>{legend}</p><p class='muted'>"
-            f"{esc(g['kv_strategy'])}, threshold {g['exit_threshold']:g}; hover a character for its layer and the "
-            f"head's confidence.</p><div class='row'><div><h3>early exit</h3><pre class='sample'>{spans}</pre>"
-            f"</div>{full}</div>",
-            "<h2>Where do the tokens leave?</h2>" + svg_bars(
+    return [section("sample", "What does early exit look like?", f"<p class='legend'>{legend}</p><p class='muted'>"
+            f"Each character of the early-exit sample sits on the colour of the layer it left the network at, dark "
+            f"(layer 0) to light (layer {L - 1}, full depth); &#8629; is a newline. {esc(g['kv_strategy'])}, "
+            f"threshold {g['exit_threshold']:g}; hover a character for its layer and the head's confidence.</p>"
+            f"<div class='row'><div><h3>early exit</h3><pre class='sample'>\n{spans}</pre></div>{full}</div>"),
+            section("exits", "Where do the tokens leave?", svg_bars(
                 g["exit_counts"], [f"layer {l}" for l in range(L)], [f"generation.exit_counts.{l}" for l in range(L)],
-                "{:d}", colours=[layer_colour(l, L) for l in range(L)])]
+                "{:d}", "tokens of the sample", "{:g}", colours=[layer_colour(l, L) for l in range(L)]))]
+
+def html_speculation(s):
+    """The self-speculative sample: which characters were drafts the full model accepted, which its corrections."""
+    kept = s["drafted"]
+    spans = sample_spans(s["sample"], lambda i: (f'class="{"acc" if kept[i] else "fix"}" data-drafted="{int(kept[i])}"',
+                                                 "a draft the full model accepted" if kept[i]
+                                                 else "the full model's token: a draft was rejected"))
+    return section("speculation", "What does the verifier do?", "<p class='legend'><span class='acc'>accepted draft"
+                   "</span><span class='fix'>the full model's token</span></p><p class='muted'>The same prompt and "
+                   f"seed, drafted by layers 0..{s['draft_exit']} (up to {s['num_draft']} a round) and verified by the "
+                   "rest "
+                   f"in one pass a round: <b {datum('speculation.acceptance_rate', s['acceptance_rate'])}>"
+                   f"{s['acceptance_rate']:.0%}</b> of the drafts were accepted, in <span "
+                   f"{datum('speculation.rounds', s['rounds'])}>{s['rounds']}</span> verify passes for "
+                   f"{len(s['sample'])} characters. Where a draft is rejected, the full model's own token replaces it "
+                   f"and the round ends.</p><pre class='sample'>\n{spans}</pre>")
 
 def html_sweep(report, i, s):
     """One confidence measure's sweep on val, with its calibrated threshold marked."""
@@ -2015,24 +2138,50 @@ def html_sweep(report, i, s):
     xs = [e["threshold"] for e in s["entries"]]
     series = [(label, cls, xs, [e[key] for e in s["entries"]],
                [f"sweep_by_measure.{i}.entries.{j}.{key}" for j in range(len(xs))])
-              for label, cls, key in (("compute saved", "a", "compute_saved"),
-                                      ("disagreement with full depth", "b", "disagreement"))]
-    mark = None if c is None else (cals[c]["threshold"], f"calibration_by_measure.{c}.threshold")
-    return (f"<h2>Which threshold? ({esc(s['measure'])})</h2><p class='muted'>val: compute saved (blue) and "
-            "disagreement with full depth (orange) against the threshold; dashed: the Learn-then-Test "
-            "threshold.</p>" + svg_lines(series, "threshold", mark))
+              for label, cls, key in (("compute saved (share of layer runs)", "a", "compute_saved"),
+                                      ("disagreement with full depth (share of positions)", "b", "disagreement"))]
+    mark = None if c is None else (cals[c]["threshold"], f"calibration_by_measure.{c}.threshold",
+                                   f"calibrated: {cals[c]['threshold']:g}")
+    ticks = [(t / 10, f"{t / 10:.1f}") for t in range(11)]
+    return section(f"threshold-{s['measure']}", f"Which threshold? ({s['measure']}, val)", svg_lines(
+        series, f"exit threshold ({s['measure']} confidence)", "percent", ticks, lambda x: f"threshold {x:.2f}", mark))
 
-def html_strategies(entries):
-    """Measured against ideal speed-up per strategy and mode, and the table."""
-    out = ["<h2>What does each KV strategy buy?</h2><p class='muted'>measured speed-up (blue) and the "
-           "ideal L / layers run (orange), test workload, batch 1.</p>"]
+def html_calibration(report):
+    """Learn then Test per confidence measure: the threshold certified on val, its figures on test."""
+    cals = report["calibration_by_measure"]
+    rows = [{"measure": c["measure"], "threshold": c["threshold"], **{f"test.{k}": v for k, v in c["test"].items()}}
+            for c in cals]
+    cols = (("measure", "measure", "{}"), ("threshold", "threshold", "{:.2f}"),
+            ("test.compute_saved", "test: layer runs saved", "{:.1%}"), ("test.disagreement", "disagreement", "{:.2%}"),
+            ("test.loss", "test loss", "{:.4f}"), ("test.full_loss", "full depth's", "{:.4f}"))
+    return section("calibration", "Which threshold, with a guarantee?", f"<p class='muted'>Learn then Test on val: "
+                   f"disagreement with full depth at most {cals[0]['epsilon']:.0%} with probability at least "
+                   f"{1 - cals[0]['delta']:.0%}, reported on {report.get('config', {}).get('sweep_positions', '')} "
+                   "test positions, teacher-forced, with an exact cache.</p>", html_table(rows, cols,
+                                                                                       "calibration_by_measure"))
+
+def html_slices(sl):
+    return section("easy", "What does 'easy' mean for this model?", "<div class='row'><div>", html_table(
+        sl["per_layer"], (("layer", "layer", "{}"), ("tokens", "test tokens leaving here", "{}"), ("accuracy",
+                          "accuracy", "{:.3f}")), "slices.per_layer"), f"</div><div><p>The characters that most often "
+        f"leave at layer {sl['first_exit_layer']}:</p>", html_table(
+        [dict(c, char=repr(c["char"]), example_context=repr(c["example_context"])) for c in sl["earliest_chars"]],
+        (("char", "character", "{}"), ("exits", "times", "{}"), ("example_context", "typically after", "{}")),
+        "slices.earliest_chars"), "</div></div>")
+
+def html_speedups(entries, prefix, label, second):
+    """Per mode: measured speed-up per decoder beside a second figure (key, legend), against a 1.0x line."""
+    out = []
     for mode in MODES:
         idx = [j for j, e in enumerate(entries) if e["mode"] == mode]
-        values = [v for j in idx for v in (entries[j]["speedup"], entries[j]["ideal_speedup"])]
-        keys = [f"strategies.{j}.{k}" for j in idx for k in ("speedup", "ideal_speedup")]
-        out.append(f"<h3>{mode}</h3>" + svg_bars(values, [entries[j]["name"] for j in idx for _ in "ab"], keys,
-                                                 "{:.2f}x", width=980, classes="ab" * len(idx), group=2))
-    return out + [html_table(entries, STRATEGY_COLUMNS, "strategies")]
+        values = [entries[j].get(k) for j in idx for k in ("speedup", second[0])]
+        keys = [f"{prefix}.{j}.{k}" for j in idx for k in ("speedup", second[0])]
+        out.append(f"<h3>{mode}</h3>" + svg_bars(values, [label(entries[j]) for j in idx for _ in "ab"], keys,
+                                                 "{:.2f}x", "speed-up over full depth", "{:.1f}x",
+                                                 classes="ab" * len(idx), group=2,
+                                                 legend=(("a", "measured"), ("b", second[1])),
+                                                 ref=(1.0, "1.0x: full depth")))
+    return out
 
 def html_heatmap(grid):
     """The self-speculative sweep per mode: a cell per (draft_exit, num_draft) line and draft_stop column."""
@@ -2050,36 +2199,55 @@ def html_heatmap(grid):
 def html_lens(lens, L):
     """Agreement with the final prediction per layer, through the exit head and through the final head."""
     x = lambda l: l / max(1, L - 2)  # noqa: E731  (layers 0..L-2 across the chart)
-    series = [(name, cls, [x(e["layer"]) for e in lens if e["readout"] == name],
+    series = [(label, cls, [x(e["layer"]) for e in lens if e["readout"] == name],
                [e["agreement"] for e in lens if e["readout"] == name],
                [f"logit_lens.{j}.agreement" for j, e in enumerate(lens) if e["readout"] == name])
-              for name, cls in (("exit head", "a"), ("ln_f + lm_head", "b"))]
-    return ("<h2>Does an exit need a trained head?</h2><p class='muted'>agreement with the final prediction per "
-            "layer: its trained exit head (blue) and the final head read there, untrained for it (orange).</p>"
-            + svg_lines(series, "layer", y_max=1.0, x_ticks=[(x(l), str(l)) for l in range(L - 1)]))
+              for name, label, cls in (("exit head", "its own exit head", "a"),
+                                       ("ln_f + lm_head", "the final head (ln_f + lm_head), untrained there", "b"))]
+    return section("lens", "Does an exit need a trained head?", "<p class='muted'>How often each layer's top-1 "
+                   "equals the final prediction on val windows.</p>", svg_lines(
+                       series, "layer", "agreement with the final top-1", [(x(l), str(l)) for l in range(L - 1)],
+                       lambda v: f"layer {round(v * max(1, L - 2))}"))
 
 def write_html_report(report, path):
     """out_dir/report.html: the same numbers as report.json, as pictures, every section under its question."""
     L, body = report.get("config", {}).get("n_layer", 0), []
     if report.get("generation"):
         body += html_generation(report["generation"], L)
+    if report.get("speculation"):
+        body.append(html_speculation(report["speculation"]))
     body += [html_sweep(report, i, s) for i, s in enumerate(report.get("sweep_by_measure", []))]
+    if report.get("calibration_by_measure"):
+        body.append(html_calibration(report))
+    if report.get("slices"):
+        body.append(html_slices(report["slices"]))
     if report.get("strategies"):
-        body += html_strategies(report["strategies"])
+        body.append(section("strategies", "What does each KV strategy buy?", "<p class='muted'>Test workload, batch 1; "
+                            "the ideal is what the layers skipped would give if a layer were all a step cost.</p>",
+                            *html_speedups(report["strategies"], "strategies", lambda e: e["name"],
+                                           ("ideal_speedup", "ideal: L / layers run")),
+                            html_table(report["strategies"], STRATEGY_COLUMNS, "strategies")))
     if report.get("batched"):
-        body.append("<h2>Does early exit still save in a batch?</h2>"
-                    + html_table(report["batched"]["entries"], BATCH_COLUMNS, "batched.entries")
-                    + "".join(f"<p>{esc(line)}</p>" for line in batch_notes(report["batched"], report["config"])))
+        b = report["batched"]
+        short = {"self_speculative": "spec", "state_copy": "copy", "skipdecode": "skip"}
+        body.append(section("batches", "Does early exit still save in a batch?", *html_speedups(
+            b["entries"], "batched.entries", lambda e: f"B{e['batch_size']} {short.get(e['name'], e['name'])}",
+            ("predicted_speedup", "predicted by the cost model")), html_table(
+            b["entries"], BATCH_COLUMNS, "batched.entries"),
+            *(f"<p>{esc(n)}</p>" for n in batch_notes(b, report["config"]))))
     if report.get("spec_sweep"):
-        body.append("<h2>Which draft_exit, num_draft and draft_stop?</h2>" + html_heatmap(report["spec_sweep"]))
+        body.append(section("spec-sweep", "Which draft_exit, num_draft and draft_stop?",
+                            html_heatmap(report["spec_sweep"])))
     if report.get("logit_lens"):
         body.append(html_lens(report["logit_lens"], L))
     if report.get("recipes"):
-        body.append("<h2>Which training recipe?</h2>" + html_table(report["recipes"], RECIPE_COLUMNS, "recipes"))
+        body.append(section("recipes", "Which training recipe?",
+                            html_table(report["recipes"], RECIPE_COLUMNS, "recipes")))
+    found = [(a, q) for a, q in re.findall(r"<h2 id='([^']+)'>([^<]+)</h2>", "".join(body))]
     write_text(f'<!doctype html><html lang="en"><head><meta charset="utf-8"><meta name="color-scheme" '
                f'content="light dark"><title>nanogpt_exit_head report</title><style>{HTML_STYLE}</style></head><body>'
-               f"<h1>Early exit in a character-level GPT</h1><p class='muted'>Every number here is in report.json; "
-               f"this page is made by nanogpt_exit_head.py from it.</p>{''.join(body)}</body></html>", path)
+               f"<h1>Early exit in a character-level GPT</h1>{html_summary(report, found)}{''.join(body)}"
+               "</body></html>", path)
 
 # -----------------------------------------------------------------------------
 # Checkpoints: written to a temporary file, then renamed, so none is ever half-written; resume, Ctrl-C, torchrun
@@ -2183,7 +2351,9 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
         sizes = "/".join(f"{len(splits[s]):,}" for s in ("train", "val", "test"))
         print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: {sizes} "
               f"characters | processes: {world}\nparameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in "
-              f"{config.n_layer - 1} exit heads ({config.exit_head}; {100 * heads / base:.2f}% overhead)")
+              f"{config.n_layer - 1} exit heads ({config.exit_head}; {100 * heads / base:.2f}% overhead)\nlosses while "
+              f"training: each split's mean over {config.eval_iters} batches of {config.batch_size} x "
+              f"{config.block_size} characters; 'val loss' is full depth's")
         os.makedirs(config.out_dir, exist_ok=True)
     generator, stop, ms_per_iter, t0 = torch.Generator().manual_seed(config.seed + rank), [], None, time.time()
     if rng is not None:  # the sampler's and torch's random states: a resumed run repeats an uninterrupted one
@@ -2210,13 +2380,13 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
     if rank > 0:
         return None
     losses = estimate_loss(model, splits, config, device)
-    print(f"resumed: the checkpoint is at iteration {done} (max_iters={config.max_iters}), nothing to train"
-          if ms_per_iter is None else f"median step time: {ms_per_iter:.1f} ms/iter")
     print(format_eval(max(done, config.max_iters), losses))
     save_checkpoint(path, model, optimizer, config, max(done, config.max_iters), tokenizer, seconds, rng, log,
                     losses["val"][-1])
-    print(f"training took {seconds:.1f} s{' in all, by the checkpoint' if ms_per_iter is None else ''}; "
-          f"checkpoint: {path}")
+    earlier = f" (with the checkpoint's first {done} steps: {seconds:.1f} s)" if done else ""
+    print(f"resumed from {path} at step {done} of max_iters={config.max_iters}: no training this run (the checkpoint's "
+          f"training took {seconds:.1f} s)" if ms_per_iter is None else f"trained steps {done}..{config.max_iters} "
+          f"in {took:.1f} s, median {ms_per_iter:.1f} ms a step{earlier}; checkpoint: {path}")
     report.update({"config": asdict(config), "n_params": base, "n_params_exit_heads": heads, "train_seconds": seconds,
                    "ms_per_iter": ms_per_iter, "val_loss": {"final": losses["val"][-1], "exits": losses["val"][:-1]},
                    "train_loss": losses["train"][-1], "train_log": log, "processes": world})
@@ -2267,12 +2437,11 @@ RULES = {  # the numbers each field takes; names come from CHOICES, true/false f
     "strategies_threshold": number(float, -1, 1, high_open=False),
 }
 CHOICES = {"init_from": ("scratch", "resume"), "exit_weights": ("constant", "linear", "geometric", "layerskip"),
-           "exit_head": ("separate", "shared", "final"), "kv_strategy": KV_STRATEGIES,
+           "exit_head": ("separate", "shared", "final"), "kv_strategy": KV_STRATEGIES + ("self_speculative",),
            "confidence_measure": tuple(CONFIDENCE_MEASURES)}
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, with a bad argument raised as a ValueError: main prints one line and exits with status 2."""
-
     def error(self, message):
         raise ValueError(message)
 
@@ -2417,24 +2586,45 @@ def calibrated_threshold(rule, config, device):
     return choose
 
 def generation_report(lesson, config):
-    """The lesson's samples, the early-exit sample's exit map, and what went into report.json about them."""
+    """The lesson's samples, the early-exit sample's exit map, the speculation map, and their report.json entries."""
     (full, full_speed), (early, speed) = lesson["samples"].values()
-    T0, tokenizer, model = lesson["idx"].size(1), lesson["tokenizer"], lesson["model"]
+    T0, tokenizer, model, L = lesson["idx"].size(1), lesson["tokenizer"], lesson["model"], config.n_layer
     text, exited_at = tokenizer.decode(early.tokens[0, T0:].tolist()), early.exited_at[0].tolist()
-    layers_run = early.layers_run / config.max_new_tokens
-    print(f"layers actually run per token: {layers_run:.2f} of {config.n_layer} ({config.kv_strategy})")
-    print("\n" + colour_text(text, exited_at, config.n_layer, sys.stdout.isatty()))
-    checked_exits = parse_exit_layers(config.exit_layers, config.n_layer)
-    # the same decoder teacher-forced on its own sample: the confidence of the head each character left from
-    forced = generate(model, lesson["idx"], config.max_new_tokens, strategy=config.kv_strategy,
-                      exit_threshold=lesson["threshold"], checked_exits=checked_exits,
-                      measure=config.confidence_measure, forced=early.tokens[:, T0:])
-    counts = torch.bincount(early.exited_at[0], minlength=config.n_layer).tolist()
+    print("\n" + colour_text(text, exited_at, L, sys.stdout.isatty()))
+    # the confidence of the head each character left from: the decoder teacher-forced on its own sample
+    if early.stats:  # self-speculation: every exit read in the decoder's windows
+        records = record_exits(model, early.tokens[0], early.tokens.size(1) - 1)
+        positions = torch.arange(T0 - 1, early.tokens.size(1) - 1, device=early.tokens.device)
+        confidences = records.confidences[config.confidence_measure][early.exited_at[0], positions]
+    else:
+        confidences = confidence(generate(model, lesson["idx"], config.max_new_tokens, strategy=config.kv_strategy,
+                                          exit_threshold=lesson["threshold"], measure=config.confidence_measure,
+                                          checked_exits=parse_exit_layers(config.exit_layers, L),
+                                          forced=early.tokens[:, T0:]).logits[0], config.confidence_measure)
+    counts = torch.bincount(early.exited_at[0], minlength=L).tolist()
     return {"exit_threshold": lesson["threshold"], "kv_strategy": config.kv_strategy, "exit_counts": counts,
             "mean_layers": sum((l + 1) * c for l, c in enumerate(counts)) / sum(counts),
-            "layers_run_per_token": layers_run, "tokens_per_second": speed, "full_depth_tokens_per_second": full_speed,
-            "sample": text, "exited_at": exited_at, "full_depth_sample": tokenizer.decode(full.tokens[0, T0:].tolist()),
-            "confidences": confidence(forced.logits[0], config.confidence_measure).tolist()}
+            "layers_run_per_token": early.layers_run / config.max_new_tokens, "tokens_per_second": speed,
+            "full_depth_tokens_per_second": full_speed, "sample": text, "exited_at": exited_at,
+            "full_depth_sample": tokenizer.decode(full.tokens[0, T0:].tolist()), "confidences": confidences.tolist()}
+
+def speculation_map(lesson, config):
+    """The self-speculative sample from the lesson's prompt and seed (the early-exit one, if it was drawn so): which
+    characters were drafts the full model accepted, and which are its own tokens where it rejected one."""
+    early, T0 = lesson["samples"]["early-exit"][0], lesson["idx"].size(1)
+    gen = torch.Generator(device=lesson["idx"].device).manual_seed(config.seed)
+    spec = early if early.stats else speculative_sample(config)(lesson["model"], lesson["idx"], config.max_new_tokens,
+                                                                 config.temperature, config.top_k, gen)
+    drafted = (spec.exited_at[0] < config.n_layer - 1).tolist()
+    s = spec.stats
+    entry = {"sample": lesson["tokenizer"].decode(spec.tokens[0, T0:].tolist()), "drafted": drafted,
+             "acceptance_rate": s["accepted"] / max(1, s["drafted"]), "rounds": s["rounds"],
+             "draft_exit": config.draft_exit, "num_draft": config.num_draft}
+    print("\n" + textwrap.fill(f"the verifier at work (report.html draws it): a self-speculative sample from the same "
+                               f"prompt and seed kept {entry['acceptance_rate']:.0%} of its drafts; {sum(drafted)} of "
+                               f"{len(drafted)} characters are accepted drafts, the rest the full model's own, in "
+                               f"{s['rounds']} verify passes", WIDTH))
+    return entry
 
 def measure_strategies(model, splits, config, device):
     """The strategies table on the workload, costs and plans, batch depth, and (--spec_sweep) the self-speculative
@@ -2491,16 +2681,18 @@ def run(config, overridden):
     else:
         build = lambda *a: train_or_resume(*a, overridden=overridden, rank=rank, world=world, report=report)  # noqa
     choose = None if "exit_threshold" in overridden else calibrated_threshold(rule, config, device)
-    decoding = dict(strategy=config.kv_strategy, checked_exits=parse_exit_layers(config.exit_layers, config.n_layer))
-    lesson = run_lesson(config, device, build, choose, **decoding)
+    speculative = config.kv_strategy == "self_speculative"  # then self-speculation draws the early-exit sample
+    decoding = dict(strategy="backfill" if speculative else config.kv_strategy,
+                    checked_exits=parse_exit_layers(config.exit_layers, config.n_layer))
+    lesson = run_lesson(config, device, build, choose, speculative_sample(config) if speculative else None, **decoding)
     if world > 1:
         torch.distributed.destroy_process_group()
     if lesson is None:  # a torchrun rank above 0: only rank 0 analyses, prints and writes
         return None
     report["generation"] = generation_report(lesson, config)
+    report["speculation"] = speculation_map(lesson, config)
     if config.sample_only or config.lesson_only:
-        write_html_report({"config": asdict(config), "generation": report["generation"]},
-                          os.path.join(config.out_dir, "report.html"))
+        write_html_report({"config": asdict(config), **report}, os.path.join(config.out_dir, "report.html"))
         return report
     if not rule:  # an explicit --exit_threshold: the exit rule is still analysed
         rule = choose_exit_rule(lesson["model"], lesson["tokenizer"], lesson["splits"], config, device)
