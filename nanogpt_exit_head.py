@@ -533,7 +533,7 @@ def run_lesson(config, device, build_model=train_new_model, choose_threshold=Non
     how = getattr(sample, "label", rule)  # samples: name -> (Generation, tokens per second)
     for name, t in (("full-depth", 1.0), ("early-exit", threshold)):
         t0, gen = time.perf_counter(), torch.Generator(device=device).manual_seed(config.seed)
-        out = (sample or generate if t < 1 else generate)(
+        out = (sample or generate if name == "early-exit" else generate)(
             model, idx, config.max_new_tokens, exit_threshold=t, generator=gen, measure=config.confidence_measure,
             temperature=config.temperature, top_k=config.top_k, **decoding)
         synchronize(device)
@@ -1817,7 +1817,7 @@ def print_strategies(entries, quality, config, costs, depths):
         f"exits, thr: the exits checked and their threshold, chosen on val (exit_layers={config.exit_layers!r}: the "
         f"highest threshold sending {EARLY_EXIT_FRACTION:.0%} of val positions out early). layers: blocks run per "
         f"token while decoding, catch-up included; re-prefilling the window every block_size/2 tokens adds "
-        f"{' to '.join(map(str, prefill))} per token for every decoder (it also repairs holes and state copies).",
+        f"{' to '.join(f'{p:.2f}' for p in prefill)} per token for every decoder (it also repairs holes and state copies).",
         "repeats: the share of the text's 4-grams that repeat an earlier one (a loop is easy to draft and to exit "
         f"from). test loss, agree: {config.quality_positions} test positions teacher-forced through each decoder, "
         "and how often its top-1 equals full depth's (self_speculative: full depth's, by construction). The "
@@ -2057,7 +2057,8 @@ def html_table(entries, columns, key_prefix):
     return "<table><tr>" + "".join(f"<th>{esc(h)}</th>" for _, h, _ in columns) + f"</tr>{body}</table>"
 
 def section(anchor, question, *body):
-    return f"<h2 id='{anchor}'>{esc(question)}</h2>" + "".join(body)
+    """One section of the page under its question; the summary links to it by its anchor."""
+    return f"<section id='{anchor}'><h2>{esc(question)}</h2>{''.join(body)}</section>"
 
 def headlines(report):
     """The summary's figures, each with its report key and its conditions: (text before, key, value, format, after)."""
@@ -2088,7 +2089,7 @@ def html_summary(report, sections):
     loss = f"; full-depth val loss <span {datum('val_loss.final', val)}>{val:.4f}</span>" if val is not None else ""
     figures = "".join(f"<li>{esc(a)}<b {datum(k, v)}>{fmt.format(v)}</b>{esc(b)}</li>" for a, k, v, fmt, b in
                       headlines(report))
-    links = " · ".join(f"<a href='#{a}'>{esc(q)}</a>" for a, q in sections)
+    links = " · ".join(f"<a href='#{a}'>{q}</a>" for a, q in sections)  # q: escaped already
     return (f"<div id='summary'><p>{esc(model)}{loss}.</p><ul>{figures}</ul><p class='muted'>Speeds are medians of "
             "interleaved runs on the machine that wrote this page and move with its load; every number here is in "
             f"report.json.</p><p>{links}</p></div>")
@@ -2243,7 +2244,7 @@ def write_html_report(report, path):
     if report.get("recipes"):
         body.append(section("recipes", "Which training recipe?",
                             html_table(report["recipes"], RECIPE_COLUMNS, "recipes")))
-    found = [(a, q) for a, q in re.findall(r"<h2 id='([^']+)'>([^<]+)</h2>", "".join(body))]
+    found = re.findall(r"<section id='([^']+)'><h2>([^<]+)</h2>", "".join(body))
     write_text(f'<!doctype html><html lang="en"><head><meta charset="utf-8"><meta name="color-scheme" '
                f'content="light dark"><title>nanogpt_exit_head report</title><style>{HTML_STYLE}</style></head><body>'
                f"<h1>Early exit in a character-level GPT</h1>{html_summary(report, found)}{''.join(body)}"
@@ -2691,8 +2692,10 @@ def run(config, overridden):
         return None
     report["generation"] = generation_report(lesson, config)
     report["speculation"] = speculation_map(lesson, config)
-    if config.sample_only or config.lesson_only:
-        write_html_report({"config": asdict(config), **report}, os.path.join(config.out_dir, "report.html"))
+    if config.sample_only or config.lesson_only:  # sampling leaves the trained run's report alone: samples.*
+        report, name = {"config": asdict(config), **report}, "samples" if config.sample_only else "report"
+        write_json(report, os.path.join(config.out_dir, f"{name}.json"))
+        write_html_report(report, os.path.join(config.out_dir, f"{name}.html"))
         return report
     if not rule:  # an explicit --exit_threshold: the exit rule is still analysed
         rule = choose_exit_rule(lesson["model"], lesson["tokenizer"], lesson["splits"], config, device)

@@ -1,6 +1,8 @@
 """The HTML report: one self-contained page whose numbers are report.json's, checked in a real browser."""
 
 import json
+import math
+import re
 import shutil
 import struct
 import subprocess
@@ -52,7 +54,13 @@ def test_every_number_on_the_page_is_the_reports(page):
     parser = Numbers()
     parser.feed(path.read_text())
     keys = {k.split(".")[0] for k, _ in parser.data}
-    assert {"generation", "sweep_by_measure", "calibration_by_measure", "strategies", "spec_sweep", "logit_lens"} <= keys
+    assert {"generation", "sweep_by_measure", "calibration_by_measure", "strategies", "spec_sweep", "logit_lens",
+            "slices", "speculation", "val_loss"} <= keys
+    # the Learn-then-Test table: every measure's test figures, and the summary's headline figures
+    tagged = {k for k, _ in parser.data}
+    for i in range(len(report["calibration_by_measure"])):
+        assert {f"calibration_by_measure.{i}.test.{k}" for k in ("compute_saved", "disagreement", "loss")} <= tagged
+    assert {f"slices.per_layer.{l}.tokens" for l in range(report["config"]["n_layer"])} <= tagged
     for key, value in parser.data:
         assert float(value) == pytest.approx(float(lookup(report, key)), rel=1e-12), key
     assert len(parser.data) > 200
@@ -63,7 +71,9 @@ def test_the_page_is_self_contained_and_has_both_schemes(page):
     assert "<script" not in html and "http://" not in html and "https://" not in html and "<link" not in html
     assert "prefers-color-scheme: dark" in html and "<svg" in html
     for question in ("What does early exit look like?", "Where do the tokens leave?", "Which threshold?",
-                     "What does each KV strategy buy?", "Which draft_exit", "Does an exit need a trained head?"):
+                     "What does each KV strategy buy?", "Which draft_exit", "Does an exit need a trained head?",
+                     "What does the verifier do?", "Which threshold, with a guarantee?", "What does &#x27;easy&#x27;"
+                     if "&#x27;" in html else "What does 'easy' mean"):
         assert question in html
 
 
@@ -125,3 +135,66 @@ def test_the_page_renders_in_headless_chromium(page, tmp_path):
     assert variety > 50, "the screenshot is blank"
     # the coloured sample and the charts carry far more detail than a title alone
     assert shots["report"].stat().st_size > 2 * shots["empty"].stat().st_size
+    # the report's page cut after its summary, and a page of the speculation map alone, each render far more than
+    # the bare page (title and model line)
+    report, full = page[1], page[0].read_text()
+    pages = {"summary": full[: full.index("</div>", full.index("<div id='summary'>"))] + "</div></body></html>"}
+    for name, part in (("speculation", {"config": report["config"], "speculation": report["speculation"]}),):
+        m.write_html_report(part, str(tmp_path / "part.html"))
+        pages[name] = (tmp_path / "part.html").read_text()
+    for name, html in pages.items():
+        (tmp_path / f"{name}.html").write_text(html)
+        shots[name] = tmp_path / f"{name}.png"
+        subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                        f"--screenshot={shots[name]}", "--window-size=1200,900", (tmp_path / f"{name}.html").as_uri()],
+                       check=True, capture_output=True, timeout=120)
+        assert shots[name].stat().st_size > 2 * shots["empty"].stat().st_size, name
+
+
+def test_the_summary_opens_the_page_and_links_every_section(page):
+    html = page[0].read_text()
+    summary = html.split("<div id='summary'>")[1].split("</div>")[0]
+    assert html.index("<div id='summary'>") < html.index("<h2")
+    anchors = re.findall(r"<section id='([^']+)'>", html)
+    assert len(anchors) >= 10 and all(f"href='#{a}'" in summary for a in anchors)
+    report = page[1]
+    assert f"{report['calibration_by_measure'][0]['test']['compute_saved']:.1%}" in summary
+    assert "move with its load" in summary and "val loss" in summary
+
+
+def test_every_chart_has_axis_titles_ticks_and_a_legend(page):
+    charts = re.findall(r"<svg .*?</svg>", page[0].read_text(), flags=re.DOTALL)
+    assert len(charts) >= 7
+    for chart in charts:
+        assert "rotate(-90)" in chart, "a y axis title"
+        assert chart.count('class="grid"') >= 3, "round ticks"
+    for chart in (c for c in charts if "speed-up over full depth" in c):
+        assert "1.0x: full depth" in chart and 'class="mark"' in chart
+        assert ">measured</text>" in chart, "the legend inside the chart"
+    sweeps = [c for c in charts if "exit threshold (" in c]
+    assert sweeps and all("calibrated: " in c and "compute saved (share of layer runs)</text>" in c for c in sweeps)
+
+
+def test_round_ticks():
+    for top in (0.037, 0.83, 1.0, 1.99, 2.6, 7, 13, 500, 1234):
+        ticks = m.nice_ticks(top)
+        step = ticks[1] - ticks[0]
+        mantissa = step / 10 ** math.floor(math.log10(step))
+        assert ticks[0] == 0 and ticks[-1] >= top and ticks[-2] < top and 3 <= len(ticks) <= 7
+        assert min(abs(mantissa - q) for q in (1, 2, 5, 10)) < 1e-9, (top, ticks)
+
+
+def test_hover_names_the_layer_and_newlines_show(page):
+    html, report = page[0].read_text(), page[1]
+    lens = re.findall(r"<title>its own exit head, ([^:]+): ", html)
+    assert lens == [f"layer {l}" for l in range(report["config"]["n_layer"] - 1)]
+    assert html.count("<pre class='sample'>") == html.count("<pre class='sample'>\n") >= 3
+    newlines = report["generation"]["sample"].count("\n") + report["speculation"]["sample"].count("\n")
+    assert html.count("&#8629;</span>\n") == newlines
+
+
+def test_the_speculation_map_marks_each_character(page):
+    html, spec = page[0].read_text(), page[1]["speculation"]
+    marks = [bool(int(d)) for d in re.findall(r'data-drafted="(\d)"', html)]
+    assert marks == spec["drafted"] and len(marks) == len(spec["sample"])
+    assert 0 <= spec["acceptance_rate"] <= 1 and spec["rounds"] >= len(marks) - sum(marks)

@@ -157,13 +157,16 @@ def test_a_checkpoint_is_written_at_every_evaluation(tmp_path, monkeypatch):
 def test_sample_only_prints_the_samples_and_nothing_else(tmp_path, capsys):
     trained_checkpoint(tmp_path)
     capsys.readouterr()
+    before = (tmp_path / "report.json").read_text(), (tmp_path / "report.html").read_text()
     assert run_main(tmp_path, "--init_from=resume", "--sample_only=1", "--prompt=ab", "--max_new_tokens=30") == 0
+    assert ((tmp_path / "report.json").read_text(), (tmp_path / "report.html").read_text()) == before
     out = capsys.readouterr().out
     assert "early-exit sample" in out and "Layer 0:" in out and "mean exit depth" in out
     assert "full-depth sample" in out  # the lesson's two samples, from the checkpoint
     assert "=== Which threshold?" not in out and "KV strategy buy" not in out and "training" not in out
-    html = (tmp_path / "report.html").read_text()  # the page shows the sample alone
+    html = (tmp_path / "samples.html").read_text()  # a page of the samples alone; the trained run's is left alone
     assert "What does early exit look like?" in html and "Which threshold?" not in html
+    assert json.loads((tmp_path / "samples.json").read_text())["generation"]["sample"]
     assert run_main(tmp_path, "--sample_only=1") == 2  # it needs a checkpoint to sample from
 
 

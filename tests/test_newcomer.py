@@ -1,0 +1,203 @@
+"""What a newcomer meets first: the console's samples and tables, and the words of the README and docs."""
+
+import glob
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from conftest import ROOT, m
+
+ARGS = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--eval_iters=1",
+        "--max_iters=4", "--eval_interval=2", "--max_new_tokens=40", "--device=cpu", "--quality_positions=48",
+        "--bench_tokens=12", "--bench_repeats=1", "--bench_prompts=4", "--bench_prompt_len=8",
+        "--sweep_positions=500", "--bench_batch=1"]
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """A tiny default run with the batch table: (its stdout, report.json, out_dir)."""
+    out = tmp_path_factory.mktemp("run")
+    import contextlib
+    import io
+
+    buffer = io.StringIO()
+    with torch.enable_grad(), contextlib.redirect_stdout(buffer):
+        assert m.main(ARGS + [f"--out_dir={out}"]) == 0
+    return buffer.getvalue(), json.loads((out / "report.json").read_text()), out
+
+
+def tables(stdout):
+    """Every printed table with its title and notes: the lines from a '=== ' title to the next blank line."""
+    blocks, current = [], None
+    for line in stdout.splitlines():
+        if line.startswith("=== "):
+            current = [line]
+            blocks.append(current)
+        elif current is not None and line.strip():
+            current.append(line)
+        else:
+            current = None
+    return blocks
+
+
+def test_tables_fit_120_columns_and_carry_a_legend(default_run):
+    blocks = tables(default_run[0])
+    titles = {b[0].split("?")[0] for b in blocks}
+    assert {"=== Which threshold", "=== What does each KV strategy buy", "=== Does early exit still save in a batch",
+            "=== Does an exit need a trained head"} <= titles
+    for block in blocks:
+        assert all(len(line) <= m.WIDTH for line in block), block[0]
+    strategies = next(b for b in blocks if b[0].startswith("=== What does each KV strategy buy"))
+    legend = " ".join(line.strip() for line in strategies)
+    for word in ("speed-up:", "predicted:", "ideal:", "layers:", "repeats:", "test loss, agree:"):
+        assert word in legend, word
+    batch = " ".join(line.strip() for line in next(b for b in blocks if "still save in a batch" in b[0]))
+    for word in ("tok/s:", "predicted:", "auto chose:", "expected:", "identical:"):
+        assert word in batch, word
+
+
+def test_table_rows_are_aligned(default_run):
+    """Every row of the sweep, strategies and batch tables is exactly as wide as its header line."""
+    row_start = {"=== Which threshold? The sweep": r"\d\.\d\d ", "=== What does each KV strategy buy": r"(greedy|sampled) ",
+                 "=== Does early exit still save in a batch": r"\d+ +(greedy|sampled) "}
+    for block in tables(default_run[0]):
+        kind = next((k for k in row_start if block[0].startswith(k)), None)
+        if kind is None:
+            continue
+        header = next(i for i, line in enumerate(block) if line.endswith("===")) + 1
+        rows = [line for line in block[header + 1 :] if re.match(row_start[kind], line.strip())
+                and "|" not in line]  # (not the text plot's lines)
+        assert len(rows) >= 8, kind
+        assert all(len(r) == len(block[header]) for r in rows), kind
+
+def test_no_column_is_constant_by_construction(default_run):
+    """The re-prefill is the same work for every decoder of the strategies table: a note says it, not a column."""
+    rows = default_run[1]["strategies"]
+    assert len({round(r["prefill_layers"], 6) for r in rows}) == 1
+    assert "prefill_layers" not in [key for key, _, _ in m.STRATEGY_COLUMNS]
+    assert f"adds {rows[0]['prefill_layers']:.2f} per token for every decoder" in " ".join(default_run[0].split())
+
+
+def test_losses_and_savings_say_their_split_and_positions(default_run):
+    out = default_run[0]
+    assert "The sweep on 500 val positions" in out and "val saved" in out and "val loss" in out
+    assert "reported on 500 test positions" in out and "test saved" in out and "full depth's" in out
+    assert "48 test positions teacher-forced" in out
+    assert "each split's mean over 1 batches of 4 x 16 characters" in out
+
+
+def test_a_line_under_the_early_exit_sample_says_why(default_run):
+    out, report, _ = default_run
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("--- early-exit sample"))
+    note = next(line for line in lines[start:] if "full depth's speed" in line)
+    g = report["generation"]
+    ratio = g["tokens_per_second"] / g["full_depth_tokens_per_second"]
+    assert note.startswith(f"({ratio:.2f}x full depth's speed: 3.00 layer runs per token (of 3), plus ")
+    assert "exit checks" in note and lines.index(note) < next(i for i, line in enumerate(lines) if "per-layer" in line)
+
+
+def test_speed_note_counts_exit_checks():
+    """A token that exits at layer e passed the checks at every checked exit up to e; a full-depth token all of them."""
+    out = m.Generation(torch.zeros(1, 5), torch.tensor([[0, 1, 3, 3, 0]]), None, 20, None)
+    samples = {"full-depth": (None, 100.0), "early-exit": (out, 50.0)}
+    assert m.speed_note(samples, [0, 1, 2], 4) == ("0.50x full depth's speed: 4.00 layer runs per token (of 4), plus "
+                                                   "2.00 exit checks (each a head, a softmax and a host sync)")
+    assert "plus 1.00 exit checks" in m.speed_note(samples, [0], 4)
+
+
+def test_the_sample_can_be_drawn_with_self_speculation(tmp_path, capsys):
+    """Greedy, the self-speculative sample is the full-depth one, character for character; the speculation map
+    marks exactly the drafts the verifier kept."""
+    args = ARGS[:-1] + ["--kv_strategy=self_speculative", "--temperature=0", "--lesson_only=true", "--max_new_tokens=60",
+                        "--exit_threshold=0.5", f"--out_dir={tmp_path}"]
+    with torch.enable_grad():
+        assert m.main(args) == 0
+    out = capsys.readouterr().out
+    full = out.split("--- full-depth sample")[1].split("\n", 1)[1].split("\n--- early-exit")[0]
+    early = out.split("--- early-exit sample: self_speculative, layer 0 drafts up to 8 a round, the rest verify")[1]
+    assert early.split("\n", 1)[1].startswith(full)
+    assert "verify passes, not 60 steps" in out
+    html, report = (tmp_path / "report.html").read_text(), json.loads((tmp_path / "report.json").read_text())
+    drafted = [bool(int(d)) for d in re.findall(r'data-drafted="(\d)"', html)]
+    assert len(drafted) == 60 and drafted == report["speculation"]["drafted"]
+    assert f"in {report['speculation']['rounds']} verify passes, not 60 steps" in out
+    assert "What does the verifier do?" in html
+
+
+def test_speculation_map_marks_the_kept_drafts(model):
+    """The map's drafted characters are those the decoder's own round records kept: as many as it accepted."""
+    cfg = model.config
+    cfg.seed, cfg.temperature, cfg.top_k, cfg.max_new_tokens, cfg.draft_exit, cfg.num_draft = 0, 1.0, 0, 50, 0, 4
+    cfg.draft_stop = 0.0
+    idx = torch.tensor([[1, 2, 3]])
+    lesson = {"samples": {"early-exit": (m.generate(model, idx, 50, exit_threshold=1.0), 1.0)}, "idx": idx,
+              "model": model, "tokenizer": m.CharTokenizer("abcdefghijk")}
+    entry = m.speculation_map(lesson, cfg)
+    again = m.generate_self_speculative(model, idx, 50, 0, 4, 1.0, 0, torch.Generator().manual_seed(0))
+    assert sum(entry["drafted"]) == again.stats["accepted"] and entry["rounds"] == again.stats["rounds"]
+    assert entry["acceptance_rate"] == again.stats["accepted"] / again.stats["drafted"]
+
+
+def test_an_impossible_token_cost_is_measured_again_then_flagged(model, monkeypatch, capsys):
+    """A full-depth token cheaper than its n_layer blocks cannot be: measure again, and say so if it stays."""
+    real = m.speed_pass
+    fast = lambda *a: {k: dict(v, tokens_per_second=1e12) for k, v in real(*a).items()}  # noqa: E731
+    monkeypatch.setattr(m, "speed_pass", fast)
+    costs = m.decode_costs(model, torch.tensor([[1, 2, 3]]), 4, repeats=3)
+    assert costs["attempts"] == 3 and costs["token"] < model.config.n_layer * costs["block"]
+    monkeypatch.setattr(m, "speed_pass", real)
+    assert m.decode_costs(model, torch.tensor([[1, 2, 3]]), 4, repeats=3)["token"] > 0
+    cfg = m.LabConfig(n_layer=model.config.n_layer)
+    m.print_strategies([{"name": "full", "prefill_layers": 1.0}], {}, cfg, costs, {})
+    assert "IMPOSSIBLE" in capsys.readouterr().out
+
+
+def test_resume_says_what_it_did(default_run, capsys):
+    out_dir = default_run[2]
+    with torch.enable_grad():
+        assert m.main(ARGS[:-1] + ["--lesson_only=true", "--init_from=resume", f"--out_dir={out_dir}"]) == 0
+    out = capsys.readouterr().out
+    assert f"resumed from {out_dir / 'ckpt.pt'} at step 4 of max_iters=4: no training this run" in out
+    assert "trained steps" not in out
+    with torch.enable_grad():
+        assert m.main(ARGS[:-1] + ["--lesson_only=true", "--init_from=resume", "--max_iters=6",
+                                   f"--out_dir={out_dir}"]) == 0
+    assert "trained steps 4..6 in" in capsys.readouterr().out
+
+
+HOW_IT_WAS_MADE = (r"\bissues?\b", r"\bsessions?\b", r"\bcommits?\b", r"\bgit (show|log|diff)\b", r"\bwork periods?\b",
+                   r"\bsprints?\b", r"\btickets?\b", r"\bpull requests?\b",
+                   r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b",  # a commit hash
+                   r"\bthe issue sets?\b", r"\bearlier version\b", r"\bprevious(ly)? version\b")
+
+
+def docs():
+    return [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+
+
+def made_words(text):
+    return [w for pattern in HOW_IT_WAS_MADE for w in re.findall(pattern, text, flags=re.IGNORECASE)]
+
+
+def test_readme_and_docs_speak_of_the_project_not_of_its_making():
+    assert len(docs()) >= 2, "README.md and docs/RESULTS.md"
+    for path in docs():
+        found = made_words(open(path, encoding="utf-8").read())
+        assert not found, f"{os.path.basename(path)}: {found[:5]}"
+    # the check itself catches such words
+    assert made_words("fixed in an earlier session, see git show 9108b46 and issue 17")
+
+
+def test_readme_is_short_and_results_carry_their_commands():
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert readme.count("\n") <= 350
+    assert "pip install -r requirements.txt && python nanogpt_exit_head.py" in readme
+    assert "--index-url https://download.pytorch.org/whl/cpu" in readme
+    results = open(os.path.join(ROOT, "docs", "RESULTS.md"), encoding="utf-8").read()
+    blocks = re.findall(r"```\n(.*?)```", results, flags=re.DOTALL)
+    assert blocks and all(b.startswith("$ python") or b.startswith("$ time python") or b.startswith("$ OMP")
+                          or b.startswith("$ torchrun") for b in blocks if "===" in b)
