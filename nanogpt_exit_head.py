@@ -1840,8 +1840,11 @@ def spec_grid(grid, mode):
     return sorted({c[:2] for c in cells}), sorted({c[2] for c in cells}), lambda E, k, s: cells[E, k, s]
 
 def print_spec_sweep(grid):
-    print("\n=== Which draft_exit, num_draft and draft_stop? The self-speculative sweep on the val workload: "
-          "speed-up over full depth in the same mode (acceptance rate), same-run medians ===")
+    print("\n=== " + "\n    ".join(textwrap.wrap(
+        "Which draft_exit, num_draft and draft_stop? The self-speculative sweep on the val workload, every cell beside "
+        "full depth in the same mode, interleaved", WIDTH - 8)) + " ===")
+    print("each cell: the speed-up over full depth (the share of drafts kept); E: the draft's last layer, k: the most "
+          "drafts a round,\n  stop: drafting stops when the draft's top-1 probability falls below it (0: never)")
     for mode in MODES:
         lines, stops, cell = spec_grid(grid, mode)
         print(f"{mode:>8} E,k " + "".join(f"{'stop=' + format(s, 'g'):>16}" for s in stops))
