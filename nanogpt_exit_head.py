@@ -915,9 +915,9 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit, num_draft,
         accepted, nxt, has_next = speculative_accept(drafts, q, p, None if len(n) == 1 and draft_stop == 0 else room,
                                                      temperature, generator)
         tokens[rows, n + accepted] = nxt  # a row that kept all it could writes a slot its next round overwrites
-        rounds.append((ids, n, room, accepted, torch.full_like(n, exit_r)))
-        if controller and exit_r < cfg.n_layer - 1:
-            controller.update(int(room.sum()), int(accepted.sum()))
+        rounds.append((ids, n, room, accepted, torch.full_like(n, exit_r), has_next))
+        if controller and exit_r < cfg.n_layer - 1:  # each kept draft passed a test, and so did each rejection fail one
+            controller.update(int((accepted + has_next).sum()), int(accepted.sum()))
         n, draft_steps = n + accepted + has_next, draft_steps + drafts.size(1)  # each row's cache is rolled back
         done = n >= end  # rows that are done leave: the next rounds run on the rest only
         if bool(done.any()):
@@ -930,7 +930,7 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit, num_draft,
     spec = [r for r in rounds if int(r[4][0]) < cfg.n_layer - 1]  # full-depth rounds (a controller's) draft nothing
     stats = {"rounds": len(rounds), "draft_steps": draft_steps, "num_draft": num_draft,
              "full_rounds": len(rounds) - len(spec), "drafted": sum(int(r[2].sum()) for r in spec),
-             "accepted": sum(int(r[3].sum()) for r in spec)}
+             "accepted": sum(int(r[3].sum()) for r in spec), "rejected": sum(int(r[5].sum()) for r in spec)}
     return Generation(out_tokens, exited_at, None, sum(cache.layer_evals) - evals, cache, stats, prefilled)
 
 def speculative_sample(config):
@@ -944,9 +944,9 @@ def speculative_sample(config):
 
 def kept_drafts(rounds, B, end, full_exit):
     """(B, end): the draft's exit where a token is a kept draft, full_exit elsewhere, from each round's (rows, first
-    draft position, room, drafts kept, draft exit): the exit's offset from full_exit added where a row's kept
+    draft position, room, drafts kept, draft exit, ...): the exit's offset from full_exit added where a row's kept
     drafts begin and taken away where they end, summed along (kept runs never overlap)."""
-    ids, n, _, accepted, exit_ = (torch.cat(parts) for parts in zip(*rounds)) if rounds else [torch.zeros(0).long()] * 5
+    ids, n, _, accepted, exit_, _ = (torch.cat(p) for p in zip(*rounds)) if rounds else [torch.zeros(0).long()] * 6
     marks = torch.zeros(B, end + 1, dtype=torch.long, device=n.device)
     marks.index_put_((ids, n), exit_ - full_exit, accumulate=True)
     marks.index_put_((ids, n + accepted), full_exit - exit_, accumulate=True)
@@ -1649,13 +1649,14 @@ def goodput_prediction(row, costs, config):
 def expected_tokens(acceptance, k):
     """Tokens a row gains in a round of k drafts, each kept with probability `acceptance` until the first miss:
     the kept prefix and the full model's token after it, k at most: 1 + a + ... + a^(k-1)."""
+    # a is per draft tested, kept / (kept + rejections): not kept / drafted, which counts the drafts after a miss
     return float(k) if acceptance >= 1 else (1 - acceptance**k) / (1 - acceptance)
 
 class GoodputController:
     """Chooses each round's draft: the length k in 1..most with the most tokens per second by the cost model, or
     full depth (a draft through every layer, kept whole) when no k beats it. A round costs k draft steps, a
     verify pass (a line in k), the rest of the round, and lasts `slowest` times what the mean row needs; a row
-    gains expected_tokens(a, k). a starts at val's acceptance (worth `prior` drafts) and follows the rounds."""
+    gains expected_tokens(a, k), and each token also costs its share of the window re-prefills. a starts at val's acceptance (worth `prior` tests) and follows the rounds."""
     def __init__(self, costs, acceptance, draft_exit, most, n_layer, prior=32):
         self.costs, self.draft_exit, self.most, self.full_exit = costs, draft_exit, most, n_layer - 1
         self.kept, self.drafted = acceptance * prior, float(prior)
@@ -1664,20 +1665,22 @@ class GoodputController:
         """Predicted tokens per second of k drafts a round over full depth's, at this batch size."""
         c, a = self.costs, self.kept / self.drafted if acceptance is None else acceptance
         seconds = c["slowest"] * (k * c["draft_step"] + c["verify_base"] + k * c["verify_per_draft"] + c["rest"])
-        return c["full_step"] * expected_tokens(a, k) / seconds
+        return c["full_step"] / (seconds / expected_tokens(a, k) + c["prefill"])
 
     def choose(self):
         """(draft exit, most drafts) for the next round."""
         k = max(range(1, self.most + 1), key=self.speedup)
         return (self.draft_exit, k) if self.speedup(k) > 1 else (self.full_exit, self.most)
 
-    def update(self, drafted, kept):
-        self.drafted, self.kept = self.drafted + drafted, self.kept + kept
+    def update(self, tested, kept):
+        """tested: drafts the verifier judged (each kept one, and the first rejected one of a row); kept: kept."""
+        self.drafted, self.kept = self.drafted + tested, self.kept + kept
 
 def goodput_costs(model, prompts, batch_size, config, mode):
     """The cost model's figures on a workload at batch_size, in seconds: a full-depth step, a draft step, a verify
-    pass (base and per draft: a line through k = 2 and num_draft), the rest of a round, the slowest-row factor
-    (rounds taken over rounds the mean row needs), and the acceptance in this mode."""
+    pass (base and per draft: a line through k = 2 and num_draft), the rest of a round, the re-prefills per step of
+    the batch, the slowest-row factor (rounds taken over rounds the mean row needs: it also counts the rounds a
+    window edge cuts short), and the acceptance in this mode (per draft tested)."""
     T, n_batches = mode_temperature(mode, config), len(prompts) // batch_size
     full = speed_pass({"full": (decoder(model, "full"), T)}, prompts, batch_size, config.bench_tokens, 1,
                       config.seed, config.top_k)["full"]
@@ -1691,12 +1694,13 @@ def goodput_costs(model, prompts, batch_size, config, mode):
         passes[k] = clock, stats
     (clock2, stats2), (clock, stats) = passes[2], passes[config.num_draft]
     per_draft = (clock["verify"] / stats["rounds"] - clock2["verify"] / stats2["rounds"]) / (config.num_draft - 2)
-    acceptance = stats["accepted"] / stats["drafted"]
+    acceptance = stats["accepted"] / max(1, stats["accepted"] + stats["rejected"])
     mean_rounds = n_batches * config.bench_tokens / expected_tokens(acceptance, config.num_draft)
     return {"full_step": batch_size / full["tokens_per_second"], "draft_step": clock["draft"] / stats["draft_steps"],
             "verify_base": clock["verify"] / stats["rounds"] - config.num_draft * per_draft,
             "verify_per_draft": per_draft,
-            "rest": (clock["re-prefill"] + clock["accept and the rest"]) / stats["rounds"],
+            "rest": clock["accept and the rest"] / stats["rounds"],
+            "prefill": clock["re-prefill"] / (n_batches * config.bench_tokens),
             "slowest": stats["rounds"] / mean_rounds, "acceptance": acceptance}
 
 # -----------------------------------------------------------------------------
@@ -1817,7 +1821,8 @@ def print_strategies(entries, quality, config, costs, depths):
         f"exits, thr: the exits checked and their threshold, chosen on val (exit_layers={config.exit_layers!r}: the "
         f"highest threshold sending {EARLY_EXIT_FRACTION:.0%} of val positions out early). layers: blocks run per "
         f"token while decoding, catch-up included; re-prefilling the window every block_size/2 tokens adds "
-        f"{' to '.join(f'{p:.2f}' for p in prefill)} per token for every decoder (it also repairs holes and state copies).",
+        f"{' to '.join(f'{p:.2f}' for p in prefill)} per token for every decoder (it also repairs holes and state "
+        "copies).",
         "repeats: the share of the text's 4-grams that repeat an earlier one (a loop is easy to draft and to exit "
         f"from). test loss, agree: {config.quality_positions} test positions teacher-forced through each decoder, "
         "and how often its top-1 equals full depth's (self_speculative: full depth's, by construction). The "

@@ -10,7 +10,7 @@ from conftest import m, tiny_model
 pytestmark = pytest.mark.usefixtures("no_grad")
 
 COSTS = {"full_step": 1.0, "draft_step": 0.2, "verify_base": 1.0, "verify_per_draft": 0.05, "rest": 0.1,
-         "slowest": 1.0, "acceptance": 0.8}
+         "prefill": 0.0, "slowest": 1.0, "acceptance": 0.8}
 
 
 def test_expected_tokens_by_hand():
@@ -94,3 +94,17 @@ def test_sampled_output_keeps_its_distribution_under_a_changing_controller():
     emp = counts / counts.sum()
     assert 0.5 * (emp.sum(1) - joint.sum(1)).abs().sum() < 0.04
     assert 0.5 * (emp - joint).abs().sum() < 0.1
+
+
+def test_acceptance_is_per_draft_tested(trained):
+    """A row keeps drafts until its first rejection: kept / (kept + rejections) is the chance that a draft the
+    verifier tests is kept, and expected_tokens of it predicts the tokens a round gains; kept / drafted, which also
+    counts the drafts after a miss that were never tested, does not."""
+    model, data = trained
+    gen = torch.Generator().manual_seed(0)  # sampled: greedy text soon loops and every draft is kept
+    out = m.generate_self_speculative(model, data[20000:20008][None], 240, 0, 8, 1.0, 0, gen)
+    s = out.stats
+    per_round = 240 / s["rounds"]
+    tested = m.expected_tokens(s["accepted"] / (s["accepted"] + s["rejected"]), 8)
+    naive = m.expected_tokens(s["accepted"] / s["drafted"], 8)
+    assert abs(tested - per_round) < 0.15 * per_round < abs(naive - per_round), (tested, naive, per_round)
