@@ -1625,9 +1625,11 @@ def measure_batches(model, splits, config, device, plans, val_records):
                                          schedule["schedule"], graphs_on(config, device), goodput) for mode in MODES}
                     for name in BATCH_DESIGNS}
         batch_rows, _, speed = measure_decoders(decoders, test, test_prompts, config, B, {"state_copy": plan})
-        depth = expected_batch_depth(state_copy_exits, (B,), L)[B]
-        rows += [dict(r, expected_layers=depth if r["name"] == "state_copy" else None,
-                      **goodput_prediction(r, goodput[r["mode"]], config)) for r in batch_rows]
+        depth = expected_batch_depth(state_copy_exits, (1, B), L)  # a step runs as deep as its deepest row
+        # state_copy keeps batch 1's per-token overheads (checks, writes), and saves only what the deepest row skips
+        copy = {"expected_layers": depth[B], "predicted_speedup": plan["predicted_speedup"] * depth[1] / depth[B]}
+        rows += [dict(r, **copy) if r["name"] == "state_copy" else
+                 dict(r, **goodput_prediction(r, goodput[r["mode"]], config)) for r in batch_rows]
         costs.append(speculation_costs(model, test_prompts, B, config, drafts["greedy"],
                                        speed["full", "greedy"]["tokens_per_second"]))
     return {"entries": rows, "schedule": schedule, "plan": plan, "drafts": chosen, "speculation_costs": costs}
@@ -1652,6 +1654,8 @@ def expected_tokens(acceptance, k):
     # a is per draft tested, kept / (kept + rejections): not kept / drafted, which counts the drafts after a miss
     return float(k) if acceptance >= 1 else (1 - acceptance**k) / (1 - acceptance)
 
+GOODPUT_MARGIN = 0.05  # speculate only where the model predicts at least this gain: it errs by 5-15% here
+
 class GoodputController:
     """Chooses each round's draft: the length k in 1..most with the most tokens per second by the cost model, or
     full depth (a draft through every layer, kept whole) when no k beats it. A round costs k draft steps, a
@@ -1670,7 +1674,7 @@ class GoodputController:
     def choose(self):
         """(draft exit, most drafts) for the next round."""
         k = max(range(1, self.most + 1), key=self.speedup)
-        return (self.draft_exit, k) if self.speedup(k) > 1 else (self.full_exit, self.most)
+        return (self.draft_exit, k) if self.speedup(k) > 1 + GOODPUT_MARGIN else (self.full_exit, self.most)
 
     def update(self, tested, kept):
         """tested: drafts the verifier judged (each kept one, and the first rejected one of a row); kept: kept."""
