@@ -1660,7 +1660,8 @@ class GoodputController:
     """Chooses each round's draft: the length k in 1..most with the most tokens per second by the cost model, or
     full depth (a draft through every layer, kept whole) when no k beats it. A round costs k draft steps, a
     verify pass (a line in k), the rest of the round, and lasts `slowest` times what the mean row needs; a row
-    gains expected_tokens(a, k), and each token also costs its share of the window re-prefills. a starts at val's acceptance (worth `prior` tests) and follows the rounds."""
+    gains expected_tokens(a, k), and each token also costs its share of the window re-prefills. a starts at val's
+    acceptance (worth `prior` tests) and follows the rounds."""
     def __init__(self, costs, acceptance, draft_exit, most, n_layer, prior=32):
         self.costs, self.draft_exit, self.most, self.full_exit = costs, draft_exit, most, n_layer - 1
         self.kept, self.drafted = acceptance * prior, float(prior)
@@ -2593,8 +2594,9 @@ def calibrated_threshold(rule, config, device):
     """The lesson's choose_threshold: Learn then Test on val (the whole exit rule goes into `rule` for later)."""
     def choose(model, tokenizer, splits):
         rule.update(choose_exit_rule(model, tokenizer, splits, config, device))
-        print(f"\nthe early-exit sample uses the threshold calibrated on val ({rule['calibration']['threshold']:g}; "
-              "'Which threshold?' below)")
+        below = "" if config.sample_only or config.lesson_only else "; 'Which threshold?' below"
+        print(f"\nthe early-exit sample uses the threshold calibrated on val ({rule['calibration']['threshold']:g}"
+              f"{below})")
         return rule["calibration"]["threshold"]
     return choose
 

@@ -228,3 +228,8 @@ def test_explicit_exit_layers_still_work(tmp_path):
     rows = json.loads((tmp_path / "report.json").read_text())["strategies"]
     per_token = [r for r in rows if r["name"] in m.KV_STRATEGIES]
     assert len(per_token) == 8 and all(r["checked_exits"] == "1" for r in per_token)
+
+
+def test_no_line_of_the_script_is_over_120_characters():
+    long = [i + 1 for i, line in enumerate(open(m.__file__, encoding="utf-8").read().splitlines()) if len(line) > 120]
+    assert not long, f"lines over 120 characters: {long[:10]}"
