@@ -2137,9 +2137,9 @@ def html_speculation(s):
                                                  else "the full model's token: a draft was rejected"))
     return section("speculation", "What does the verifier do?", "<p class='legend'><span class='acc'>accepted draft"
                    "</span><span class='fix'>the full model's token</span></p><p class='muted'>The same prompt and "
-                   f"seed, drafted by layers 0..{s['draft_exit']} (up to {s['num_draft']} a round) and verified by the "
-                   "rest "
-                   f"in one pass a round: <b {datum('speculation.acceptance_rate', s['acceptance_rate'])}>"
+                   f"seed, drafted by layer{'s 0..' if s['draft_exit'] else ' '}{s['draft_exit']} (up to "
+                   f"{s['num_draft']} a round) and verified by the rest in one pass a round: "
+                   f"<b {datum('speculation.acceptance_rate', s['acceptance_rate'])}>"
                    f"{s['acceptance_rate']:.0%}</b> of the drafts were accepted, in <span "
                    f"{datum('speculation.rounds', s['rounds'])}>{s['rounds']}</span> verify passes for "
                    f"{len(s['sample'])} characters. Where a draft is rejected, the full model's own token replaces it "
@@ -2170,7 +2170,7 @@ def html_calibration(report):
             ("test.loss", "test loss", "{:.4f}"), ("test.full_loss", "full depth's", "{:.4f}"))
     return section("calibration", "Which threshold, with a guarantee?", f"<p class='muted'>Learn then Test on val: "
                    f"disagreement with full depth at most {cals[0]['epsilon']:.0%} with probability at least "
-                   f"{1 - cals[0]['delta']:.0%}, reported on {report.get('config', {}).get('sweep_positions', '')} "
+                   f"{1 - cals[0]['delta']:.0%}, reported on {report.get('config', {}).get('sweep_positions', 0):,} "
                    "test positions, teacher-forced, with an exact cache.</p>", html_table(rows, cols,
                                                                                        "calibration_by_measure"))
 
