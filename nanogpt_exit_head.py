@@ -1505,6 +1505,9 @@ def compare_strategies(model, splits, config, device):
                 for name in ("full",) + KV_STRATEGIES + ("self_speculative",)}
     rows, quality, _ = measure_decoders({name: {mode: d for mode in MODES} for name, d in decoders.items()},
                                         splits["test"].to(device), test_prompts, config, 1, plans)
+    goodput = {mode: goodput_costs(model, val_prompts, 1, config, mode) for mode in MODES}  # measured on val
+    for row in (r for r in rows if r["name"] == "self_speculative"):  # its prediction: the goodput model's
+        row.update(goodput_prediction(row, goodput[row["mode"]], config))
     return rows, quality, plans, costs, val_records
 
 def time_speculative(model, prompts, config, cells):
@@ -1606,8 +1609,9 @@ def speculation_costs(model, prompts, batch_size, config, num_draft, full_tokens
             "shares": {phase: t / total for phase, t in clock.items()}, "draft_step_ms": 1e3 * clock["draft"] / steps,
             "verify_ms": 1e3 * clock["verify"] / rounds, "full_step_ms": 1e3 * batch_size / full_tokens_per_second}
 
-def measure_batches(model, splits, config, device, plans, val_records):
-    """The batch table: every design at every batch size, greedy and sampled, quality beside speed."""
+def measure_batches(model, splits, config, device, plans, val_records, unit_costs):
+    """The batch table: every design at every batch size, greedy and sampled, quality beside speed, and the cost
+    models' predictions (unit_costs: decode_costs' batch-1 figures)."""
     L, plan, test = config.n_layer, plans["state_copy"], splits["test"].to(device)
     test_prompts, val_prompts = (workload(splits[s], config.bench_prompts, config.bench_prompt_len).to(device)
                                  for s in ("test", "val"))
@@ -1628,7 +1632,10 @@ def measure_batches(model, splits, config, device, plans, val_records):
         depth = expected_batch_depth(state_copy_exits, (1, B), L)  # a step runs as deep as its deepest row
         # state_copy keeps batch 1's per-token overheads (checks, writes), and saves only what the deepest row skips
         copy = {"expected_layers": depth[B], "predicted_speedup": plan["predicted_speedup"] * depth[1] / depth[B]}
-        rows += [dict(r, **copy) if r["name"] == "state_copy" else
+        # skipdecode skips the same share of block runs in every row, with no checks: that share of a token's blocks
+        skip = {"predicted_speedup": unit_costs["token"] / (unit_costs["token"] - schedule["compute_saved"] * L
+                                                            * unit_costs["block"])}
+        rows += [dict(r, **copy) if r["name"] == "state_copy" else dict(r, **skip) if r["name"] == "skipdecode" else
                  dict(r, **goodput_prediction(r, goodput[r["mode"]], config)) for r in batch_rows]
         costs.append(speculation_costs(model, test_prompts, B, config, drafts["greedy"],
                                        speed["full", "greedy"]["tokens_per_second"]))
@@ -1821,8 +1828,8 @@ def print_strategies(entries, quality, config, costs, depths):
                 f"characters, {config.bench_tokens} more each, batch 1, median of {config.bench_repeats} interleaved "
                 "runs", entries, STRATEGY_COLUMNS, spec + [
         f"speed-up: tokens per second over full depth's in the same mode (sampled: temperature {config.temperature:g}, "
-        f"top_k {config.top_k}); predicted: the cost model's figure for the exit plan; ideal: {L} / layers, what the "
-        "skipped layers would give if a layer were all a step cost.",
+        f"top_k {config.top_k}); predicted: the cost model's figure (self_speculative: the goodput model's, costs "
+        f"measured on val); ideal: {L} / layers, what the skipped layers would give if a layer were all a step cost.",
         f"exits, thr: the exits checked and their threshold, chosen on val (exit_layers={config.exit_layers!r}: the "
         f"highest threshold sending {EARLY_EXIT_FRACTION:.0%} of val positions out early). layers: blocks run per "
         f"token while decoding, catch-up included; re-prefilling the window every block_size/2 tokens adds "
@@ -1871,7 +1878,8 @@ def batch_notes(batched, cfg):
     """The lines under the batch table; cfg: the config as a dict (report.json's)."""
     plan, schedule = batched["plan"], batched["schedule"]
     return ["tok/s: characters per second of the whole batch; speed-up: over full depth at the same batch size and "
-            "mode; predicted: the cost model's speed-up; auto chose: the goodput controller's first choice (k drafts "
+            "mode; predicted: the cost model's speed-up (speculation: the goodput model; state_copy: batch 1's plan at "
+            "the batch's depth; skipdecode: the block runs it skips); auto chose: the goodput controller's first choice (k drafts "
             "a round, or full depth); k: drafts a round; layers: blocks run per token; expected: what the recorded "
             "exits predict; test loss, agree: teacher-forced test positions, agreement with full depth's top-1; "
             "identical: greedy output equal to full depth's on every row.",
@@ -2652,7 +2660,7 @@ def measure_strategies(model, splits, config, device):
               "workload": {"split": "test", "prompts": config.bench_prompts, "prompt_len": config.bench_prompt_len,
                            "tokens": config.bench_tokens, "repeats": config.bench_repeats, "chosen_on": "val"}}
     if config.bench_batch:
-        report["batched"] = measure_batches(model, splits, config, device, plans, val_records)
+        report["batched"] = measure_batches(model, splits, config, device, plans, val_records, costs)
         print_batches(report["batched"], config)
     if config.spec_sweep:
         val_prompts = workload(splits["val"], config.bench_prompts, config.bench_prompt_len).to(device)

@@ -73,6 +73,14 @@ def test_table_rows_are_aligned(default_run):
         assert len(rows) >= 8, kind
         assert all(len(r) == len(block[header]) for r in rows), kind
 
+def test_every_speed_has_a_prediction_beside_it(default_run):
+    """Batch 1 and the batch table: every decoder but full depth (the baseline) has the cost model's figure."""
+    report = default_run[1]
+    for row in report["strategies"] + report["batched"]["entries"]:
+        if row["name"] != "full":
+            assert row["predicted_speedup"] > 0, (row["batch_size"], row["name"], row["mode"])
+
+
 def test_no_column_is_constant_by_construction(default_run):
     """The re-prefill is the same work for every decoder of the strategies table: a note says it, not a column."""
     rows = default_run[1]["strategies"]
