@@ -1878,11 +1878,11 @@ def batch_notes(batched, cfg):
     """The lines under the batch table; cfg: the config as a dict (report.json's)."""
     plan, schedule = batched["plan"], batched["schedule"]
     return ["tok/s: characters per second of the whole batch; speed-up: over full depth at the same batch size and "
-            "mode; predicted: the cost model's speed-up (speculation: the goodput model; state_copy: batch 1's plan at "
-            "the batch's depth; skipdecode: the block runs it skips); auto chose: the goodput controller's first "
-            "choice (k drafts a round, or full depth); k: drafts a round; layers: blocks run per token; expected: what the recorded "
-            "exits predict; test loss, agree: teacher-forced test positions, agreement with full depth's top-1; "
-            "identical: greedy output equal to full depth's on every row.",
+            "mode; predicted: the cost model's speed-up (speculation: the goodput model; state_copy: batch 1's plan "
+            "at the batch's depth; skipdecode: the block runs it skips); auto chose: the goodput controller's first "
+            "choice (k drafts a round, or full depth); k: drafts a round; layers: blocks run per token; expected: "
+            "what the recorded exits predict; test loss, agree: teacher-forced test positions, agreement with full "
+            "depth's top-1; identical: greedy output equal to full depth's on every row.",
             f"state_copy: every row waits for the deepest (exits {plan['checked_exits']}, {cfg['confidence_measure']}"
             f" > {plan['threshold']:g}; expected: layers per step from val's exits). skipdecode: every row exits at "
             f"layer {schedule.get('exit_layer', cfg['n_layer'] - 1)} from window position "
