@@ -1666,7 +1666,8 @@ GOODPUT_MARGIN = 0.05  # speculate only where the model predicts at least this g
 class GoodputController:
     """Chooses each round's draft: the length k in 1..most with the most tokens per second by the cost model, or
     full depth (a draft through every layer, kept whole) when no k beats it. A round costs k draft steps, a
-    verify pass (a line in k), the rest of the round, and lasts `slowest` times what the mean row needs; a row
+    verify pass and the rest of the round, and lasts the round factor times what the mean row needs (each a line in
+    k, goodput_costs); a row
     gains expected_tokens(a, k), and each token also costs its share of the window re-prefills. a starts at val's
     acceptance (worth `prior` tests) and follows the rounds."""
     def __init__(self, costs, acceptance, draft_exit, most, n_layer, prior=32):
@@ -1676,7 +1677,8 @@ class GoodputController:
     def speedup(self, k, acceptance=None):
         """Predicted tokens per second of k drafts a round over full depth's, at this batch size."""
         c, a = self.costs, self.kept / self.drafted if acceptance is None else acceptance
-        seconds = c["slowest"] * (k * c["draft_step"] + c["verify_base"] + k * c["verify_per_draft"] + c["rest"])
+        line = lambda name: c[f"{name}_base"] + k * c[f"{name}_per_draft"]  # noqa: E731
+        seconds = line("slowest") * (k * c["draft_step"] + line("verify") + line("rest"))
         return c["full_step"] / (seconds / expected_tokens(a, k) + c["prefill"])
 
     def choose(self):
@@ -1689,31 +1691,30 @@ class GoodputController:
         self.drafted, self.kept = self.drafted + tested, self.kept + kept
 
 def goodput_costs(model, prompts, batch_size, config, mode):
-    """The cost model's figures on a workload at batch_size, in seconds: a full-depth step, a draft step, a verify
-    pass (base and per draft: a line through k = 2 and num_draft), the rest of a round, the re-prefills per step of
-    the batch, the slowest-row factor (rounds taken over rounds the mean row needs: it also counts the rounds a
-    window edge cuts short), and the acceptance in this mode (per draft tested)."""
-    T, n_batches = mode_temperature(mode, config), len(prompts) // batch_size
+    """The cost model's figures on a workload at batch_size, in seconds: a full-depth step, a draft step, the
+    re-prefills per step of the batch, the acceptance in this mode (per draft tested), and three lines in k through
+    timed passes at k = 2 and K: a verify pass, the rest of a round, and the round factor (rounds taken over rounds
+    the mean row needs: a batch waits for its slowest row, and window edges cut rounds short, more so at long k)."""
+    T, n_batches, K = mode_temperature(mode, config), len(prompts) // batch_size, max(config.num_draft, 4)
     full = speed_pass({"full": (decoder(model, "full"), T)}, prompts, batch_size, config.bench_tokens, 1,
                       config.seed, config.top_k)["full"]
-    passes = {}
-    for k in (2, config.num_draft):
+    at = {}  # k -> that pass's figures per round
+    for k in (2, K):
         clock, stats = {}, Counter()
         for i, batch in enumerate(prompts.split(batch_size)):
             gen = torch.Generator(device=prompts.device).manual_seed(config.seed + i)
             stats.update(generate_self_speculative(model, batch, config.bench_tokens, config.draft_exit, k, T,
                                                    config.top_k, gen, clock=clock).stats)
-        passes[k] = clock, stats
-    (clock2, stats2), (clock, stats) = passes[2], passes[config.num_draft]
-    per_draft = (clock["verify"] / stats["rounds"] - clock2["verify"] / stats2["rounds"]) / (config.num_draft - 2)
-    acceptance = stats["accepted"] / max(1, stats["accepted"] + stats["rejected"])
-    mean_rounds = n_batches * config.bench_tokens / expected_tokens(acceptance, config.num_draft)
-    return {"full_step": batch_size / full["tokens_per_second"], "draft_step": clock["draft"] / stats["draft_steps"],
-            "verify_base": clock["verify"] / stats["rounds"] - config.num_draft * per_draft,
-            "verify_per_draft": per_draft,
-            "rest": clock["accept and the rest"] / stats["rounds"],
-            "prefill": clock["re-prefill"] / (n_batches * config.bench_tokens),
-            "slowest": stats["rounds"] / mean_rounds, "acceptance": acceptance}
+        a = stats["accepted"] / max(1, stats["accepted"] + stats["rejected"])
+        at[k] = {"verify": clock["verify"] / stats["rounds"], "rest": clock["accept and the rest"] / stats["rounds"],
+                 "slowest": stats["rounds"] * expected_tokens(a, k) / (n_batches * config.bench_tokens)}
+    # the last pass (k = K) gives the draft step, the re-prefills and the acceptance
+    costs = {"full_step": batch_size / full["tokens_per_second"], "draft_step": clock["draft"] / stats["draft_steps"],
+             "prefill": clock["re-prefill"] / (n_batches * config.bench_tokens), "acceptance": a}
+    for name in at[K]:  # name_base + k * name_per_draft
+        per_draft = (at[K][name] - at[2][name]) / (K - 2)
+        costs.update({f"{name}_base": at[K][name] - K * per_draft, f"{name}_per_draft": per_draft})
+    return costs
 
 # -----------------------------------------------------------------------------
 # Measurement, 2: training recipes compared at the same budget, and what exit heads cost to train
