@@ -1672,7 +1672,7 @@ class GoodputController:
     acceptance (worth `prior` tests) and follows the rounds."""
     def __init__(self, costs, acceptance, draft_exit, most, n_layer, prior=32):
         self.costs, self.draft_exit, self.most, self.full_exit = costs, draft_exit, most, n_layer - 1
-        self.kept, self.drafted = acceptance * prior, float(prior)
+        self.kept, self.drafted, self.choices = acceptance * prior, float(prior), {}
 
     def speedup(self, k, acceptance=None):
         """Predicted tokens per second of k drafts a round over full depth's, at this batch size."""
@@ -1682,9 +1682,13 @@ class GoodputController:
         return c["full_step"] / (seconds / expected_tokens(a, k) + c["prefill"])
 
     def choose(self):
-        """(draft exit, most drafts) for the next round."""
-        k = max(range(1, self.most + 1), key=self.speedup)
-        return (self.draft_exit, k) if self.speedup(k) > 1 + GOODPUT_MARGIN else (self.full_exit, self.most)
+        """(draft exit, most drafts) for the next round; it moves only when the acceptance does (to 0.01)."""
+        a = round(self.kept / self.drafted, 2)
+        if a not in self.choices:  # a round is a few ms: the model is not evaluated afresh for each one
+            k = max(range(1, self.most + 1), key=lambda j: self.speedup(j, a))
+            speculate = self.speedup(k, a) > 1 + GOODPUT_MARGIN
+            self.choices[a] = (self.draft_exit, k) if speculate else (self.full_exit, self.most)
+        return self.choices[a]
 
     def update(self, tested, kept):
         """tested: drafts the verifier judged (each kept one, and the first rejected one of a row); kept: kept."""
