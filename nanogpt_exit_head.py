@@ -1661,7 +1661,7 @@ def expected_tokens(acceptance, k):
     # a is per draft tested, kept / (kept + rejections): not kept / drafted, which counts the drafts after a miss
     return float(k) if acceptance >= 1 else (1 - acceptance**k) / (1 - acceptance)
 
-GOODPUT_MARGIN = 0.05  # speculate only where the model predicts at least this gain: it errs by 5-15% here
+GOODPUT_MARGIN = 0.1  # speculate only where the model predicts at least this gain: it errs by up to 10-20% here
 
 class GoodputController:
     """Chooses each round's draft: the length k in 1..most with the most tokens per second by the cost model, or
