@@ -555,8 +555,8 @@ import inspect
 import itertools
 import json
 import os
-import re
 import pickle
+import re
 import signal
 import textwrap
 import threading
@@ -1667,23 +1667,22 @@ class GoodputController:
     """Chooses each round's draft: the length k in 1..most with the most tokens per second by the cost model, or
     full depth (a draft through every layer, kept whole) when no k beats it. A round costs k draft steps, a
     verify pass and the rest of the round, and lasts the round factor times what the mean row needs (each a line in
-    k, goodput_costs); a row
-    gains expected_tokens(a, k), and each token also costs its share of the window re-prefills. a starts at val's
-    acceptance (worth `prior` tests) and follows the rounds."""
+    k, goodput_costs); a row gains expected_tokens(a, k), and each token also costs its share of the window
+    re-prefills. a starts at val's acceptance (worth `prior` tested drafts) and follows the rounds."""
     def __init__(self, costs, acceptance, draft_exit, most, n_layer, prior=32):
         self.costs, self.draft_exit, self.most, self.full_exit = costs, draft_exit, most, n_layer - 1
-        self.kept, self.drafted, self.choices = acceptance * prior, float(prior), {}
+        self.kept, self.tested, self.choices = acceptance * prior, float(prior), {}
 
     def speedup(self, k, acceptance=None):
         """Predicted tokens per second of k drafts a round over full depth's, at this batch size."""
-        c, a = self.costs, self.kept / self.drafted if acceptance is None else acceptance
+        c, a = self.costs, self.kept / self.tested if acceptance is None else acceptance
         line = lambda name: c[f"{name}_base"] + k * c[f"{name}_per_draft"]  # noqa: E731
         seconds = line("slowest") * (k * c["draft_step"] + line("verify") + line("rest"))
         return c["full_step"] / (seconds / expected_tokens(a, k) + c["prefill"])
 
     def choose(self):
         """(draft exit, most drafts) for the next round; it moves only when the acceptance does (to 0.01)."""
-        a = round(self.kept / self.drafted, 2)
+        a = round(self.kept / self.tested, 2)
         if a not in self.choices:  # a round is a few ms: the model is not evaluated afresh for each one
             k = max(range(1, self.most + 1), key=lambda j: self.speedup(j, a))
             speculate = self.speedup(k, a) > 1 + GOODPUT_MARGIN
@@ -1692,7 +1691,7 @@ class GoodputController:
 
     def update(self, tested, kept):
         """tested: drafts the verifier judged (each kept one, and the first rejected one of a row); kept: kept."""
-        self.drafted, self.kept = self.drafted + tested, self.kept + kept
+        self.tested, self.kept = self.tested + tested, self.kept + kept
 
 def goodput_costs(model, prompts, batch_size, config, mode):
     """The cost model's figures on a workload at batch_size, in seconds: a full-depth step, a draft step, the
