@@ -1789,11 +1789,15 @@ def colour_text(text, layers, n_layer, tty):
 
 WIDTH = 120  # console tables and their notes fit this many columns
 
+def print_title(question):
+    """A table's question as its title, '=== ... ===', wrapped to WIDTH."""
+    print("\n=== " + "\n    ".join(textwrap.wrap(question, WIDTH - 8)) + " ===")
+
 def print_table(title, entries, columns, notes=()):
     """The question a table answers, the table (columns: (key, header, format) triples), and notes under it."""
     cells = [[fmt.format(e[k]) if e.get(k) is not None else "-" for k, _, fmt in columns] for e in entries]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (_, h, _) in enumerate(columns)]
-    print("\n=== " + "\n    ".join(textwrap.wrap(title, WIDTH - 8)) + " ===")
+    print_title(title)
     for line in [[h for _, h, _ in columns]] + cells:
         print("  ".join(v.rjust(w) for v, w in zip(line, widths)))
     for note in notes:
@@ -1861,9 +1865,8 @@ def spec_grid(grid, mode):
     return sorted({c[:2] for c in cells}), sorted({c[2] for c in cells}), lambda E, k, s: cells[E, k, s]
 
 def print_spec_sweep(grid):
-    print("\n=== " + "\n    ".join(textwrap.wrap(
-        "Which draft_exit, num_draft and draft_stop? The self-speculative sweep on the val workload, every cell beside "
-        "full depth in the same mode, interleaved", WIDTH - 8)) + " ===")
+    print_title("Which draft_exit, num_draft and draft_stop? The self-speculative sweep on the val workload, every "
+                "cell beside full depth in the same mode, interleaved")
     print("each cell: the speed-up over full depth (the share of drafts kept); E: the draft's last layer, k: the most "
           "drafts a round,\n  stop: drafting stops when the draft's top-1 probability falls below it (0: never)")
     for mode in MODES:
