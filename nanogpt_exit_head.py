@@ -1308,22 +1308,25 @@ def repetition(tokens, n=4):
 def mode_temperature(mode, config):
     return 0.0 if mode == "greedy" else config.temperature
 
-SPECULATIVE = ("self_speculative", "auto")  # exact decoders: their quality is full depth's by construction
+# decoders that draft: no quality pass of their own (the exact ones have full depth's by construction; auto_approx
+# takes that of the design it chose)
+SPECULATIVE = ("self_speculative", "auto", "auto_approx")
 
 def decoder(model, name, plan=None, measure="top1", spec=(0, 8, 0.0), schedule=None, graphs=False, costs=None):
     """The decoder of one table row, for any batch size: (idx (B, T0), n, generator, temperature, top_k,
     forced) -> Generation. name: full, a KV strategy (with its exit plan), skipdecode, self_speculative, or
-    auto (a GoodputController from costs per mode, at most spec[1] drafts); graphs: full depth through
+    auto / auto_approx (auto_choice from costs per mode, at most spec[1] drafts); graphs: full depth through
     generate_static with CUDA graphs."""
     if name in SPECULATIVE:
         def decode(idx, n, generator=None, temperature=0.0, top_k=0, forced=None):
             assert forced is None, "self-speculative quality is full depth's by construction"
             controller = None
-            if name == "auto":
-                c = costs["greedy" if temperature == 0 else "sampled"]
-                controller = GoodputController(c, c["acceptance"], spec[0], spec[1], model.config.n_layer)
-                if controller.choose()[0] == controller.full_exit:  # speculation cannot pay here: plain full depth
-                    return generate(model, idx, n, temperature=temperature, top_k=top_k, generator=generator)
+            if name != "self_speculative":
+                kind, _, controller = auto_choice(costs["greedy" if temperature == 0 else "sampled"], spec,
+                                                  model.config.n_layer, approximate=name == "auto_approx")
+                if kind != "speculate":  # speculation cannot pay here: plain full depth, or SkipDecode's schedule
+                    kw = dict(strategy=SkipDecode(model, schedule), exit_threshold=0.0) if kind == "skipdecode" else {}
+                    return generate(model, idx, n, temperature=temperature, top_k=top_k, generator=generator, **kw)
             return generate_self_speculative(model, idx, n, spec[0], spec[1], temperature, top_k, generator, spec[2],
                                              controller=controller)
         return decode
@@ -1574,7 +1577,7 @@ def choose_schedule(records, n_layer, block_size, budget):
                         "compute_saved": figures["compute_saved"], "disagreement": figures["disagreement"]}
     return best
 
-BATCH_DESIGNS = ("full", "state_copy", "skipdecode", "self_speculative", "auto")
+BATCH_DESIGNS = ("full", "state_copy", "skipdecode", "self_speculative", "auto", "auto_approx")
 BATCH_DRAFTS = (4, 8, 11, 16)  # num_draft tried for batched speculation (11 fills 33 new tokens, block 64's half + 1)
 
 def choose_batch_drafts(model, config, val_prompts, batch_size):
@@ -1618,39 +1621,62 @@ def measure_batches(model, splits, config, device, plans, val_records, unit_cost
     schedule = choose_schedule(val_records, L, config.block_size, config.schedule_disagreement)
     state_copy_exits = exits_at_threshold(val_records, config.confidence_measure, plan["threshold"],
                                           plan["checked_exits"])
+    # skipdecode skips the same share of block runs in every row, with no checks: that share of a token's blocks
+    skip = {"predicted_speedup": unit_costs["token"] / (unit_costs["token"] - schedule["compute_saved"] * L
+                                                        * unit_costs["block"])}
     rows, chosen, costs = [], {}, []
     for B in (b for b in BATCH_SIZES if config.bench_prompts % b == 0):
         drafts, val_speed = choose_batch_drafts(model, config, val_prompts, B)
-        goodput = {mode: goodput_costs(model, val_prompts, B, config, mode) for mode in MODES}  # on val
+        goodput = {mode: dict(goodput_costs(model, val_prompts, B, config, mode),  # on val
+                              skipdecode_speedup=skip["predicted_speedup"]) for mode in MODES}
         most = 2 * config.num_draft  # auto's longest draft
         chosen[B] = {"num_draft": drafts, "val_tokens_per_second": val_speed, "goodput_costs": goodput}
         decoders = {name: {mode: decoder(model, name, plan, config.confidence_measure,
-                                         spec_settings(config, drafts[mode] if name != "auto" else most),
+                                         spec_settings(config, most if name.startswith("auto") else drafts[mode]),
                                          schedule["schedule"], graphs_on(config, device), goodput) for mode in MODES}
                     for name in BATCH_DESIGNS}
         batch_rows, _, speed = measure_decoders(decoders, test, test_prompts, config, B, {"state_copy": plan})
         depth = expected_batch_depth(state_copy_exits, (1, B), L)  # a step runs as deep as its deepest row
         # state_copy keeps batch 1's per-token overheads (checks, writes), and saves only what the deepest row skips
         copy = {"expected_layers": depth[B], "predicted_speedup": plan["predicted_speedup"] * depth[1] / depth[B]}
-        # skipdecode skips the same share of block runs in every row, with no checks: that share of a token's blocks
-        skip = {"predicted_speedup": unit_costs["token"] / (unit_costs["token"] - schedule["compute_saved"] * L
-                                                            * unit_costs["block"])}
-        rows += [dict(r, **copy) if r["name"] == "state_copy" else dict(r, **skip) if r["name"] == "skipdecode" else
-                 dict(r, **goodput_prediction(r, goodput[r["mode"]], config)) for r in batch_rows]
+        batch_rows = [dict(r, **copy) if r["name"] == "state_copy" else dict(r, **skip) if r["name"] == "skipdecode"
+                      else dict(r, **goodput_prediction(r, goodput[r["mode"]], config)) for r in batch_rows]
+        rows += [approx_quality(r, batch_rows) if r["name"] == "auto_approx" else r for r in batch_rows]
         costs.append(speculation_costs(model, test_prompts, B, config, drafts["greedy"],
                                        speed["full", "greedy"]["tokens_per_second"]))
     return {"entries": rows, "schedule": schedule, "plan": plan, "drafts": chosen, "speculation_costs": costs}
 
+def approx_quality(row, batch_rows):
+    """auto_approx's quality: full depth's where it chose an exact decoder, else SkipDecode's teacher-forced figures
+    (the same schedule, so the same positions and predictions)."""
+    if row["choice"] != "skipdecode":
+        return dict(row, approximate=False)
+    skip = next(r for r in batch_rows if r["name"] == "skipdecode")
+    return dict(row, approximate=True, quality_from="skipdecode's teacher-forced test positions",
+                **{k: skip[k] for k in ("test_loss", "test_accuracy", "agreement")})
+
 def goodput_prediction(row, costs, config):
     """The cost model's speed-up beside a batch-table row (full depth, speculation, auto) and what auto chose."""
-    controller = GoodputController(costs, costs["acceptance"], config.draft_exit, 2 * config.num_draft, config.n_layer)
+    spec = (config.draft_exit, 2 * config.num_draft)
     if row["name"] == "self_speculative":
-        return {"predicted_speedup": controller.speedup(row["num_draft"])}
-    if row["name"] != "auto":
+        return {"predicted_speedup": auto_choice(costs, spec, config.n_layer)[2].speedup(row["num_draft"])}
+    if row["name"] not in ("auto", "auto_approx"):
         return {"predicted_speedup": 1.0} if row["name"] == "full" else {}
+    kind, predicted, controller = auto_choice(costs, spec, config.n_layer, row["name"] == "auto_approx")
+    return {"predicted_speedup": predicted, "choice": f"k={controller.choose()[1]}" if kind == "speculate" else
+            {"full": "full depth", "skipdecode": "skipdecode"}[kind]}
+
+def auto_choice(costs, spec, n_layer, approximate=False):
+    """What auto runs at one batch size and mode, chosen before decoding from the cost model: ('full', 1.0, _),
+    ('speculate', predicted speed-up, the controller that goes on choosing k round by round), or, with approximation
+    allowed (auto_approx), ('skipdecode', predicted, _) where SkipDecode's schedule is predicted to beat both."""
+    controller = GoodputController(costs, costs["acceptance"], spec[0], spec[1], n_layer)
     exit_, k = controller.choose()
-    full = exit_ == controller.full_exit
-    return {"predicted_speedup": 1.0 if full else controller.speedup(k), "choice": "full depth" if full else f"k={k}"}
+    kind, predicted = ("full", 1.0) if exit_ == controller.full_exit else ("speculate", controller.speedup(k))
+    skip = costs.get("skipdecode_speedup", 0.0)  # set by measure_batches: the schedule's share of block runs skipped
+    if approximate and skip > max(predicted, 1 + GOODPUT_MARGIN):
+        kind, predicted = "skipdecode", skip
+    return kind, predicted, controller
 
 # -----------------------------------------------------------------------------
 # Goodput: what each draft length buys at a batch size, and a controller that chooses it round by round
@@ -1887,9 +1913,11 @@ def batch_notes(batched, cfg):
     return ["tok/s: characters per second of the whole batch; speed-up: over full depth at the same batch size and "
             "mode; predicted: the cost model's speed-up (speculation: the goodput model; state_copy: batch 1's plan "
             "at the batch's depth; skipdecode: the block runs it skips); auto chose: the goodput controller's first "
-            "choice (k drafts a round, or full depth); k: drafts a round; layers: blocks run per token; expected: "
-            "what the recorded exits predict; test loss, agree: teacher-forced test positions, agreement with full "
-            "depth's top-1; identical: greedy output equal to full depth's on every row.",
+            "choice (k drafts a round, or full depth); auto_approx: auto that may also choose skipdecode, within "
+            f"its disagreement budget (schedule_disagreement={cfg['schedule_disagreement']:g}), and then is as "
+            "approximate as it; k: drafts a round; layers: blocks run per token; expected: what the recorded exits "
+            "predict; test loss, agree: teacher-forced test positions, agreement with full depth's top-1; identical: "
+            "greedy output equal to full depth's on every row.",
             f"state_copy: every row waits for the deepest (exits {plan['checked_exits']}, {cfg['confidence_measure']}"
             f" > {plan['threshold']:g}; expected: layers per step from val's exits). skipdecode: every row exits at "
             f"layer {schedule.get('exit_layer', cfg['n_layer'] - 1)} from window position "
@@ -2258,7 +2286,7 @@ def write_html_report(report, path):
                             html_table(report["strategies"], STRATEGY_COLUMNS, "strategies")))
     if report.get("batched"):
         b = report["batched"]
-        short = {"self_speculative": "spec", "state_copy": "copy", "skipdecode": "skip"}
+        short = {"self_speculative": "spec", "state_copy": "copy", "skipdecode": "skip", "auto_approx": "auto~"}
         body.append(section("batches", "Does early exit still save in a batch?", *html_speedups(
             b["entries"], "batched.entries", lambda e: f"B{e['batch_size']} {short.get(e['name'], e['name'])}",
             ("predicted_speedup", "predicted by the cost model")), html_table(

@@ -109,6 +109,9 @@ def test_batch_table_in_the_report(tmp_path, capsys, monkeypatch):
     assert len(spec) == 4 and all(r["identical_to_full"] is True for r in spec)
     auto = [r for r in rows if r["name"] == "auto"]
     assert all(r["choice"] == "full depth" or r["choice"].startswith("k=") for r in auto)
+    approx = [r for r in rows if r["name"] == "auto_approx"]
+    assert all(r["choice"] in ("full depth", "skipdecode") or r["choice"].startswith("k=") for r in approx)
+    assert all(r["approximate"] == (r["choice"] == "skipdecode") for r in approx)
     assert all(r["predicted_speedup"] > 0 for r in rows if r["name"] in ("full", "self_speculative", "auto"))
     assert set(batched["drafts"]["4"]["goodput_costs"]) == {"greedy", "sampled"}
     assert all(r["num_draft"] == {"greedy": 3, "sampled": 5}[r["mode"]] == batched["drafts"][str(r["batch_size"])]

@@ -119,3 +119,32 @@ def test_the_round_factor_is_a_line_in_the_draft_length(trained):
     config.bench_tokens, config.num_draft, config.draft_exit = 60, 8, 0
     costs = m.goodput_costs(model, prompts, 2, config, "greedy")
     assert costs["slowest_per_draft"] > 0 and costs["slowest_base"] + 2 * costs["slowest_per_draft"] >= 0.95
+
+
+def test_auto_approx_chooses_skipdecode_only_where_it_is_allowed_and_predicted_to_win():
+    hopeless = dict(COSTS, acceptance=0.0)  # speculation cannot pay: exact auto runs full depth
+    assert m.auto_choice(dict(hopeless, skipdecode_speedup=1.3), (0, 16), 6)[:2] == ("full", 1.0)
+    allowed = m.auto_choice(dict(hopeless, skipdecode_speedup=1.3), (0, 16), 6, approximate=True)
+    assert allowed[:2] == ("skipdecode", 1.3)
+    assert m.auto_choice(dict(hopeless, skipdecode_speedup=1.05), (0, 16), 6, approximate=True)[0] == "full", \
+        "within the margin, full depth stays"
+    keen = dict(COSTS, acceptance=1.0)  # speculation predicted at 3.2x: it beats a 1.3x schedule
+    kind, predicted, _ = m.auto_choice(dict(keen, skipdecode_speedup=1.3), (0, 16), 6, approximate=True)
+    assert kind == "speculate" and predicted > 1.3
+
+
+def test_auto_approx_runs_skipdecode_when_it_chose_it_and_takes_its_quality(trained):
+    model, data = trained
+    L, prompts = model.config.n_layer, m.workload(data[:20000], 4, 8)
+    schedule = [L - 1] * 8 + [0] * (model.config.block_size - 8)
+    costs = {"greedy": dict(COSTS, acceptance=0.0, skipdecode_speedup=1.5)}
+    approx = m.decoder(model, "auto_approx", spec=(0, 8, 0.0), schedule=schedule, costs=costs)(prompts, 40)
+    skip = m.decoder(model, "skipdecode", schedule=schedule)(prompts, 40)
+    assert approx.stats is None and torch.equal(approx.tokens, skip.tokens)
+    assert not torch.equal(approx.tokens, m.generate(model, prompts, 40, temperature=0.0).tokens)
+    rows = [{"name": "skipdecode", "mode": "greedy", "test_loss": 2.5, "test_accuracy": 0.3, "agreement": 0.9},
+            {"name": "auto_approx", "mode": "greedy", "choice": "skipdecode", "test_loss": 2.0, "test_accuracy": 0.4,
+             "agreement": 1.0}]
+    row = m.approx_quality(rows[1], rows)
+    assert row["approximate"] and (row["test_loss"], row["agreement"]) == (2.5, 0.9)
+    assert not m.approx_quality(dict(rows[1], choice="k=4"), rows)["approximate"]
