@@ -2288,7 +2288,7 @@ def write_html_report(report, path):
         b = report["batched"]
         short = {"self_speculative": "spec", "state_copy": "copy", "skipdecode": "skip", "auto_approx": "auto~"}
         body.append(section("batches", "Does early exit still save in a batch?", "<p class='muted'>" + ", ".join(
-            f"{v}: {k}" for k, v in short.items()) + " (auto_approx may choose SkipDecode, and is then approximate)"
+            f"{v}: {k}" for k, v in short.items()) + " (auto_approx: auto that may choose SkipDecode, approximate then)"
             "</p>", *html_speedups(
             b["entries"], "batched.entries", lambda e: f"B{e['batch_size']} {short.get(e['name'], e['name'])}",
             ("predicted_speedup", "predicted by the cost model")), html_table(
