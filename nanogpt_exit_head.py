@@ -1692,9 +1692,10 @@ GOODPUT_MARGIN = 0.1  # speculate only where the model predicts at least this ga
 class GoodputController:
     """Chooses each round's draft: the length k in 1..most with the most tokens per second by the cost model, or
     full depth (a draft through every layer, kept whole) when no k beats it. A round costs k draft steps, a
-    verify pass and the rest of the round, and lasts the round factor times what the mean row needs (each a line in
-    k, goodput_costs); a row gains expected_tokens(a, k), and each token also costs its share of the window
-    re-prefills. a starts at val's acceptance (worth `prior` tested drafts) and follows the rounds."""
+    verify pass and the rest of the round, and lasts the round factor times what the mean row needs (each timed at
+    a few k and joined by straight lines, goodput_costs); a row gains expected_tokens(a, k), and each token also
+    costs its share of the window re-prefills. a starts at val's acceptance (worth `prior` tested drafts) and
+    follows the rounds."""
     def __init__(self, costs, acceptance, draft_exit, most, n_layer, prior=32):
         self.costs, self.draft_exit, self.most, self.full_exit = costs, draft_exit, most, n_layer - 1
         self.kept, self.tested, self.choices = acceptance * prior, float(prior), {}
@@ -1702,8 +1703,8 @@ class GoodputController:
     def speedup(self, k, acceptance=None):
         """Predicted tokens per second of k drafts a round over full depth's, at this batch size."""
         c, a = self.costs, self.kept / self.tested if acceptance is None else acceptance
-        line = lambda name: c[f"{name}_base"] + k * c[f"{name}_per_draft"]  # noqa: E731
-        seconds = line("slowest") * (k * c["draft_step"] + line("verify") + line("rest"))
+        at = lambda name: float(np.interp(k, c["timed_k"], c[name]))  # noqa: E731  (flat past the ends)
+        seconds = at("slowest") * (k * c["draft_step"] + at("verify") + at("rest"))
         return c["full_step"] / (seconds / expected_tokens(a, k) + c["prefill"])
 
     def choose(self):
@@ -1721,29 +1722,31 @@ class GoodputController:
 
 def goodput_costs(model, prompts, batch_size, config, mode):
     """The cost model's figures on a workload at batch_size, in seconds: a full-depth step, a draft step, the
-    re-prefills per step of the batch, the acceptance in this mode (per draft tested), and three lines in k through
-    timed passes at k = 2 and K: a verify pass, the rest of a round, and the round factor (rounds taken over rounds
-    the mean row needs: a batch waits for its slowest row, and window edges cut rounds short, more so at long k)."""
+    re-prefills per step of the batch and the acceptance in this mode (per draft tested), over timed passes at
+    k = 2, K and 2K drafts (K = num_draft, at least 4); and at each of those k (timed_k): a verify pass, the rest
+    of a round, and the round factor (rounds taken over rounds the mean row needs: a batch waits for its slowest
+    row, and window edges cut rounds short, more so at long k). Straight lines join them (a line through two
+    points missed the long drafts by up to 40% at batch 4)."""
     T, n_batches, K = mode_temperature(mode, config), len(prompts) // batch_size, max(config.num_draft, 4)
     full = speed_pass({"full": (decoder(model, "full"), T)}, prompts, batch_size, config.bench_tokens, 1,
                       config.seed, config.top_k)["full"]
-    at = {}  # k -> that pass's figures per round
-    for k in (2, K):
-        clock, stats = {}, Counter()
+    timed_k, per_round, clock, stats = (2, K, 2 * K), [], Counter(), Counter()  # clock and stats: all passes
+    for k in timed_k:
+        pass_clock, pass_stats = {}, Counter()
         for i, batch in enumerate(prompts.split(batch_size)):
             gen = torch.Generator(device=prompts.device).manual_seed(config.seed + i)
-            stats.update(generate_self_speculative(model, batch, config.bench_tokens, config.draft_exit, k, T,
-                                                   config.top_k, gen, clock=clock).stats)
-        a = stats["accepted"] / max(1, stats["accepted"] + stats["rejected"])
-        at[k] = {"verify": clock["verify"] / stats["rounds"], "rest": clock["accept and the rest"] / stats["rounds"],
-                 "slowest": stats["rounds"] * expected_tokens(a, k) / (n_batches * config.bench_tokens)}
-    # the last pass (k = K) gives the draft step, the re-prefills and the acceptance
-    costs = {"full_step": batch_size / full["tokens_per_second"], "draft_step": clock["draft"] / stats["draft_steps"],
-             "prefill": clock["re-prefill"] / (n_batches * config.bench_tokens), "acceptance": a}
-    for name in at[K]:  # name_base + k * name_per_draft
-        per_draft = (at[K][name] - at[2][name]) / (K - 2)
-        costs.update({f"{name}_base": at[K][name] - K * per_draft, f"{name}_per_draft": per_draft})
-    return costs
+            pass_stats.update(generate_self_speculative(model, batch, config.bench_tokens, config.draft_exit, k, T,
+                                                        config.top_k, gen, clock=pass_clock).stats)
+        kept, rounds = pass_stats["accepted"], pass_stats["rounds"]
+        a = kept / max(1, kept + pass_stats["rejected"])
+        per_round.append((pass_clock["verify"] / rounds, pass_clock["accept and the rest"] / rounds,
+                          rounds * expected_tokens(a, k) / (n_batches * config.bench_tokens)))
+        clock.update(pass_clock), stats.update(pass_stats)
+    verify, rest, slowest = (list(v) for v in zip(*per_round))
+    return {"full_step": batch_size / full["tokens_per_second"], "draft_step": clock["draft"] / stats["draft_steps"],
+            "prefill": clock["re-prefill"] / (len(timed_k) * n_batches * config.bench_tokens),
+            "acceptance": stats["accepted"] / max(1, stats["accepted"] + stats["rejected"]),
+            "timed_k": list(timed_k), "verify": verify, "rest": rest, "slowest": slowest}
 
 # -----------------------------------------------------------------------------
 # Measurement, 2: training recipes compared at the same budget, and what exit heads cost to train

@@ -9,8 +9,8 @@ from conftest import m, tiny_model
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 
-COSTS = {"full_step": 1.0, "draft_step": 0.2, "verify_base": 1.0, "verify_per_draft": 0.05, "rest_base": 0.1,
-         "rest_per_draft": 0.0, "prefill": 0.0, "slowest_base": 1.0, "slowest_per_draft": 0.0, "acceptance": 0.8}
+COSTS = {"full_step": 1.0, "draft_step": 0.2, "timed_k": [2, 16], "verify": [1.1, 1.8], "rest": [0.1, 0.1],
+         "slowest": [1.0, 1.0], "prefill": 0.0, "acceptance": 0.8}  # a verify pass: 1 + 0.05 k
 
 
 def test_expected_tokens_by_hand():
@@ -65,7 +65,8 @@ def test_auto_picks_full_depth_when_the_draft_head_disagrees(trained):
     config = copy.copy(model.config)
     config.bench_tokens, config.num_draft, config.draft_exit = 30, 4, 0
     costs = m.goodput_costs(model, prompts, 2, config, "greedy")
-    assert costs["acceptance"] < 0.1 and all(costs[k] > 0 for k in ("full_step", "draft_step", "slowest_base"))
+    assert costs["acceptance"] < 0.1 and costs["full_step"] > 0 and costs["draft_step"] > 0
+    assert min(costs["slowest"]) > 0
     auto = m.decoder(model, "auto", spec=(0, 8, 0.0), costs={"greedy": costs})
     out = auto(prompts[:2], 30)
     assert out.stats is None, "full depth: the plain decoder, no speculation"
@@ -110,15 +111,21 @@ def test_acceptance_is_per_draft_tested(trained):
     assert abs(tested - per_round) < 0.15 * per_round < abs(naive - per_round), (tested, naive, per_round)
 
 
-def test_the_round_factor_is_a_line_in_the_draft_length(trained):
+def test_the_round_factor_grows_with_the_draft_length_and_the_model_passes_through_each_timed_one(trained):
     """Window edges cut long rounds short (and a batch waits for its slowest row), so rounds outnumber what the
-    acceptance alone predicts, the more so the longer the draft: the cost model fits that as a line in k."""
+    acceptance alone predicts, the more so the longer the draft. The cost model times a few draft lengths and joins
+    them by straight lines: at a timed k it uses that pass's figures exactly."""
     model, data = trained
     prompts = m.workload(data[:20000], 4, 8)
     config = copy.copy(model.config)
     config.bench_tokens, config.num_draft, config.draft_exit = 60, 8, 0
     costs = m.goodput_costs(model, prompts, 2, config, "greedy")
-    assert costs["slowest_per_draft"] > 0 and costs["slowest_base"] + 2 * costs["slowest_per_draft"] >= 0.95
+    assert costs["timed_k"] == [2, 8, 16] and costs["slowest"][0] >= 0.95 and costs["slowest"][2] > costs["slowest"][0]
+    bent = dict(COSTS, timed_k=[2, 8, 16], verify=[1.1, 1.2, 3.0], rest=[0.1, 0.1, 0.1], slowest=[1.0, 1.1, 1.5])
+    model_of = m.GoodputController(bent, 0.9, 0, 16, 6)
+    for k, verify, slowest in ((8, 1.2, 1.1), (16, 3.0, 1.5), (12, 2.1, 1.3)):  # 12: halfway between 8 and 16
+        seconds = slowest * (k * 0.2 + verify + 0.1)
+        assert model_of.speedup(k) == pytest.approx(m.expected_tokens(0.9, k) / seconds)
 
 
 def test_auto_approx_chooses_skipdecode_only_where_it_is_allowed_and_predicted_to_win():
