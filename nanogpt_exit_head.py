@@ -1670,9 +1670,11 @@ def auto_choice(costs, spec, n_layer, approximate=False):
     """What auto runs at one batch size and mode, chosen before decoding from the cost model: ('full', 1.0, _),
     ('speculate', predicted speed-up, the controller that goes on choosing k round by round), or, with approximation
     allowed (auto_approx), ('skipdecode', predicted, _) where SkipDecode's schedule is predicted to beat both."""
-    controller = GoodputController(costs, costs["acceptance"], spec[0], spec[1], n_layer)
+    # val's acceptance counts as the drafts it was measured on: a few noisy rounds do not overturn it
+    controller = GoodputController(costs, costs["acceptance"], spec[0], spec[1], n_layer, prior=costs["tested"])
     exit_, k = controller.choose()
     kind, predicted = ("full", 1.0) if exit_ == controller.full_exit else ("speculate", controller.speedup(k))
+    controller.margin = 0.0  # once it speculates, it stops only where full depth is predicted faster
     skip = costs.get("skipdecode_speedup", 0.0)  # set by measure_batches: the schedule's share of block runs skipped
     if approximate and skip > max(predicted, 1 + GOODPUT_MARGIN):
         kind, predicted = "skipdecode", skip
@@ -1695,10 +1697,11 @@ class GoodputController:
     verify pass and the rest of the round, and lasts the round factor times what the mean row needs (each timed at
     a few k and joined by straight lines, goodput_costs); a row gains expected_tokens(a, k), and each token also
     costs its share of the window re-prefills. a starts at val's acceptance (worth `prior` tested drafts) and
-    follows the rounds."""
-    def __init__(self, costs, acceptance, draft_exit, most, n_layer, prior=32):
+    follows the rounds. margin: the gain it needs to speculate (auto_choice drops it to 0 once decoding starts, so
+    a dip in the acceptance does not switch to full-depth rounds, which run slower than plain full depth)."""
+    def __init__(self, costs, acceptance, draft_exit, most, n_layer, prior=32, margin=GOODPUT_MARGIN):
         self.costs, self.draft_exit, self.most, self.full_exit = costs, draft_exit, most, n_layer - 1
-        self.kept, self.tested, self.choices = acceptance * prior, float(prior), {}
+        self.kept, self.tested, self.best, self.margin = acceptance * prior, float(prior), {}, margin
 
     def speedup(self, k, acceptance=None):
         """Predicted tokens per second of k drafts a round over full depth's, at this batch size."""
@@ -1708,13 +1711,14 @@ class GoodputController:
         return c["full_step"] / (seconds / expected_tokens(a, k) + c["prefill"])
 
     def choose(self):
-        """(draft exit, most drafts) for the next round; it moves only when the acceptance does (to 0.01)."""
+        """(draft exit, most drafts) for the next round: the best k where it is predicted to beat full depth by the
+        margin, else full depth. It moves only when the acceptance does (to 0.01)."""
         a = round(self.kept / self.tested, 2)
-        if a not in self.choices:  # a round is a few ms: the model is not evaluated afresh for each one
+        if a not in self.best:  # a round is a few ms: the model is not evaluated afresh for each one
             k = max(range(1, self.most + 1), key=lambda j: self.speedup(j, a))
-            speculate = self.speedup(k, a) > 1 + GOODPUT_MARGIN
-            self.choices[a] = (self.draft_exit, k) if speculate else (self.full_exit, self.most)
-        return self.choices[a]
+            self.best[a] = k, self.speedup(k, a)
+        k, predicted = self.best[a]
+        return (self.draft_exit, k) if predicted > 1 + self.margin else (self.full_exit, self.most)
 
     def update(self, tested, kept):
         """tested: drafts the verifier judged (each kept one, and the first rejected one of a row); kept: kept."""
@@ -1746,6 +1750,7 @@ def goodput_costs(model, prompts, batch_size, config, mode):
     return {"full_step": batch_size / full["tokens_per_second"], "draft_step": clock["draft"] / stats["draft_steps"],
             "prefill": clock["re-prefill"] / (len(timed_k) * n_batches * config.bench_tokens),
             "acceptance": stats["accepted"] / max(1, stats["accepted"] + stats["rejected"]),
+            "tested": max(1, stats["accepted"] + stats["rejected"]),
             "timed_k": list(timed_k), "verify": verify, "rest": rest, "slowest": slowest}
 
 # -----------------------------------------------------------------------------

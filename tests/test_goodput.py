@@ -10,7 +10,7 @@ from conftest import m, tiny_model
 pytestmark = pytest.mark.usefixtures("no_grad")
 
 COSTS = {"full_step": 1.0, "draft_step": 0.2, "timed_k": [2, 16], "verify": [1.1, 1.8], "rest": [0.1, 0.1],
-         "slowest": [1.0, 1.0], "prefill": 0.0, "acceptance": 0.8}  # a verify pass: 1 + 0.05 k
+         "slowest": [1.0, 1.0], "prefill": 0.0, "acceptance": 0.8, "tested": 32}  # a verify pass: 1 + 0.05 k
 
 
 def test_expected_tokens_by_hand():
@@ -155,3 +155,17 @@ def test_auto_approx_runs_skipdecode_when_it_chose_it_and_takes_its_quality(trai
     row = m.approx_quality(rows[1], rows)
     assert row["approximate"] and (row["test_loss"], row["agreement"]) == (2.5, 0.9)
     assert not m.approx_quality(dict(rows[1], choice="k=4"), rows)["approximate"]
+
+
+def test_once_speculating_auto_stops_only_where_full_depth_is_predicted_faster():
+    """The margin decides whether to start; a dip in the acceptance below it must not switch a decoding batch to
+    full-depth rounds (slower than plain full depth), only a fall below full depth's predicted speed."""
+    costs = dict(COSTS, acceptance=0.8, tested=10)
+    kind, _, controller = m.auto_choice(costs, (0, 16), 6)
+    assert kind == "speculate" and controller.tested == 10, "val's acceptance weighs as the drafts it was measured on"
+    controller.update(90, 54)  # a = (8 + 54) / 100 = 0.62: about 1.08x, under the margin but above full depth
+    exit_, k = controller.choose()
+    assert exit_ == 0 and 1.0 < controller.speedup(k) < 1 + m.GOODPUT_MARGIN
+    controller.update(900, 400)  # a = 0.462: every k is predicted slower than full depth
+    assert controller.choose()[0] == 5
+    assert m.GoodputController(costs, 0.62, 0, 16, 6).choose()[0] == 5, "before decoding the margin holds"
