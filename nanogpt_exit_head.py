@@ -1671,7 +1671,8 @@ def auto_choice(costs, spec, n_layer, approximate=False):
     ('speculate', predicted speed-up, the controller that goes on choosing k round by round), or, with approximation
     allowed (auto_approx), ('skipdecode', predicted, _) where SkipDecode's schedule is predicted to beat both."""
     # val's acceptance counts as the drafts it was measured on: a few noisy rounds do not overturn it
-    controller = GoodputController(costs, costs["acceptance"], spec[0], spec[1], n_layer, prior=costs["tested"])
+    controller = GoodputController(costs, costs["acceptance"], spec[0], spec[1], n_layer, prior=costs["tested"],
+                                   margin=GOODPUT_MARGIN * math.sqrt(4 / costs["batches"]))
     exit_, k = controller.choose()
     kind, predicted = ("full", 1.0) if exit_ == controller.full_exit else ("speculate", controller.speedup(k))
     controller.margin = 0.0  # once it speculates, it stops only where full depth is predicted faster
@@ -1689,7 +1690,9 @@ def expected_tokens(acceptance, k):
     # a is per draft tested, kept / (kept + rejections): not kept / drafted, which counts the drafts after a miss
     return float(k) if acceptance >= 1 else (1 - acceptance**k) / (1 - acceptance)
 
-GOODPUT_MARGIN = 0.1  # speculate only where the model predicts at least this gain: it errs by up to 10-20% here
+# speculate only where the model predicts at least this gain, timed on val over four batches of prompts; a batch
+# lasts as long as its slowest row, so fewer batches say less about test's: the margin grows as 1 / sqrt(batches)
+GOODPUT_MARGIN = 0.1
 
 class GoodputController:
     """Chooses each round's draft: the length k in 1..most with the most tokens per second by the cost model, or
@@ -1750,7 +1753,7 @@ def goodput_costs(model, prompts, batch_size, config, mode):
     return {"full_step": batch_size / full["tokens_per_second"], "draft_step": clock["draft"] / stats["draft_steps"],
             "prefill": clock["re-prefill"] / (len(timed_k) * n_batches * config.bench_tokens),
             "acceptance": stats["accepted"] / max(1, stats["accepted"] + stats["rejected"]),
-            "tested": max(1, stats["accepted"] + stats["rejected"]),
+            "tested": max(1, stats["accepted"] + stats["rejected"]), "batches": n_batches,
             "timed_k": list(timed_k), "verify": verify, "rest": rest, "slowest": slowest}
 
 # -----------------------------------------------------------------------------

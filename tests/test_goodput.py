@@ -10,7 +10,8 @@ from conftest import m, tiny_model
 pytestmark = pytest.mark.usefixtures("no_grad")
 
 COSTS = {"full_step": 1.0, "draft_step": 0.2, "timed_k": [2, 16], "verify": [1.1, 1.8], "rest": [0.1, 0.1],
-         "slowest": [1.0, 1.0], "prefill": 0.0, "acceptance": 0.8, "tested": 32}  # a verify pass: 1 + 0.05 k
+         "slowest": [1.0, 1.0], "prefill": 0.0, "acceptance": 0.8, "tested": 32,
+         "batches": 4}  # a verify pass: 1 + 0.05 k
 
 
 def test_expected_tokens_by_hand():
@@ -169,3 +170,12 @@ def test_once_speculating_auto_stops_only_where_full_depth_is_predicted_faster()
     controller.update(900, 400)  # a = 0.462: every k is predicted slower than full depth
     assert controller.choose()[0] == 5
     assert m.GoodputController(costs, 0.62, 0, 16, 6).choose()[0] == 5, "before decoding the margin holds"
+
+
+def test_the_margin_to_speculate_grows_as_the_val_workload_has_fewer_batches():
+    """A batch lasts as long as its slowest row: one batch of val prompts says less about test than four do."""
+    costs = dict(COSTS, acceptance=0.68)  # about 1.17x predicted at k = 4
+    assert m.auto_choice(costs, (0, 16), 6)[0] == "speculate"
+    assert m.auto_choice(dict(costs, batches=1), (0, 16), 6)[0] == "full", "one batch: a 20% margin"
+    assert m.auto_choice(dict(costs, batches=1, skipdecode_speedup=1.15), (0, 16), 6, approximate=True)[0] == \
+        "skipdecode", "SkipDecode's prediction is no batch's timing: it keeps the 10% margin"
