@@ -809,7 +809,7 @@ def draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k, ge
     wpe = model.transformer.wpe((pos[:, None] + steps).clamp(max=model.config.block_size - 1)).unbind(1)  # k x (B, C)
     token, q, states, drafts = tokens[rows, n - 1], [], [], []
     for j in range(k):
-        x = model.transformer.drop(model.transformer.wte(token) + wpe[j])[:, None]  # (B, 1, C)
+        x = (model.transformer.wte(token) + wpe[j])[:, None]  # (B, 1, C); decoding never drops out
         cache.layout = layouts[j]
         for l in range(draft_exit + 1):
             x = model.transformer.h[l](x, cache, l)
@@ -852,7 +852,8 @@ def speculative_accept(drafts, q, p, room, temperature, generator):
         target = p.argmax(-1)  # (B, k)
         keep = target == drafts
     else:
-        ratio = p.gather(-1, drafts[..., None])[..., 0] / q.gather(-1, drafts[..., None])[..., 0]  # (B, k)
+        d = drafts[..., None]
+        ratio = (p.gather(-1, d) / q.gather(-1, d))[..., 0]  # (B, k)
         keep = torch.rand(B, k, generator=generator, device=drafts.device) < ratio
     if room is not None:  # None: every row had room for all k drafts
         keep &= torch.arange(k, device=drafts.device)[None] < room[:, None]  # (B, k)
@@ -863,7 +864,7 @@ def speculative_accept(drafts, q, p, room, temperature, generator):
         return accepted, target[rows, at], has_next
     if not bool(has_next.any()):  # no row rejected: nothing to draw
         return accepted, drafts[:, -1], has_next
-    residual = (p[rows, at] - q[rows, at]).clamp_min(0) + (~has_next)[:, None]  # rows without a rejection: unused
+    residual = (p - q)[rows, at].clamp_min(0) + (~has_next)[:, None]  # rows without a rejection: unused
     return accepted, draw(residual / residual.sum(-1, keepdim=True), generator), has_next
 
 def lap(clock, phase, since, device):
