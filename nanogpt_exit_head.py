@@ -1660,7 +1660,8 @@ def goodput_prediction(row, costs, config):
     """The cost model's speed-up beside a batch-table row (full depth, speculation, auto) and what auto chose."""
     spec = (config.draft_exit, 2 * config.num_draft)
     if row["name"] == "self_speculative":
-        return {"predicted_speedup": auto_choice(costs, spec, config.n_layer)[2].speedup(row["num_draft"])}
+        model_of = GoodputController(costs, costs["acceptance"], *spec, config.n_layer)
+        return {"predicted_speedup": model_of.speedup(row["num_draft"])}
     if row["name"] not in ("auto", "auto_approx"):
         return {"predicted_speedup": 1.0} if row["name"] == "full" else {}
     kind, predicted, controller = auto_choice(costs, spec, config.n_layer, row["name"] == "auto_approx")
@@ -1733,8 +1734,8 @@ def goodput_costs(model, prompts, batch_size, config, mode):
     re-prefills per step of the batch and the acceptance in this mode (per draft tested), over timed passes at
     k = 2, K and 2K drafts (K = num_draft, at least 4); and at each of those k (timed_k): a verify pass, the rest
     of a round, and the round factor (rounds taken over rounds the mean row needs: a batch waits for its slowest
-    row, and window edges cut rounds short, more so at long k). Straight lines join them (a line through two
-    points missed the long drafts by up to 40% at batch 4)."""
+    row, and window edges cut rounds short, more so at long k). Straight lines join them: one line through two
+    points would underestimate the long drafts."""
     T, n_batches, K = mode_temperature(mode, config), len(prompts) // batch_size, max(config.num_draft, 4)
     timed_k, per_round, clock, stats, full = (2, K, 2 * K), [], Counter(), Counter(), []  # clock, stats: all passes
     for k in timed_k:  # a full-depth pass before each speculative one: the median of the three is the step's cost
@@ -1749,7 +1750,8 @@ def goodput_costs(model, prompts, batch_size, config, mode):
         a = kept / max(1, kept + pass_stats["rejected"])
         per_round.append((pass_clock["verify"] / rounds, pass_clock["accept and the rest"] / rounds,
                           rounds * expected_tokens(a, k) / (n_batches * config.bench_tokens)))
-        clock.update(pass_clock), stats.update(pass_stats)
+        clock.update(pass_clock)
+        stats.update(pass_stats)
     verify, rest, slowest = (list(v) for v in zip(*per_round))
     return {"full_step": batch_size / float(np.median(full)), "draft_step": clock["draft"] / stats["draft_steps"],
             "prefill": clock["re-prefill"] / (len(timed_k) * n_batches * config.bench_tokens),
