@@ -1698,7 +1698,7 @@ GOODPUT_MARGIN = 0.1
 
 class GoodputController:
     """Chooses each round's draft: the length k in 1..most with the most tokens per second by the cost model, or
-    full depth (a draft through every layer, kept whole) when no k beats it. A round costs k draft steps, a
+    full depth (a draft through every layer, kept whole) when no k beats it. A round costs its k draft steps, a
     verify pass and the rest of the round, and lasts the round factor times what the mean row needs (each timed at
     a few k and joined by straight lines, goodput_costs); a row gains expected_tokens(a, k), and each token also
     costs its share of the window re-prefills. a starts at val's acceptance (worth `prior` tested drafts) and
@@ -1712,7 +1712,7 @@ class GoodputController:
         """Predicted tokens per second of k drafts a round over full depth's, at this batch size."""
         c, a = self.costs, self.kept / self.tested if acceptance is None else acceptance
         at = lambda name: float(np.interp(k, c["timed_k"], c[name]))  # noqa: E731  (flat past the ends)
-        seconds = at("slowest") * (k * c["draft_step"] + at("verify") + at("rest"))
+        seconds = at("slowest") * (at("draft") + at("verify") + at("rest"))
         return c["full_step"] / (seconds / expected_tokens(a, k) + c["prefill"])
 
     def choose(self):
@@ -1730,14 +1730,15 @@ class GoodputController:
         self.tested, self.kept = self.tested + tested, self.kept + kept
 
 def goodput_costs(model, prompts, batch_size, config, mode):
-    """The cost model's figures on a workload at batch_size, in seconds: a full-depth step, a draft step, the
-    re-prefills per step of the batch and the acceptance in this mode (per draft tested), over timed passes at
-    k = 2, K and 2K drafts (K = num_draft, at least 4); and at each of those k (timed_k): a verify pass, the rest
-    of a round, and the round factor (rounds taken over rounds the mean row needs: a batch waits for its slowest
-    row, and window edges cut rounds short, more so at long k). Straight lines join them: one line through two
-    points would underestimate the long drafts."""
+    """The cost model's figures on a workload at batch_size, in seconds: a full-depth step, the re-prefills per step
+    of the batch and the acceptance in this mode (per draft tested), over timed passes at k = 2, K and 2K drafts
+    (K = num_draft, at least 4); and at each of those k (timed_k), per round: the draft steps, the verify pass, the
+    rest, and the round factor (rounds taken over what the mean row needs at that acceptance: a batch waits for its
+    slowest row, and window edges cut rounds short, more so at long k). Straight lines join them, so the model
+    gives each timed pass's own time back: a draft step costs more at short k (a round lays out its steps once),
+    and one line through two points would underestimate the long drafts."""
     T, n_batches, K = mode_temperature(mode, config), len(prompts) // batch_size, max(config.num_draft, 4)
-    timed_k, per_round, clock, stats, full = (2, K, 2 * K), [], Counter(), Counter(), []  # clock, stats: all passes
+    timed_k, passes, clock, stats, full = (2, K, 2 * K), [], Counter(), Counter(), []  # clock, stats: all passes
     for k in timed_k:  # a full-depth pass before each speculative one: the median of the three is the step's cost
         full.append(speed_pass({"full": (decoder(model, "full"), T)}, prompts, batch_size, config.bench_tokens, 1,
                                config.seed, config.top_k)["full"]["tokens_per_second"])
@@ -1746,18 +1747,17 @@ def goodput_costs(model, prompts, batch_size, config, mode):
             gen = torch.Generator(device=prompts.device).manual_seed(config.seed + i)
             pass_stats.update(generate_self_speculative(model, batch, config.bench_tokens, config.draft_exit, k, T,
                                                         config.top_k, gen, clock=pass_clock).stats)
-        kept, rounds = pass_stats["accepted"], pass_stats["rounds"]
-        a = kept / max(1, kept + pass_stats["rejected"])
-        per_round.append((pass_clock["verify"] / rounds, pass_clock["accept and the rest"] / rounds,
-                          rounds * expected_tokens(a, k) / (n_batches * config.bench_tokens)))
+        passes.append((k, pass_stats["rounds"], pass_clock))
         clock.update(pass_clock)
         stats.update(pass_stats)
-    verify, rest, slowest = (list(v) for v in zip(*per_round))
-    return {"full_step": batch_size / float(np.median(full)), "draft_step": clock["draft"] / stats["draft_steps"],
+    a = stats["accepted"] / max(1, stats["accepted"] + stats["rejected"])
+    per_round = [(c["draft"] / r, c["verify"] / r, c["accept and the rest"] / r,
+                  r * expected_tokens(a, k) / (n_batches * config.bench_tokens)) for k, r, c in passes]
+    draft, verify, rest, slowest = (list(v) for v in zip(*per_round))
+    return {"full_step": batch_size / float(np.median(full)), "acceptance": a,
             "prefill": clock["re-prefill"] / (len(timed_k) * n_batches * config.bench_tokens),
-            "acceptance": stats["accepted"] / max(1, stats["accepted"] + stats["rejected"]),
             "tested": max(1, stats["accepted"] + stats["rejected"]), "batches": n_batches,
-            "timed_k": list(timed_k), "verify": verify, "rest": rest, "slowest": slowest}
+            "timed_k": list(timed_k), "draft": draft, "verify": verify, "rest": rest, "slowest": slowest}
 
 # -----------------------------------------------------------------------------
 # Measurement, 2: training recipes compared at the same budget, and what exit heads cost to train

@@ -9,9 +9,9 @@ from conftest import m, tiny_model
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 
-COSTS = {"full_step": 1.0, "draft_step": 0.2, "timed_k": [2, 16], "verify": [1.1, 1.8], "rest": [0.1, 0.1],
+COSTS = {"full_step": 1.0, "draft": [0.4, 3.2], "timed_k": [2, 16], "verify": [1.1, 1.8], "rest": [0.1, 0.1],
          "slowest": [1.0, 1.0], "prefill": 0.0, "acceptance": 0.8, "tested": 32,
-         "batches": 4}  # a verify pass: 1 + 0.05 k
+         "batches": 4}  # per round: drafts 0.2 k, a verify pass 1 + 0.05 k
 
 
 def test_expected_tokens_by_hand():
@@ -66,7 +66,7 @@ def test_auto_picks_full_depth_when_the_draft_head_disagrees(trained):
     config = copy.copy(model.config)
     config.bench_tokens, config.num_draft, config.draft_exit = 30, 4, 0
     costs = m.goodput_costs(model, prompts, 2, config, "greedy")
-    assert costs["acceptance"] < 0.1 and costs["full_step"] > 0 and costs["draft_step"] > 0
+    assert costs["acceptance"] < 0.1 and costs["full_step"] > 0 and min(costs["draft"]) > 0
     assert min(costs["slowest"]) > 0
     auto = m.decoder(model, "auto", spec=(0, 8, 0.0), costs={"greedy": costs})
     out = auto(prompts[:2], 30)
@@ -115,17 +115,24 @@ def test_acceptance_is_per_draft_tested(trained):
 def test_the_round_factor_grows_with_the_draft_length_and_the_model_passes_through_each_timed_one(trained):
     """Window edges cut long rounds short (and a batch waits for its slowest row), so rounds outnumber what the
     acceptance alone predicts, the more so the longer the draft. The cost model times a few draft lengths and joins
-    them by straight lines: at a timed k it uses that pass's figures exactly."""
+    them by straight lines: at a timed k it uses that pass's figures exactly, so at val's acceptance it predicts
+    the rounds that pass took, and a round's drafts cost what they cost there, not k times a pooled step."""
     model, data = trained
     prompts = m.workload(data[:20000], 4, 8)
     config = copy.copy(model.config)
     config.bench_tokens, config.num_draft, config.draft_exit = 60, 8, 0
-    costs = m.goodput_costs(model, prompts, 2, config, "greedy")
+    costs = m.goodput_costs(model, prompts, 2, config, "sampled")  # sampled: each k's pass accepts its own share
     assert costs["timed_k"] == [2, 8, 16] and costs["slowest"][0] >= 0.95 and costs["slowest"][2] > costs["slowest"][0]
-    bent = dict(COSTS, timed_k=[2, 8, 16], verify=[1.1, 1.2, 3.0], rest=[0.1, 0.1, 0.1], slowest=[1.0, 1.1, 1.5])
+    rounds = sum(m.generate_self_speculative(model, batch, 60, 0, 8, config.temperature, config.top_k,
+                                             torch.Generator().manual_seed(config.seed + i)).stats["rounds"]
+                 for i, batch in enumerate(prompts.split(2)))
+    assert costs["slowest"][1] * 2 * 60 / m.expected_tokens(costs["acceptance"], 8) == pytest.approx(rounds)
+    assert costs["draft"][0] < costs["draft"][1] < costs["draft"][2]
+    bent = dict(COSTS, timed_k=[2, 8, 16], draft=[0.5, 1.7, 3.0], verify=[1.1, 1.2, 3.0], rest=[0.1, 0.1, 0.1],
+                slowest=[1.0, 1.1, 1.5])
     model_of = m.GoodputController(bent, 0.9, 0, 16, 6)
-    for k, verify, slowest in ((8, 1.2, 1.1), (16, 3.0, 1.5), (12, 2.1, 1.3)):  # 12: halfway between 8 and 16
-        seconds = slowest * (k * 0.2 + verify + 0.1)
+    for k, draft, verify, slowest in ((8, 1.7, 1.2, 1.1), (16, 3.0, 3.0, 1.5), (12, 2.35, 2.1, 1.3)):  # 12: halfway
+        seconds = slowest * (draft + verify + 0.1)
         assert model_of.speedup(k) == pytest.approx(m.expected_tokens(0.9, k) / seconds)
 
 
