@@ -1733,10 +1733,10 @@ def goodput_costs(model, prompts, batch_size, config, mode):
     """The cost model's figures on a workload at batch_size, in seconds: a full-depth step, the re-prefills per step
     of the batch and the acceptance in this mode (per draft tested), over timed passes at k = 2, K and 2K drafts
     (K = num_draft, at least 4); and at each of those k (timed_k), per round: the draft steps, the verify pass, the
-    rest, and the round factor (rounds taken over what the mean row needs at that acceptance: a batch waits for its
-    slowest row, and window edges cut rounds short, more so at long k). Straight lines join them, so the model
-    gives each timed pass's own time back: a draft step costs more at short k (a round lays out its steps once),
-    and one line through two points would underestimate the long drafts."""
+    rest, and the round factor (rounds taken over what the mean row needs at the acceptance of all passes together:
+    a batch waits for its slowest row, and window edges cut rounds short, more so at long k). Straight lines join
+    them, so at that acceptance the model gives each timed pass's own time back. Drafts are timed per round because
+    a draft step costs more at short k (a round lays out its steps once)."""
     T, n_batches, K = mode_temperature(mode, config), len(prompts) // batch_size, max(config.num_draft, 4)
     timed_k, passes, clock, stats, full = (2, K, 2 * K), [], Counter(), Counter(), []  # clock, stats: all passes
     for k in timed_k:  # a full-depth pass before each speculative one: the median of the three is the step's cost
