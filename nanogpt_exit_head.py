@@ -13,6 +13,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -57,7 +58,7 @@ class Config:
     max_new_tokens: int = 500  # characters generated per sample
     temperature: float = 0.8  # sampling temperature; 0 means greedy
     top_k: int = 0  # sample only from the k most likely characters; 0 means all
-    exit_threshold: float = 0.9  # exit when confidence exceeds this (1 never, 0 always); the default run calibrates it
+    exit_threshold: float = 0.9  # exit when confidence exceeds this (1 never, 0 always); Part II calibrates it
     confidence_measure: str = "top1"  # how sure a head is: top1; Part II adds margin and entropy
 
 # -----------------------------------------------------------------------------
@@ -240,13 +241,11 @@ class KVCache:
 
     Invariant: layer l holds entries for window positions [0, lengths[l]) and nothing else, written in place;
     full depth keeps all lengths equal. A token that exits early leaves the layers above behind, and what a
-    KVStrategy does about it is all that tells strategies apart. pending_states: the state each position reached,
-    for layers above that have not run it yet (deferred recompute, the speculative verify)."""
-    def __init__(self, config, batch_size, device, dtype=torch.float32):
+    KV strategy does about it is all that tells strategies apart."""
+    def __init__(self, config, batch_size, device):
         shape = (config.n_layer, batch_size, config.n_head, config.block_size, config.n_embd // config.n_head)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nh, block_size, hs)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.pending_states = torch.zeros(batch_size, config.block_size, config.n_embd, device=device, dtype=dtype)
+        self.k = torch.zeros(shape, device=device)  # (L, B, nh, block_size, hs)
+        self.v = torch.zeros(shape, device=device)
         self.lengths = [0] * config.n_layer
         self.layer_evals = [0] * config.n_layer  # how many (position, layer) block runs, per layer
         self.start = 0  # absolute position of window position 0
@@ -321,16 +320,11 @@ def slide_window(model, cache, tokens, start, n):
     prefill(model, cache, tokens[:, s : n - 1], s)
     return s, (n - 1 - s) * model.config.n_layer
 
-class KVStrategy:
-    """Backfill, and the hook Part II's strategies override: run_layer runs a block for the newest token; once every
-    row has exited, skips (bool) says whether the layers above are skipped and skip_layers what the cache gets."""
-    name, skips, by_name = "backfill", False, {}
-
-    def __init_subclass__(cls):
-        KVStrategy.by_name[cls.name] = cls  # generate() finds Part II's strategies by their names
-
-    def __init__(self, model):
-        pass
+class Backfill:
+    """The seed's KV strategy: a token that exits early still runs the layers above, for the cache alone.
+    Part II's strategies subclass it: run_layer runs a block for the newest token, and once every row has
+    exited, skips says whether the layers above are skipped and skip_layers what the cache gets instead."""
+    skips = False
 
     def exit_checks(self, pos, checked_exits):
         """The exits checked for a token at window position pos."""
@@ -338,9 +332,6 @@ class KVStrategy:
 
     def run_layer(self, block, cache, layer, x, pos):
         return block(x, cache, layer)
-
-    def skip_layers(self, model, cache, x, pos, layer):
-        raise AssertionError("backfill never skips a layer")
 
 def decode_step(model, cache, idx, pos, strategy, exit_threshold=1.0, checked_exits=(), measure="top1"):
     """Feed one token per row, idx (B, 1), at window position pos; returns emitted logits (B, V) and exit layers (B,).
@@ -374,17 +365,16 @@ class Generation:
     exited_at: torch.Tensor  # (B, N): the layer each new token left at
     logits: torch.Tensor  # (B, N, V) emitted logits when teacher-forced, else None
     layers_run: int  # block runs per row over all decode steps, catch-up included, prefill excluded
-    cache: "KVCache"
-    stats: dict = None  # self-speculative counts: rounds, drafted, accepted
     prefill_runs: float = 0.0  # block runs per row spent re-prefilling the window at full depth
 
 @torch.inference_mode()
-def generate(model, idx, max_new_tokens, strategy="backfill", exit_threshold=1.0, checked_exits=None,
+def generate(model, idx, max_new_tokens, strategy=Backfill, exit_threshold=1.0, checked_exits=None,
              measure="top1", temperature=1.0, top_k=0, generator=None, forced=None):
-    """Decode max_new_tokens after idx (B, T0) with the KV cache; forced (B, N) teacher-forces the tokens."""
+    """Decode max_new_tokens after idx (B, T0) with the KV cache; forced (B, N) teacher-forces the tokens.
+    strategy makes a fresh KV strategy for this generation (one may keep state: deferred's parked states)."""
     cfg, (B, T0) = model.config, idx.shape
     checked_exits = range(cfg.n_layer - 1) if checked_exits is None else checked_exits
-    kv_strategy = strategy if isinstance(strategy, KVStrategy) else KVStrategy.by_name.get(strategy, KVStrategy)(model)
+    kv_strategy = strategy()
     tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # (B, T0 + N)
     exits, emitted, prefilled = idx.new_zeros(B, max_new_tokens), [], 0
     cache, start = KVCache(cfg, B, idx.device), None
@@ -400,7 +390,7 @@ def generate(model, idx, max_new_tokens, strategy="backfill", exit_threshold=1.0
         else:
             tokens[:, n] = sample(logits, temperature, top_k, generator)
     logits = torch.stack(emitted, dim=1) if emitted else None
-    return Generation(tokens, exits, logits, sum(cache.layer_evals) - prefilled, cache, None, prefilled)
+    return Generation(tokens, exits, logits, sum(cache.layer_evals) - prefilled, prefilled)
 
 # -----------------------------------------------------------------------------
 # Exit statistics: where the tokens left, as the seed prints them
@@ -502,8 +492,8 @@ def train(model, optimizer, splits, config, device, start_iter=0, generator=None
 # -----------------------------------------------------------------------------
 # The lesson's run: data, a trained model, two samples, and where the tokens left
 
-def train_new_model(config, tokenizer, splits, device):
-    """A new model trained for max_iters steps (Part II passes its own: checkpoints, resume, several processes)."""
+def train_new_model(config, splits, device):
+    """A new model trained for max_iters steps (Part II's train_or_resume adds checkpoints and resume)."""
     torch.manual_seed(config.seed)
     model = GPT(config).to(device)
     train(model, configure_optimizer(model, config), splits, config, device)
@@ -515,36 +505,40 @@ def speed_note(samples, checked_exits, n_layer):
     (_, full), (out, speed) = samples.values()
     N = out.exited_at.size(1)
     checks = sum(int((out.exited_at >= l).sum()) for l in checked_exits if l < n_layer - 1) / N
-    how = (f" in {out.stats['rounds']} verify passes, not {N} steps" if out.stats else
-           f", plus {checks:.2f} exit checks (each a head, a softmax and a host sync)")
-    return f"{speed / full:.2f}x full depth's speed: {out.layers_run / N:.2f} layer runs per token (of {n_layer}){how}"
+    return (f"{speed / full:.2f}x full depth's speed: {out.layers_run / N:.2f} layer runs per token "
+            f"(of {n_layer}), plus {checks:.2f} exit checks (each a head, a softmax and a host sync)")
 
-def run_lesson(config, device, build_model=train_new_model, choose_threshold=None, sample=None, **decoding):
-    """Part I end to end: train, a full-depth and an early-exit sample (backfill) from one prompt and seed, where the
-    tokens left. Part II's hooks: build_model, choose_threshold, decoding, sample (generate's twin, with a label)."""
-    tokenizer, splits = load_data(config)
-    model = build_model(config, tokenizer, splits, device)
-    if model is None:
-        return None
-    threshold = config.exit_threshold if choose_threshold is None else choose_threshold(model, tokenizer, splits)
+def show_samples(model, tokenizer, config, device, early_exit, label, checked_exits):
+    """A full-depth and an early-exit sample from one prompt and seed, their speeds, and where the tokens
+    left. early_exit(idx, n, generator=, temperature=, top_k=) -> Generation draws the second sample."""
     idx = torch.tensor([tokenizer.encode(config.prompt)], dtype=torch.long, device=device)
     print("\n=== What does early exit look like? Two samples from the same prompt and seed ===")
-    samples, rule = {}, f"{decoding.get('strategy', 'backfill')}, {config.confidence_measure} > {threshold:g}"
-    how = getattr(sample, "label", rule)  # samples: name -> (Generation, tokens per second)
-    for name, t in (("full-depth", 1.0), ("early-exit", threshold)):
-        t0, gen = time.perf_counter(), torch.Generator(device=device).manual_seed(config.seed)
-        out = (sample or generate if name == "early-exit" else generate)(
-            model, idx, config.max_new_tokens, exit_threshold=t, generator=gen, measure=config.confidence_measure,
-            temperature=config.temperature, top_k=config.top_k, **decoding)
+    samples = {}  # name -> (Generation, tokens per second)
+    for name, decode in (("full-depth", partial(generate, model)), ("early-exit", early_exit)):
+        gen = torch.Generator(device=device).manual_seed(config.seed)
+        t0 = time.perf_counter()
+        out = decode(idx, config.max_new_tokens, generator=gen, temperature=config.temperature,
+                     top_k=config.top_k)
         synchronize(device)
         samples[name] = out, config.max_new_tokens / (time.perf_counter() - t0)
         text = tokenizer.decode(out.tokens[0, idx.size(1) :].tolist())
-        print(f"\n--- {name} sample{': ' + how if t < 1 else ''} ({samples[name][1]:,.0f} tok/s) ---\n{text}")
-    print(f"({speed_note(samples, decoding.get('checked_exits', range(config.n_layer - 1)), config.n_layer)})")
+        how = f": {label}" if name == "early-exit" else ""
+        print(f"\n--- {name} sample{how} ({samples[name][1]:,.0f} tok/s) ---\n{text}")
+    print(f"({speed_note(samples, checked_exits, config.n_layer)})")
     counts = torch.bincount(out.exited_at[0], minlength=config.n_layer).tolist()
     print("\nper-layer exit statistics:\n" + format_exit_stats(counts))
-    return {"model": model, "tokenizer": tokenizer, "splits": splits, "threshold": threshold, "idx": idx,
-            "samples": samples}
+    return idx, samples
+
+def run_lesson(config, device):
+    """Part I end to end: train, then a full-depth and an early-exit sample (backfill, the threshold of the
+    config), and where the tokens left."""
+    tokenizer, splits = load_data(config)
+    model = train_new_model(config, splits, device)
+    early_exit = partial(generate, model, exit_threshold=config.exit_threshold,
+                         measure=config.confidence_measure)
+    label = f"backfill, {config.confidence_measure} > {config.exit_threshold:g}"
+    _, samples = show_samples(model, tokenizer, config, device, early_exit, label, range(config.n_layer - 1))
+    return model, samples
 
 # =============================================================================
 # Part II: the lab, one idea per section
@@ -568,12 +562,13 @@ from pathlib import Path
 @dataclass
 class LabConfig(Config):
     """The lab's settings on top of the lesson's; the command line takes every field of both as --name=value."""
+    exit_threshold: float = -1.0  # -1 calibrates it on val (Learn then Test); a value in [0, 1] is used as is
     # runs
     out_dir: str = "out"  # where ckpt.pt, report.json and report.html go
     init_from: str = "scratch"  # 'scratch' trains a new model, 'resume' continues from out_dir/ckpt.pt
     device: str = "auto"  # 'auto' picks cuda, then mps, then cpu; or name one
     compile: bool = False  # torch.compile the model for training (slow to start, faster on GPU)
-    lesson_only: bool = False  # stop after Part I: train, sample with early exit, print the exit statistics
+    lesson_only: bool = False  # run Part I alone: its GPT, training, threshold (0.9 for -1) and backfill
     sample_only: bool = False  # with --init_from=resume: the samples, exit map and statistics only, no training
     # training recipes (the seed: constant, separate, 0, 1.0, 0)
     exit_weights: str = "constant"  # per-exit loss weights: constant (alpha each), linear, geometric, layerskip
@@ -586,7 +581,6 @@ class LabConfig(Config):
     exit_layers: str = "auto"  # exits checked: 'auto' (the cost-aware plan per strategy; all in samples), 'all', '1,3'
     draft_exit: int = 0  # self-speculative: the last layer of the draft (its exit head drafts)
     num_draft: int = 8  # self-speculative: the most tokens drafted per verify pass
-    draft_stop: float = 0.0  # self-speculative: stop drafting when the draft's top-1 falls below this (0: never)
     cuda_graphs: bool = True  # on CUDA, time full depth with its step replayed as one CUDA graph (false: eager)
     # measurement
     quality_positions: int = 2000  # test positions decoded teacher-forced per decoder; more is steadier and slower
@@ -600,7 +594,6 @@ class LabConfig(Config):
     strategies_threshold: float = -1.0  # threshold of the strategies table; -1 chooses it on val
     schedule_disagreement: float = 0.03  # SkipDecode: the most disagreement with full depth its schedule may cost
     # studies beyond the default run
-    bench_train: bool = False  # time training steps with exit heads on and off, interleaved, then stop
     compare_recipes: bool = False  # train every recipe in RECIPES at this budget and compare them (~2 min each)
     spec_sweep: bool = False  # also time self-speculative decoding on every (draft_exit, num_draft, draft_stop)
     bench_batch: bool = False  # also measure every batch design at batch 1, 4 and 16 (a few minutes)
@@ -613,32 +606,29 @@ BATCH_SIZES = (1, 4, 16)
 # -----------------------------------------------------------------------------
 # Deferred recompute: fill the holes later, in one chunk with the next token that needs them
 
-def catch_up_layer(block, cache, layer, end):
-    """Deferred recompute: positions [lengths[layer], end) run this layer now, as one causal chunk."""
-    n = cache.lengths[layer]
-    cache.pending_states[:, n:end] = block(cache.pending_states[:, n:end], cache, layer)  # (B, end - n, C)
+class Deferred(Backfill):
+    """An exit parks its state; the next token that needs a layer runs the parked positions and itself
+    there as one causal chunk. Exact, like backfill, with the work postponed and batched."""
+    skips = True
 
-@torch.inference_mode()
-def flush(model, cache):
-    """Run all pending deferred work now; generation itself drops what is pending at the end."""
-    for l, block in enumerate(model.transformer.h):
-        if cache.lengths[l] < cache.lengths[0]:  # layer 0 always holds every position
-            catch_up_layer(block, cache, l, cache.lengths[0])
+    def __init__(self):
+        self.parked = None  # (B, block_size, C): the state each position reached, for the layers it skipped
 
-class Deferred(KVStrategy):
-    """An exit parks its state in pending_states; the next token that needs a layer runs the pending
-    positions and itself there as one causal chunk. Exact, like backfill, with the work postponed."""
-    name, skips = "deferred", True
+    def park(self, cache, x, pos):
+        if self.parked is None:
+            self.parked = x.new_zeros(x.size(0), cache.k.size(3), x.size(2))
+        self.parked[:, pos] = x[:, 0]
 
     def run_layer(self, block, cache, layer, x, pos):
-        if cache.lengths[layer] == pos:  # nothing pending here
+        n = cache.lengths[layer]
+        if n == pos:  # nothing parked below this position
             return block(x, cache, layer)
-        cache.pending_states[:, pos] = x[:, 0]
-        catch_up_layer(block, cache, layer, pos + 1)
-        return cache.pending_states[:, pos : pos + 1]
+        self.park(cache, x, pos)
+        self.parked[:, n : pos + 1] = block(self.parked[:, n : pos + 1], cache, layer)  # (B, pos + 1 - n, C)
+        return self.parked[:, pos : pos + 1]
 
     def skip_layers(self, model, cache, x, pos, layer):
-        cache.pending_states[:, pos] = x[:, 0]  # the state the pending layers will start from
+        self.park(cache, x, pos)  # the state the skipped layers will start from
 
 # -----------------------------------------------------------------------------
 # State copy (CALM): the skipped layers' keys and values computed from the exit state
@@ -658,7 +648,7 @@ def kv_projection(block):
     return w * block.ln_1.weight, bias
 
 def state_copy_projections(model):
-    """Every layer's folded K/V projection, stacked: (L, 2C, C) and (L, 2C), once per generation."""
+    """Every layer's folded K/V projection, stacked: (L, 2C, C) and (L, 2C)."""
     projections = [kv_projection(block) for block in model.transformer.h]
     return tuple(torch.stack(t) for t in zip(*projections))
 
@@ -670,71 +660,83 @@ def write_state_copy(cache, first_layer, x, weight, bias):
     xn = F.layer_norm(x[:, 0], x.shape[-1:])  # (B, C): the normalisation shared by every ln_1
     kv = torch.matmul(xn, weight[first_layer:].transpose(1, 2)) + bias[first_layer:, None]  # (J, B, 2C)
     J, B, C2 = kv.shape
-    k, v = (t.view(J, B, nh, C2 // (2 * nh)) for t in kv.split(C2 // 2, dim=-1))  # (J, B, nh, hs)
-    cache.k[first_layer:, :, :, n], cache.v[first_layer:, :, :, n] = k, v
+    k, v = kv.view(J, B, 2 * nh, C2 // (2 * nh)).chunk(2, dim=2)  # (J, B, nh, hs) each
+    cache.k[first_layer:, :, :, n] = k
+    cache.v[first_layer:, :, :, n] = v
     for layer in range(first_layer, len(cache.lengths)):
         cache.lengths[layer] = n + 1
 
-class StateCopy(KVStrategy):
+class StateCopy(Backfill):
     """Approximate: the skipped layers see the exit state where their own input would have been."""
-    name, skips = "state_copy", True
-
-    def __init__(self, model):
-        self.weight, self.bias = state_copy_projections(model)
+    skips = True
 
     def skip_layers(self, model, cache, x, pos, layer):
-        write_state_copy(cache, layer + 1, x, self.weight, self.bias)
+        if not hasattr(self, "projections"):  # once per generation
+            self.projections = state_copy_projections(model)
+        write_state_copy(cache, layer + 1, x, *self.projections)
 
 # -----------------------------------------------------------------------------
 # Holes: the failure case, where the skipped layers write nothing
 
-class Holes(KVStrategy):
+class Holes(Backfill):
     """Later tokens attend only to the entries that exist: the skipped layers' caches just have fewer."""
-    name, skips = "holes", True
+    skips = True
 
     def skip_layers(self, model, cache, x, pos, layer):
         pass
 
-KV_STRATEGIES = ("backfill",) + tuple(KVStrategy.by_name)  # backfill, deferred, state_copy, holes
+KV_STRATEGIES = {"backfill": Backfill, "deferred": Deferred, "state_copy": StateCopy, "holes": Holes}
+
+def kv_strategy(name):
+    """The KV strategy class of a name, or a one-line error."""
+    if name not in KV_STRATEGIES:
+        raise ValueError(f"unknown KV strategy {name!r}: one of {', '.join(KV_STRATEGIES)}")
+    return KV_STRATEGIES[name]
 
 # -----------------------------------------------------------------------------
 # Self-speculative decoding (LayerSkip): the early layers draft, the rest verify, one decoder for any batch
 
 class RowKVCache(KVCache):
-    """The KV cache with a length per row: at the start of a round, every layer of row b holds its window positions
-    [0, pos[b]), where pos[b] = n[b] - 1 - start[b] is the row's own position in its window.
+    """The KV cache with a length per row: at the start of a round, every layer of row b holds its window
+    positions [0, pos[b]), where pos[b] = n[b] - 1 - start[b] is the row's own position in its window.
 
-    The rows of a batch accept different numbers of drafts, roll back on their own and slide their windows at
-    different rounds. Rolling a row back is moving its n back: the entries past its position are stale, masked
-    and then overwritten. Every block call of a step writes each row's entries at its own slots, laid out once
-    per step (lay_out); attention reads the slots any row has filled, through one mask. `spare` slots past
-    block_size take the drafts of rows with less room than others; those are always rolled back. static: every
-    layout reads all the slots, the unfilled ones masked, so a step's shapes never change (a CUDA graph can
-    record it)."""
+    The rows of a batch accept different numbers of drafts, roll back on their own and slide their windows
+    at different rounds. Rolling a row back is moving its n back: the entries past its position are stale,
+    masked and then overwritten. Every block call of a step writes each row's entries at its own slots,
+    laid out once per step (lay_out); attention reads the slots any row has filled, through one mask.
+    `spare` slots past block_size take the drafts of rows with less room than others; those are always
+    rolled back. static: every layout reads all the slots, the unfilled ones masked, so a step's shapes
+    never change (a CUDA graph can record it)."""
     def __init__(self, config, batch_size, device, spare=0, static=False):
-        super().__init__(config, batch_size, device)
-        L, B, nh, S, hs = self.k.shape
-        self.k = torch.zeros(L, B, nh, S + spare, hs, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.layout, self.static = None, static  # layout: what the block calls of one step share, lay_out()
+        L, hs = config.n_layer, config.n_embd // config.n_head
+        shape = (L, batch_size, config.n_head, config.block_size + spare, hs)
+        self.k = torch.zeros(shape, device=device)  # (L, B, nh, block_size + spare, hs)
+        self.v = torch.zeros(shape, device=device)
+        self.lengths, self.layer_evals, self.start = [0] * L, [0] * L, 0
+        self.layout = None  # what the block calls of one step share: lay_out()
+        self.static = static
 
     def lay_out(self, slots, width=None):
-        """(slots (B, T), their scatter index, the mask of what each query may see, W), W the slots any row has
-        filled by then: attention reads no empty slot past the last. One row's slots are the last T of its W: a
-        single query needs no mask, a chunk a causal one (and append writes a slice)."""
+        """(slots (B, T), their scatter index, the mask of what each query may see, W), W the slots any
+        row has filled by then: attention reads no empty slot past the last. One row's slots are the last
+        T of its W: a single query needs no mask, a chunk a causal one (and append writes a slice)."""
         B, T = slots.shape
-        width = self.k.size(3) if self.static else int(slots.max()) + 1 if width is None else width
+        if self.static:
+            width = self.k.size(3)
+        elif width is None:
+            width = int(slots.max()) + 1
         if B == 1 and not self.static:
             mask = None if T == 1 else torch.ones(T, width, dtype=torch.bool, device=slots.device).tril(width - T)
             return slots, None, mask, width
         seen = torch.arange(width, device=slots.device)[None, None, :] <= slots[:, :, None]  # (B, T, W)
         mask = torch.zeros(seen.shape, device=slots.device).masked_fill_(~seen, float("-inf"))[:, None]
-        return slots, slots[:, None, :, None].expand(B, self.k.size(2), T, self.k.size(4)), mask, width
+        index = slots[:, None, :, None].expand(B, self.k.size(2), T, self.k.size(4))  # (B, nh, T, hs)
+        return slots, index, mask, width
 
     def lay_out_steps(self, start, k, furthest):
-        """The layouts of k one-token steps from slot start[b] (B,) on (furthest: max(start)), at once: a list of k."""
-        widths = [self.k.size(3) if self.static else furthest + 1 + j for j in range(k)]  # each step reads one more
-        if len(start) == 1 and not self.static:  # one row: a single query sees all of its slots
+        """The layouts of k one-token steps from slot start[b] (B,) on (furthest: max(start)): a list of k."""
+        widths = [furthest + 1 + j for j in range(k)]  # each step reads one slot more
+        if len(start) == 1:  # one row: a single query sees all of its slots
             return [(None, None, None, w) for w in widths]
         slots = start[:, None] + torch.arange(k, device=start.device)  # (B, k)
         _, index, mask, _ = self.lay_out(slots, furthest + k)
@@ -743,7 +745,8 @@ class RowKVCache(KVCache):
 
     def keep_rows(self, keep):
         """Drop the rows of a batch that are done: keep (B,) bool; the rest become rows 0..R-1."""
-        self.k, self.v, self.pending_states = self.k[:, keep], self.v[:, keep], self.pending_states[keep]
+        self.k = self.k[:, keep]
+        self.v = self.v[:, keep]
 
     def append(self, layer, k, v):
         """Write k, v (B, nh, T, hs) at each row's laid-out slots; return the first W slots and the mask."""
@@ -761,7 +764,8 @@ class RowKVCache(KVCache):
         return self.k[layer, :, :, :width], self.v[layer, :, :, :width], mask
 
 def prefill_rows(model, cache, tokens, rows, starts, n):
-    """Re-prefill the windows of `rows`, each tokens[b, starts[b] : n[b] - 1], at full depth (equal lengths)."""
+    """Re-prefill the windows of `rows`, each tokens[b, starts[b] : n[b] - 1], at full depth (equal
+    lengths). Returns the block runs, counted in layer_evals (one call serves all these rows)."""
     m = int(n[rows[0]] - 1 - starts[rows[0]])
     if m == 0:
         return 0
@@ -775,13 +779,14 @@ def prefill_rows(model, cache, tokens, rows, starts, n):
     # a plain cache for just these rows (no per-row mask needed: they are level), then copied into place
     level = KVCache(model.config, len(rows), tokens.device)
     prefill(model, level, idx, 0)
-    cache.k[:, rows, :, :m], cache.v[:, rows, :, :m] = level.k[:, :, :, :m], level.v[:, :, :, :m]
+    cache.k[:, rows, :, :m] = level.k[:, :, :, :m]
+    cache.v[:, rows, :, :m] = level.v[:, :, :, :m]
     cache.layer_evals = [a + b for a, b in zip(cache.layer_evals, level.layer_evals)]
-    return m * model.config.n_layer  # block runs counted in layer_evals (one call serves all these rows)
+    return m * model.config.n_layer
 
 def slide_rows(model, cache, tokens, starts, n):
-    """Each row slides its window by window_start's rule; rows that moved re-prefill together, grouped by window
-    length. Returns (block runs counted in layer_evals, block runs x rows)."""
+    """Each row slides its window by window_start's rule; rows that moved re-prefill together, grouped by
+    window length. Returns (block runs counted in layer_evals, block runs x rows)."""
     if not bool((n - starts > model.config.block_size).any()):  # most rounds: no row moves
         return 0, 0
     moved = {}
@@ -793,20 +798,20 @@ def slide_rows(model, cache, tokens, starts, n):
     evals = row_runs = 0
     for group in moved.values():
         runs = prefill_rows(model, cache, tokens, torch.tensor(group, device=tokens.device), starts, n)
-        evals, row_runs = evals + runs, row_runs + runs * len(group)
+        evals += runs
+        row_runs += runs * len(group)
     return evals, row_runs
 
-def draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k, generator, draft_stop=0.0):
-    """Every row drafts with layers 0..draft_exit from its own position pos[b], up to max(room) steps. Returns the
-    draft logits (B, k, V), the drafts (B, k), their states (B, k, C), which the verify pass takes up from, and
-    room (B,) cut where a row's draft head fell below draft_stop (Kangaroo's rule, arXiv:2404.18911; Draft &
-    Verify, arXiv:2309.08168). The rule reads only the draft, so the accept rule keeps every token exact. Last, the
-    slots any row has filled: the verify pass's width."""
+def draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k, generator):
+    """Every row drafts with layers 0..draft_exit from its own position pos[b], max(room) steps. Returns
+    the draft logits (B, k, V), the drafts (B, k), their states (B, k, C), which the verify pass takes up
+    from, and the slots any row has filled: the verify pass's width."""
     k, furthest = torch.stack((room.max(), pos.max())).tolist()  # one read of the device a round
     rows, steps = torch.arange(len(n), device=n.device), torch.arange(k, device=n.device)
     layouts = cache.lay_out_steps(pos, k, furthest)
-    # a row with less room than k drafts on in spare slots at the last position; those drafts are never kept
-    wpe = model.transformer.wpe((pos[:, None] + steps).clamp(max=model.config.block_size - 1)).unbind(1)  # k x (B, C)
+    # a row with less room than k drafts on in spare slots at the last position; those are never kept
+    wpos = (pos[:, None] + steps).clamp(max=model.config.block_size - 1)  # (B, k)
+    wpe = model.transformer.wpe(wpos).unbind(1)  # k x (B, C)
     token, q, states, drafts = tokens[rows, n - 1], [], [], []
     for j in range(k):
         x = (model.transformer.wte(token) + wpe[j])[:, None]  # (B, 1, C); decoding never drops out
@@ -814,24 +819,19 @@ def draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k, ge
         for l in range(draft_exit + 1):
             x = model.transformer.h[l](x, cache, l)
         logits = model.exit_logits(x[:, 0], draft_exit)  # (B, V)
-        if draft_stop == 0:
-            token = sample(logits, temperature, top_k, generator)
-        else:  # one softmax serves the draw and the stopping rule (greedy: the top-1 probability)
-            probs = logits.float().softmax(-1) if temperature == 0 else probs_from_logits(logits, temperature, top_k)
-            token = probs.argmax(-1) if temperature == 0 else draw(probs, generator)
-            room = torch.where(probs.amax(-1) < draft_stop, room.clamp(max=j + 1), room)
-        q.append(logits), states.append(x[:, 0]), drafts.append(token)
-        if draft_stop > 0 and j < k - 1 and bool((room <= j + 1).all()):  # every row has stopped
-            break
+        token = sample(logits, temperature, top_k, generator)
+        q.append(logits)
+        states.append(x[:, 0])
+        drafts.append(token)
     cache.layout = None
-    drafts = torch.stack(drafts, dim=1)
-    tokens[rows[:, None], n[:, None] + steps[: drafts.size(1)]] = drafts
-    width = furthest + drafts.size(1)
-    return torch.stack(q, dim=1), drafts, torch.stack(states, dim=1), room, width  # (B, k, V), (B, k), (B, k, C), (B,)
+    drafts = torch.stack(drafts, dim=1)  # (B, k)
+    tokens[rows[:, None], n[:, None] + steps] = drafts
+    return torch.stack(q, dim=1), drafts, torch.stack(states, dim=1), furthest + k
 
 def verify(model, cache, pos, x, draft_exit, width):
     """The layers above the draft run once over every row's drafted states x (B, k, C): (B, k, V) logits."""
-    cache.layout = cache.lay_out(pos[:, None] + torch.arange(x.size(1), device=pos.device), width)  # (B, k) slots
+    slots = pos[:, None] + torch.arange(x.size(1), device=pos.device)  # (B, k)
+    cache.layout = cache.lay_out(slots, width)
     for l in range(draft_exit + 1, model.config.n_layer):
         x = model.transformer.h[l](x, cache, l)
     cache.layout = None
@@ -840,12 +840,12 @@ def verify(model, cache, pos, x, draft_exit, width):
 def speculative_accept(drafts, q, p, room, temperature, generator):
     """How many drafts each row keeps (at most room[b]), and the full model's token after them.
 
-    Greedy (q, p logits): keep the longest prefix that matches the full model's argmax, then take the full
-    model's choice. Sampled (q, p probabilities): keep draft d with probability min(1, p(d) / q(d)); at the first
-    rejection draw from max(p - q, 0), renormalised. Either way each emitted token has exactly the full model's
-    distribution (speculative sampling: Leviathan et al. 2023, Chen et al. 2023). drafts (B, k), q, p (B, k, V).
-    Returns (accepted (B,), next token (B,), has_next (B,)): has_next is false where a row kept all it could;
-    room (B,) is how many drafts each row may keep (None: all k)."""
+    Greedy (q, p logits): keep the longest prefix that matches the full model's argmax, then take the
+    full model's choice. Sampled (q, p probabilities): keep draft d with probability min(1, p(d) / q(d));
+    at the first rejection draw from max(p - q, 0), renormalised. Either way each emitted token has
+    exactly the full model's distribution (speculative sampling: Leviathan et al. 2023, Chen et al. 2023).
+    drafts (B, k), q, p (B, k, V). Returns (accepted (B,), next token (B,), has_next (B,)): has_next is
+    false where a row kept all it could; room (B,) is how many drafts each row may keep (None: all k)."""
     B, k = drafts.shape
     rows = torch.arange(B, device=drafts.device)
     if temperature == 0:
@@ -855,7 +855,7 @@ def speculative_accept(drafts, q, p, room, temperature, generator):
         d = drafts[..., None]
         ratio = (p.gather(-1, d) / q.gather(-1, d))[..., 0]  # (B, k)
         keep = torch.rand(B, k, generator=generator, device=drafts.device) < ratio
-    if room is not None:  # None: every row had room for all k drafts
+    if room is not None:
         keep &= torch.arange(k, device=drafts.device)[None] < room[:, None]  # (B, k)
     accepted = keep.long().cumprod(1).sum(1)  # (B,)
     has_next = accepted < (k if room is None else room)
@@ -867,98 +867,80 @@ def speculative_accept(drafts, q, p, room, temperature, generator):
     residual = (p - q)[rows, at].clamp_min(0) + (~has_next)[:, None]  # rows without a rejection: unused
     return accepted, draw(residual / residual.sum(-1, keepdim=True), generator), has_next
 
-def lap(clock, phase, since, device):
-    """Add the seconds since `since` to clock[phase] and return now; without a clock, time nothing."""
-    if clock is None:
-        return None
-    synchronize(device)
-    now = time.perf_counter()
-    if phase is not None:
-        clock[phase] = clock.get(phase, 0.0) + now - since
-    return now
+def speculative_round(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k, generator):
+    """One round of every row: draft up to room[b] tokens from window position pos[b], verify them in one
+    pass, keep each row's accepted prefix and write the full model's token after it. Returns (accepted
+    (B,), has_next (B,)), as speculative_accept."""
+    q, drafts, states, width = draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k,
+                                     generator)
+    p = verify(model, cache, pos, states, draft_exit, width)
+    if temperature > 0:
+        q = probs_from_logits(q, temperature, top_k)
+        p = probs_from_logits(p, temperature, top_k)
+    accepted, nxt, has_next = speculative_accept(drafts, q, p, room, temperature, generator)
+    rows = torch.arange(len(n), device=n.device)
+    tokens[rows, n + accepted] = nxt  # a row that kept all it could writes a slot its next round overwrites
+    return accepted, has_next
+
+@dataclass
+class SpeculativeGeneration(Generation):
+    stats: dict = None  # rounds (verify passes), drafted (drafts a row could keep), accepted, rejected
 
 @torch.inference_mode()
-def generate_self_speculative(model, idx, max_new_tokens, draft_exit, num_draft, temperature=0.0, top_k=0,
-                              generator=None, draft_stop=0.0, clock=None, static=False, controller=None):
-    """Self-speculative decoding of B rows at once (B = 1 included): each round every row drafts up to num_draft
-    tokens with layers 0..draft_exit, the layers above verify them in one pass, and each row keeps its own
-    accepted prefix, rolls back and slides its window on its own; a row that is done leaves the batch. Every
-    row's tokens are the ones it would get alone at full depth (greedy), or have their distribution (sampled).
-    A clock dict, if given, adds up the seconds spent in each phase of a round; static: fixed-shape steps;
-    controller: chooses each round's (draft exit, most drafts), at most num_draft (GoodputController)."""
-    cfg, (B, T0) = model.config, idx.shape
+def generate_self_speculative(model, idx, max_new_tokens, draft_exit=0, num_draft=8, temperature=0.0,
+                              top_k=0, generator=None):
+    """Self-speculative decoding of B rows at once (B = 1 included): each round every row drafts up to
+    num_draft tokens with layers 0..draft_exit, the layers above verify them in one pass, and each row
+    keeps its own accepted prefix, rolls back and slides its window on its own; a row that is done leaves
+    the batch. Every row's tokens are those it would get alone at full depth (greedy), or have their
+    distribution (sampled)."""
+    cfg, (B, T0), dev = model.config, idx.shape, idx.device
     if not 0 <= draft_exit < cfg.n_layer - 1 or num_draft < 1:
         raise ValueError(f"need 0 <= draft_exit < {cfg.n_layer - 1} and num_draft >= 1, "
                          f"got draft_exit={draft_exit}, num_draft={num_draft}")
-    end, dev = T0 + max_new_tokens, idx.device
+    end = T0 + max_new_tokens
     tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens + num_draft)], dim=1)
-    cache = RowKVCache(cfg, B, dev, spare=num_draft, static=static)
+    out_tokens, cache = tokens[:, :end].clone(), RowKVCache(cfg, B, dev, spare=num_draft)
     # a negative start: no window yet (and far enough back that the first round places one)
     n, starts = torch.full((B,), T0, device=dev), torch.full((B,), -cfg.block_size - 1, device=dev)
-    rounds = []  # per round: the rows in the batch, where each one's drafts began, the room it had, how many it kept
-    ids, out_tokens, rows = torch.arange(B, device=dev), tokens[:, :end].clone(), torch.arange(B, device=dev)
-    evals, prefilled, draft_steps, t = 0, 0.0, 0, lap(clock, None, None, dev)
-    while max_new_tokens > 0 and len(ids):  # the rows still in the batch: ids (R,) of the B
+    ids, rounds, evals, prefilled = torch.arange(B, device=dev), [], 0, 0.0
+    while max_new_tokens > 0 and len(ids):  # ids (R,): the rows still in the batch
         e, row_runs = slide_rows(model, cache, tokens, starts, n)
-        t = lap(clock, "re-prefill", t, dev)
         evals, prefilled = evals + e, prefilled + row_runs / B
         pos = n - 1 - starts  # (R,) window position of each row's first token fed this round
-        exit_r, k_r = controller.choose() if controller else (draft_exit, num_draft)
-        room = torch.minimum(end - n, cfg.block_size - pos).clamp(max=k_r)  # (R,) no position past block_size
-        q, drafts, states, room, width = draft(model, cache, tokens, n, pos, room, exit_r, temperature, top_k,
-                                               generator, draft_stop)
-        t = lap(clock, "draft", t, dev)
-        p = verify(model, cache, pos, states, exit_r, width)
-        t = lap(clock, "verify", t, dev)
-        if temperature > 0:
-            q, p = probs_from_logits(q, temperature, top_k), probs_from_logits(p, temperature, top_k)
-        # one row that drafted without draft_stop had room for all its drafts
-        accepted, nxt, has_next = speculative_accept(drafts, q, p, None if len(n) == 1 and draft_stop == 0 else room,
-                                                     temperature, generator)
-        tokens[rows, n + accepted] = nxt  # a row that kept all it could writes a slot its next round overwrites
-        rounds.append((ids, n, room, accepted, torch.full_like(n, exit_r), has_next))
-        if controller and exit_r < cfg.n_layer - 1:  # each kept draft passed a test, and so did each rejection fail one
-            controller.update(int((accepted + has_next).sum()), int(accepted.sum()))
-        n, draft_steps = n + accepted + has_next, draft_steps + drafts.size(1)  # each row's cache is rolled back
+        room = torch.minimum(end - n, cfg.block_size - pos).clamp(max=num_draft)  # no position past block_size
+        accepted, has_next = speculative_round(model, cache, tokens, n, pos, room, draft_exit, temperature,
+                                               top_k, generator)
+        rounds.append((ids, n, accepted, has_next, room))
+        n = n + accepted + has_next  # moving n back past a rejected draft rolls the row's cache back
         done = n >= end  # rows that are done leave: the next rounds run on the rest only
         if bool(done.any()):
             out_tokens[ids[done]] = tokens[done, :end]
             tokens, n, starts, ids = tokens[~done], n[~done], starts[~done], ids[~done]
             cache.keep_rows(~done)
-            rows = torch.arange(len(ids), device=dev)
-        t = lap(clock, "accept and the rest", t, dev)
-    exited_at = kept_drafts(rounds, B, end, cfg.n_layer - 1)[:, T0:]
-    spec = [r for r in rounds if int(r[4][0]) < cfg.n_layer - 1]  # full-depth rounds (a controller's) draft nothing
-    stats = {"rounds": len(rounds), "draft_steps": draft_steps, "num_draft": num_draft,
-             "full_rounds": len(rounds) - len(spec), "drafted": sum(int(r[2].sum()) for r in spec),
-             "accepted": sum(int(r[3].sum()) for r in spec), "rejected": sum(int(r[5].sum()) for r in spec)}
-    return Generation(out_tokens, exited_at, None, sum(cache.layer_evals) - evals, cache, stats, prefilled)
+    ids, n, accepted, has_next, room = (torch.cat(t) for t in zip(*rounds)) if rounds else [idx[0, :0]] * 5
+    stats = {"rounds": len(rounds), "drafted": int(room.sum()), "accepted": int(accepted.sum()),
+             "rejected": int(has_next.sum()), "num_draft": num_draft}
+    exited_at = kept_drafts(ids, n, accepted, B, end, draft_exit, cfg.n_layer - 1)[:, T0:]
+    layers_run = sum(cache.layer_evals) - evals
+    return SpeculativeGeneration(out_tokens, exited_at, None, layers_run, prefilled, stats)
 
-def speculative_sample(config):
-    """run_lesson's `sample` for --kv_strategy=self_speculative: generate()'s arguments, drafted and verified."""
-    def sample(model, idx, n, temperature=1.0, top_k=0, generator=None, **_):
-        return generate_self_speculative(model, idx, n, config.draft_exit, config.num_draft, temperature, top_k,
-                                         generator, config.draft_stop)
-    drafters = "layer 0 drafts" if config.draft_exit == 0 else f"layers 0..{config.draft_exit} draft"
-    sample.label = f"self_speculative, {drafters} up to {config.num_draft} a round, the rest verify"
-    return sample
-
-def kept_drafts(rounds, B, end, full_exit):
-    """(B, end): the draft's exit where a token is a kept draft, full_exit elsewhere, from each round's (rows, first
-    draft position, room, drafts kept, draft exit, ...): the exit's offset from full_exit added where a row's kept
-    drafts begin and taken away where they end, summed along (kept runs never overlap)."""
-    ids, n, _, accepted, exit_, _ = (torch.cat(p) for p in zip(*rounds)) if rounds else [torch.zeros(0).long()] * 6
+def kept_drafts(ids, n, accepted, B, end, draft_exit, full_exit):
+    """(B, end): draft_exit where a token is a kept draft, full_exit elsewhere. Each round of row ids[i]
+    kept accepted[i] drafts from position n[i]: +1 where kept drafts begin, -1 where they end, summed along
+    (kept runs never overlap)."""
     marks = torch.zeros(B, end + 1, dtype=torch.long, device=n.device)
-    marks.index_put_((ids, n), exit_ - full_exit, accumulate=True)
-    marks.index_put_((ids, n + accepted), full_exit - exit_, accumulate=True)
-    return full_exit + marks.cumsum(1)[:, :end]
+    marks.index_put_((ids, n), torch.ones_like(n), accumulate=True)
+    marks.index_put_((ids, n + accepted), -torch.ones_like(n), accumulate=True)
+    return torch.where(marks.cumsum(1)[:, :end] > 0, draft_exit, full_exit)
 
 # -----------------------------------------------------------------------------
-# Fixed shapes: a full-depth decode step that a CUDA graph records once and replays (on a GPU, launches cost most)
+# Fixed shapes: a full-depth step that a CUDA graph records once and replays (on a GPU, launches cost most)
 
 def static_step(model, cache, token, pos):
-    """One full-depth step of B rows whose shapes never change: token (B,) at window positions pos (B,), the row
-    cache (static) read through all its slots under a mask, and no read back to the host. Returns (B, V) logits."""
+    """One full-depth step of B rows whose shapes never change: token (B,) at window positions pos (B,),
+    the row cache (static) read through all its slots under a mask, and no read back to the host.
+    Returns (B, V) logits."""
     cache.layout = cache.lay_out(pos[:, None])
     x = model.transformer.drop(model.transformer.wte(token) + model.transformer.wpe(pos))[:, None]  # (B, 1, C)
     for l, block in enumerate(model.transformer.h):
@@ -966,8 +948,9 @@ def static_step(model, cache, token, pos):
     return model.exit_logits(x[:, 0], model.config.n_layer - 1)
 
 def cuda_graph(step, *inputs):
-    """Record step(*inputs) once as a CUDA graph; returns replay(*values): copy the values into the recorded input
-    tensors, replay every kernel at once, return the recorded output. Warm-up runs on a side stream first."""
+    """Record step(*inputs) once as a CUDA graph; returns replay(*values): copy the values into the
+    recorded input tensors, replay every kernel at once, return the recorded output. Warm-up runs on a
+    side stream first."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -989,26 +972,31 @@ def cuda_graph(step, *inputs):
 @torch.inference_mode()
 def generate_static(model, idx, max_new_tokens, temperature=1.0, top_k=0, generator=None, graphs=False,
                     forced=None):
-    """Full-depth decoding through static_step: generate()'s tokens, at batch B. graphs: replay the step as one
-    CUDA graph, recorded on the first step (its warm-up rewrites that step's own entries, with the same values);
-    a window slide re-prefills eagerly into the same cache, which the graph reads in place."""
+    """Full-depth decoding through static_step: generate()'s tokens, at batch B. graphs: replay the step
+    as one CUDA graph, recorded on the first step (its warm-up rewrites that step's own entries, with the
+    same values); a window slide re-prefills eagerly into the same cache, which the graph reads in place."""
     cfg, (B, T0), dev = model.config, idx.shape, idx.device
     tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)
     cache, start, step, prefilled, emitted = RowKVCache(cfg, B, dev, static=True), None, None, 0, []
+    rows = torch.arange(B, device=dev)
     for n in range(T0, T0 + max_new_tokens):  # every row feeds token n - 1 at the same window position
         s = window_start(start, n, cfg.block_size)
         if s != start:
-            start, rows = s, torch.arange(B, device=dev)
-            prefilled += prefill_rows(model, cache, tokens, rows, torch.full_like(rows, s), torch.full_like(rows, n))
+            start = s
+            prefilled += prefill_rows(model, cache, tokens, rows, torch.full_like(rows, s),
+                                      torch.full_like(rows, n))
         token, pos = tokens[:, n - 1], torch.full((B,), n - 1 - start, device=dev)
         if graphs and step is None:
-            step = cuda_graph(lambda t, p: static_step(model, cache, t, p), token.clone(), pos)
+            step = cuda_graph(partial(static_step, model, cache), token.clone(), pos)
         logits = step(token, pos) if step else static_step(model, cache, token, pos)
-        if forced is not None:  # teacher-forced: keep what the step said, feed the given token
+        if forced is None:
+            tokens[:, n] = sample(logits, temperature, top_k, generator)
+        else:  # teacher-forced: keep what the step said, feed the given token
             emitted.append(logits.float().clone())
-        tokens[:, n] = sample(logits, temperature, top_k, generator) if forced is None else forced[:, n - T0]
-    exits, logits = idx.new_full((B, max_new_tokens), cfg.n_layer - 1), torch.stack(emitted, 1) if emitted else None
-    return Generation(tokens, exits, logits, cfg.n_layer * max_new_tokens, cache, None, prefilled)
+            tokens[:, n] = forced[:, n - T0]
+    exits = idx.new_full((B, max_new_tokens), cfg.n_layer - 1)
+    logits = torch.stack(emitted, 1) if emitted else None
+    return Generation(tokens, exits, logits, cfg.n_layer * max_new_tokens, prefilled)
 
 # -----------------------------------------------------------------------------
 # Training recipes: exits that agree with the final head draft well (layer dropout, self-distillation)
@@ -1292,54 +1280,40 @@ def exit_slices(records, exits, tokenizer, data, n_top=10):
 # Measurement, 1: every decoder on one workload, quality teacher-forced, then wall-clock, at any batch size
 
 def workload(data, n_prompts, prompt_len):
-    """n_prompts prompts of prompt_len characters from evenly spaced places of a split: (n_prompts, prompt_len).
-
-    One prompt proves nothing: a greedy character model soon loops ("the the the"), and a loop is easy to draft.
-    Timed figures continue every prompt of the test split's workload; choices use val's."""
+    """n_prompts prompts of prompt_len characters from evenly spaced places of a split: (n_prompts,
+    prompt_len). One prompt proves nothing: a greedy character model soon loops ("the the the"), and a
+    loop is easy to draft. Timed figures continue every prompt of test's workload; choices use val's."""
     if len(data) < prompt_len + 2:
         raise ValueError(f"a split of {len(data)} characters is too short for prompts of {prompt_len}")
     starts = torch.linspace(0, len(data) - prompt_len - 1, n_prompts).long().tolist()
     return torch.stack([data[s : s + prompt_len] for s in starts])
 
 def repetition(tokens, n=4):
-    """1 - distinct n-grams / n-grams of one generated sequence: 0 never repeats itself, near 1 is a loop."""
+    """1 - distinct n-grams / n-grams of one generated sequence: 0 never repeats itself, near 1 a loop."""
     grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
-    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
+    if not grams:
+        return 0.0
+    return 1.0 - len(set(grams)) / len(grams)
 
 def mode_temperature(mode, config):
     return 0.0 if mode == "greedy" else config.temperature
 
-# decoders that draft: no quality pass of their own (the exact ones have full depth's by construction; auto_approx
-# takes that of the design it chose)
-SPECULATIVE = ("self_speculative", "auto", "auto_approx")
+SPECULATIVE = ("self_speculative", "auto")  # exact by construction: no quality pass of their own
 
-def decoder(model, name, plan=None, measure="top1", spec=(0, 8, 0.0), schedule=None, graphs=False, costs=None):
-    """The decoder of one table row, for any batch size: (idx (B, T0), n, generator, temperature, top_k,
-    forced) -> Generation. name: full, a KV strategy (with its exit plan), skipdecode, self_speculative, or
-    auto / auto_approx (auto_choice from costs per mode, at most spec[1] drafts); graphs: full depth through
-    generate_static with CUDA graphs."""
-    if name in SPECULATIVE:
-        def decode(idx, n, generator=None, temperature=0.0, top_k=0, forced=None):
-            assert forced is None, "self-speculative quality is full depth's by construction"
-            controller = None
-            if name != "self_speculative":
-                kind, _, controller = auto_choice(costs["greedy" if temperature == 0 else "sampled"], spec,
-                                                  model.config.n_layer, approximate=name == "auto_approx")
-                if kind != "speculate":  # speculation cannot pay here: plain full depth, or SkipDecode's schedule
-                    kw = dict(strategy=SkipDecode(model, schedule), exit_threshold=0.0) if kind == "skipdecode" else {}
-                    return generate(model, idx, n, temperature=temperature, top_k=top_k, generator=generator, **kw)
-            return generate_self_speculative(model, idx, n, spec[0], spec[1], temperature, top_k, generator, spec[2],
-                                             controller=controller)
-        return decode
+def decoder(model, name, plan=None, measure="top1", spec=(0, 8), schedule=None, graphs=False):
+    """The decoder of one table row, for any batch size: decode(idx (B, T0), n, generator=, temperature=,
+    top_k=, forced=) -> Generation. name: full (graphs: replayed as a CUDA graph), a KV strategy with its
+    exit plan, skipdecode with its schedule, or self_speculative with spec = (draft_exit, num_draft)."""
+    if name == "self_speculative":
+        return partial(generate_self_speculative, model, draft_exit=spec[0], num_draft=spec[1])
     if name == "full" and graphs:
-        return lambda idx, n, generator=None, temperature=0.0, top_k=0, forced=None: generate_static(
-            model, idx, n, temperature, top_k, generator, graphs=True, forced=forced)
-    kw = {"full": dict(exit_threshold=1.0),
-          "skipdecode": dict(strategy=SkipDecode(model, schedule), exit_threshold=0.0)}.get(name)
-    kw = kw or dict(strategy=name, exit_threshold=plan["threshold"], checked_exits=plan["checked_exits"],
-                              measure=measure)
-    return lambda idx, n, generator=None, temperature=0.0, top_k=0, forced=None: generate(
-        model, idx, n, temperature=temperature, top_k=top_k, generator=generator, forced=forced, **kw)
+        return partial(generate_static, model, graphs=True)
+    if name == "full":
+        return partial(generate, model)
+    if name == "skipdecode":
+        return partial(generate, model, strategy=partial(SkipDecode, schedule), exit_threshold=0.0)
+    return partial(generate, model, strategy=kv_strategy(name), exit_threshold=plan["threshold"],
+                   checked_exits=plan["checked_exits"], measure=measure)
 
 def quality_pass(decode, data, n_positions, n_layer, batch_size=1):
     """Teacher-forced decoding of batch_size contiguous pieces of data at once, n_positions in all: every
@@ -1347,17 +1321,20 @@ def quality_pass(decode, data, n_positions, n_layer, batch_size=1):
     per_row = n_positions // batch_size
     pieces = data[: batch_size * (per_row + 1)].view(batch_size, per_row + 1)  # (B, per_row + 1)
     out = decode(pieces[:, :1], per_row, forced=pieces[:, 1:])
-    logits, targets = out.logits.flatten(0, 1), pieces[:, 1:].flatten().to(out.logits.device)  # (N, V), (N,)
+    logits = out.logits.flatten(0, 1)  # (N, V)
+    targets = pieces[:, 1:].flatten().to(logits.device)  # (N,)
     exited_at = out.exited_at.flatten().cpu()
+    counts = torch.bincount(exited_at, minlength=n_layer).float()
     return {"pred": logits.argmax(-1), "exited_at": exited_at,
-            "exit_fractions": (torch.bincount(exited_at, minlength=n_layer).float() / len(exited_at)).tolist(),
-            "mean_layers": out.layers_run / per_row, "test_loss": F.cross_entropy(logits, targets).item(),
+            "exit_fractions": (counts / len(exited_at)).tolist(), "mean_layers": out.layers_run / per_row,
+            "test_loss": F.cross_entropy(logits, targets).item(),
             "test_accuracy": (logits.argmax(-1) == targets).float().mean().item()}
 
 def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed, top_k):
-    """Every decoder continues the workload, batch_size prompts a call, in turn, repeats times, interleaved;
-    decoders: key -> (decode, temperature). Per decoder: median tokens/s of all rows, block runs per token
-    while decoding (catch-up included) and re-prefilling, how repetitive the text is, the last Generations."""
+    """Every decoder continues the workload, batch_size prompts a call, in turn, repeats times,
+    interleaved; decoders: key -> (decode, temperature). Per decoder: median tokens/s of all rows, block
+    runs per token while decoding (catch-up included) and re-prefilling, how repetitive the text is, and
+    the last pass's Generations."""
     batches = prompts.view(-1, batch_size, prompts.size(1))  # (n_batches, B, T0)
     times, outputs = {key: [] for key in decoders}, {}
     for _ in range(repeats):
@@ -1374,63 +1351,70 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed, top_k):
     return {key: {"tokens_per_second": len(prompts) * n_tokens / float(np.median(times[key])),
                   "mean_layers": sum(o.layers_run for o in outs) / steps,
                   "prefill_layers": sum(o.prefill_runs for o in outs) / steps,
-                  "repetition": float(np.mean([repetition(r[-n_tokens:].tolist()) for o in outs for r in o.tokens])),
+                  "repetition": float(np.mean([repetition(r[-n_tokens:].tolist()) for o in outs
+                                               for r in o.tokens])),
                   "outputs": outs} for key, outs in outputs.items()}
 
-def spec_stats(outputs, full_outputs, mode, draft_exit, draft_stop):
-    """Acceptance, tokens per verify pass, the draft length that ran, and (greedy) whether every row's output
-    equals full depth's. Outputs without speculation (auto choosing full depth) count no drafts."""
-    runs = [o.stats for o in outputs if o.stats]
+def spec_stats(outputs, full_outputs, mode):
+    """Acceptance (drafts kept over drafts a row could keep), tokens per verify pass, the draft that ran,
+    and (greedy) whether every row's output equals full depth's. Outputs of full depth (auto's choice
+    where speculation does not pay) count no drafts."""
+    runs = [o.stats for o in outputs if isinstance(o, SpeculativeGeneration)]
     stats = {k: sum(s[k] for s in runs) for k in ("rounds", "drafted", "accepted")}
-    same = all(torch.equal(a.tokens, b.tokens) for a, b in zip(outputs, full_outputs)) if mode == "greedy" else None
-    new_tokens = sum(o.exited_at.numel() for o in outputs if o.stats)
-    return {"acceptance_rate": stats["accepted"] / stats["drafted"] if stats["drafted"] else None,
-            "tokens_per_verify": new_tokens / stats["rounds"] if stats["rounds"] else None,
-            "draft_exit": draft_exit, "num_draft": runs[0]["num_draft"] if runs else None, "draft_stop": draft_stop,
+    same = None
+    if mode == "greedy":
+        same = all(torch.equal(a.tokens, b.tokens) for a, b in zip(outputs, full_outputs))
+    if not runs:
+        return {"identical_to_full": same}
+    new_tokens = sum(o.exited_at.numel() for o in outputs)
+    return {"acceptance_rate": stats["accepted"] / max(1, stats["drafted"]),
+            "tokens_per_verify": new_tokens / stats["rounds"], "num_draft": runs[0]["num_draft"],
             "identical_to_full": same}
 
-def table_row(name, mode, speed, quality, config, batch_size=1, plan=None):
-    """One row of a decoder table: speed over full depth at the same batch size and mode, quality beside it;
-    self_speculative's quality is full depth's by construction."""
+def table_row(name, mode, speed, quality, config, batch_size=1):
+    """One row of a decoder table: speed over full depth at the same batch size and mode, quality beside
+    it; a speculative decoder's quality is full depth's by construction."""
     s, full = speed[name, mode], speed["full", mode]
     q = quality.get(name, quality["full"])
     row = {"batch_size": batch_size, "name": name, "mode": mode, "tokens_per_second": s["tokens_per_second"],
            "speedup": s["tokens_per_second"] / full["tokens_per_second"],
-           "ideal_speedup": config.n_layer / s["mean_layers"],
-           "mean_layers": s["mean_layers"], "prefill_layers": s["prefill_layers"], "repetition": s["repetition"],
+           "ideal_speedup": config.n_layer / s["mean_layers"], "mean_layers": s["mean_layers"],
+           "prefill_layers": s["prefill_layers"], "repetition": s["repetition"],
            "test_loss": q["test_loss"], "test_accuracy": q["test_accuracy"],
            "agreement": (q["pred"] == quality["full"]["pred"]).float().mean().item(),
-           "quality_from": "teacher-forced test positions" if name in quality else "full depth (exact by construction)",
-           "identical_to_full": None}
-    if plan is not None:
-        row.update(plan, checked_exits=",".join(map(str, plan["checked_exits"])))
+           "quality_from": "full depth (exact by construction)", "identical_to_full": None}
+    if name in quality:
+        row["quality_from"] = "teacher-forced test positions"
     if name in SPECULATIVE:
-        row.update(spec_stats(s["outputs"], full["outputs"], mode, config.draft_exit, config.draft_stop))
+        row.update(spec_stats(s["outputs"], full["outputs"], mode), draft_exit=config.draft_exit)
     return row
 
-def measure_decoders(decoders, test, prompts, config, batch_size=1, plans=None):
-    """The rows of a decoder table at one batch size, both modes: quality (greedy decoders, teacher-forced on
-    test) and speed on the test workload. decoders: name -> {mode: decode}."""
+def measure_decoders(decoders, test, prompts, config, batch_size=1):
+    """The rows of a decoder table at one batch size, both modes: quality (greedy decoders, teacher-forced
+    on test) and speed on the test workload. decoders: name -> {mode: decode}."""
     quality = {name: quality_pass(d["greedy"], test, config.quality_positions, config.n_layer, batch_size)
                for name, d in decoders.items() if name not in SPECULATIVE}
-    timed = {(name, mode): (d[mode], mode_temperature(mode, config)) for mode in MODES for name, d in decoders.items()}
-    speed = speed_pass(timed, prompts, batch_size, config.bench_tokens, config.bench_repeats, config.seed, config.top_k)
-    rows = [table_row(name, mode, speed, quality, config, batch_size, (plans or {}).get(name))
-            for mode in MODES for name in decoders]
-    return rows, quality, speed
+    timed = {(name, mode): (d[mode], mode_temperature(mode, config))
+             for mode in MODES for name, d in decoders.items()}
+    speed = speed_pass(timed, prompts, batch_size, config.bench_tokens, config.bench_repeats, config.seed,
+                       config.top_k)
+    rows = [table_row(name, mode, speed, quality, config, batch_size) for mode in MODES for name in decoders]
+    return rows, quality
 
 @torch.inference_mode()
-def decode_costs(model, prompts, n_tokens, repeats=200, attempts=3):
+def decode_costs(model, prompts, n_tokens, graphs=False, repeats=200, attempts=3):
     """Seconds, one new token at batch 1 (medians): a block, an exit check (head, confidence and the host
-    sync that decides), a state-copy write, the final head, and a whole full-depth token on these prompts. A
-    token cheaper than n_layer blocks is impossible (a busy machine): measured again, up to `attempts` times."""
+    sync that decides), a state-copy write, the final head, and a whole full-depth token on these prompts,
+    by the same full-depth decoder the speed-ups divide by. A token cheaper than n_layer blocks is
+    impossible (a busy machine): measured again, up to `attempts` times."""
     cfg, device = model.config, prompts.device
     cache, x = KVCache(cfg, 1, device), torch.zeros(1, 1, cfg.n_embd, device=device)
     weight, bias = state_copy_projections(model)
-    stages = {"block": lambda: model.transformer.h[0](x, cache, 0),
-              "check": lambda: bool((confidence(model.exit_logits(x[:, 0], 0)) > 0.9).any()),
-              "state_copy": lambda: write_state_copy(cache, 1, x, weight, bias),
-              "final_head": lambda: model.exit_logits(x[:, 0], cfg.n_layer - 1).argmax(-1).tolist()}
+    stages = {"block": partial(model.transformer.h[0], x, cache, 0),
+              "check": partial(exit_check, model, x),
+              "state_copy": partial(write_state_copy, cache, 1, x, weight, bias),
+              "final_head": partial(model.exit_logits, x[:, 0], cfg.n_layer - 1)}
+    full = {"full": (decoder(model, "full", graphs=graphs), 0.0)}
     for attempt in range(1, attempts + 1):
         t = {key: [] for key in stages}
         for _ in range(repeats):
@@ -1441,18 +1425,22 @@ def decode_costs(model, prompts, n_tokens, repeats=200, attempts=3):
                 synchronize(device)  # each timer reads finished work
                 t[key].append(time.perf_counter() - t0)
         costs = {key: float(np.median(v)) for key, v in t.items()}
-        full = speed_pass({"full": (decoder(model, "full"), 0.0)}, prompts, 1, n_tokens, 1, 0, 0)["full"]
-        costs.update(token=1.0 / full["tokens_per_second"], attempts=attempt)
-        if costs["token"] >= cfg.n_layer * costs["block"]:
-            return costs
+        token = 1.0 / speed_pass(full, prompts, 1, n_tokens, 1, 0, 0)["full"]["tokens_per_second"]
+        costs.update(token=token, attempts=attempt)
+        if token >= cfg.n_layer * costs["block"]:
+            break
     return costs
+
+def exit_check(model, x):
+    """What decode_step does at a checked exit: the head, its confidence and the host sync that decides."""
+    return bool((confidence(model.exit_logits(x[:, 0], 0)) > 0.9).any())
 
 def predict_speedup(records, measure, threshold, checked_exits, costs, strategy, n_layer):
     """Full depth's measured time per token over the predicted time of a strategy checking these exits.
 
-    Exiting at layer e skips n_layer - 1 - e blocks and the final head (not under backfill, which runs them
-    all) and costs a state-copy write under state_copy; every checked exit at or below e costs a check.
-    Deferred's catch-up rides in the next token's block call, so it is counted as no extra call."""
+    Exiting at layer e skips n_layer - 1 - e blocks and the final head (not under backfill, which runs
+    them all) and costs a state-copy write under state_copy; every checked exit at or below e costs a
+    check. Deferred's catch-up rides in the next token's block call, so it is counted as no extra call."""
     exits = exits_at_threshold(records, measure, threshold, checked_exits).float()  # (N,)
     L = n_layer
     checks = sum((exits >= l).float() for l in checked_exits).mean().item()
@@ -1460,7 +1448,9 @@ def predict_speedup(records, measure, threshold, checked_exits, costs, strategy,
     saved = 0.0
     if strategy != "backfill":
         saved = (L - 1 - exits).mean().item() * costs["block"] + early * costs["final_head"]
-    extra = checks * costs["check"] + (early * costs["state_copy"] if strategy == "state_copy" else 0.0)
+    extra = checks * costs["check"]
+    if strategy == "state_copy":
+        extra += early * costs["state_copy"]
     return costs["token"] / (costs["token"] - saved + extra)
 
 def plan_exits(records, measure, costs, strategy, n_layer, threshold=None):
@@ -1469,13 +1459,15 @@ def plan_exits(records, measure, costs, strategy, n_layer, threshold=None):
     plans = []
     for r in range(1, n_layer):
         for subset in map(list, itertools.combinations(range(n_layer - 1), r)):
-            t = threshold if threshold is not None else threshold_for_exit_fraction(records, measure, subset)
-            plans.append({"checked_exits": subset, "threshold": t,
-                          "predicted_speedup": predict_speedup(records, measure, t, subset, costs, strategy, n_layer)})
+            t = threshold
+            if t is None:
+                t = threshold_for_exit_fraction(records, measure, subset)
+            speedup = predict_speedup(records, measure, t, subset, costs, strategy, n_layer)
+            plans.append({"checked_exits": subset, "threshold": t, "predicted_speedup": speedup})
     return sorted(plans, key=lambda p: -p["predicted_speedup"])
 
 def strategy_plans(val_records, costs, config):
-    """Per KV strategy: which exits it checks and at what threshold, with the predicted speed-up (chosen on val)."""
+    """Per KV strategy: the exits it checks, their threshold and the predicted speed-up, chosen on val."""
     L, measure = config.n_layer, config.confidence_measure
     fixed = None if config.strategies_threshold < 0 else config.strategies_threshold
     plans = {}
@@ -1484,57 +1476,90 @@ def strategy_plans(val_records, costs, config):
             plans[name] = plan_exits(val_records, measure, costs, name, L, fixed)[0]
             continue
         checked = parse_exit_layers(config.exit_layers, L)
-        t = fixed if fixed is not None else threshold_for_exit_fraction(val_records, measure, checked)
-        plans[name] = {"checked_exits": checked, "threshold": t,
-                       "predicted_speedup": predict_speedup(val_records, measure, t, checked, costs, name, L)}
+        t = fixed
+        if t is None:
+            t = threshold_for_exit_fraction(val_records, measure, checked)
+        speedup = predict_speedup(val_records, measure, t, checked, costs, name, L)
+        plans[name] = {"checked_exits": checked, "threshold": t, "predicted_speedup": speedup}
     return plans
 
 def graphs_on(config, device):
-    """Whether full depth is timed with CUDA graphs: on CUDA, unless --cuda_graphs=false."""
+    """Whether full depth runs as CUDA graphs: on CUDA, unless --cuda_graphs=false."""
     return config.cuda_graphs and str(device).startswith("cuda")
 
-def spec_settings(config, num_draft=None):
-    return (config.draft_exit, num_draft or config.num_draft, config.draft_stop)
+def speculation_costs(model, prompts, config, batch_size, drafts, graphs=False):
+    """Self-speculation's cost model, per round, on the val workload at batch_size: every draft length k
+    in drafts timed beside full depth, both modes, interleaved. A round costs ms_per_round (its drafts, the
+    verify pass, the accept rule, its share of re-prefills) and moves each row tokens_per_round ahead (the
+    kept drafts and the full model's token: fewer at window edges, and a batch waits for its slowest row).
+    The predicted speed-up is full depth's time per token over a round's time per token. Returns
+    {mode: {k: figures}}."""
+    decoders = {}
+    for mode in MODES:
+        decoders["full", mode] = decoder(model, "full", graphs=graphs), mode_temperature(mode, config)
+        for k in drafts:
+            spec = decoder(model, "self_speculative", spec=(config.draft_exit, k))
+            decoders[k, mode] = spec, mode_temperature(mode, config)
+    speed = speed_pass(decoders, prompts, batch_size, config.bench_tokens, config.bench_repeats,
+                       config.seed, config.top_k)
+    tokens = len(prompts) * config.bench_tokens  # over all rows
+    costs = {mode: {} for mode in MODES}
+    for (k, mode), s in speed.items():
+        if k == "full":
+            continue
+        rounds = sum(o.stats["rounds"] for o in s["outputs"])
+        ms_per_round = 1e3 * tokens / s["tokens_per_second"] / rounds
+        full_ms = 1e3 / speed["full", mode]["tokens_per_second"]  # a token of one row
+        per_round = tokens / rounds / batch_size  # tokens a row gains in a round
+        costs[mode][k] = {"ms_per_round": ms_per_round, "tokens_per_round": per_round,
+                          "predicted_speedup": full_ms * per_round * batch_size / ms_per_round}
+    return costs
 
 def compare_strategies(model, splits, config, device):
-    """The strategies table at batch 1: exit plans chosen on val, quality teacher-forced on test, speed on the
-    test workload, greedy and sampled."""
+    """The strategies table at batch 1: exit plans chosen on val, quality teacher-forced on test, speed on
+    the test workload, greedy and sampled."""
     val_prompts, test_prompts = (workload(splits[s], config.bench_prompts, config.bench_prompt_len).to(device)
                                  for s in ("val", "test"))
     val_records = record_exits(model, splits["val"].to(device), config.quality_positions)
-    costs = decode_costs(model, val_prompts[:4], config.bench_tokens)
+    graphs = graphs_on(config, device)
+    costs = decode_costs(model, val_prompts[:4], config.bench_tokens, graphs)
     plans = strategy_plans(val_records, costs, config)
-    decoders = {name: decoder(model, name, plans.get(name), config.confidence_measure, spec_settings(config),
-                              graphs=graphs_on(config, device))
-                for name in ("full",) + KV_STRATEGIES + ("self_speculative",)}
-    rows, quality, _ = measure_decoders({name: {mode: d for mode in MODES} for name, d in decoders.items()},
-                                        splits["test"].to(device), test_prompts, config, 1, plans)
-    goodput = {mode: goodput_costs(model, val_prompts, 1, config, mode) for mode in MODES}  # measured on val
-    for row in (r for r in rows if r["name"] == "self_speculative"):  # its prediction: the goodput model's
-        row.update(goodput_prediction(row, goodput[row["mode"]], config))
+    spec = (config.draft_exit, config.num_draft)
+    spec_costs = speculation_costs(model, val_prompts, config, 1, [config.num_draft], graphs)
+    names = ("full",) + tuple(KV_STRATEGIES) + ("self_speculative",)
+    decoders = {name: decoder(model, name, plans.get(name), config.confidence_measure, spec, graphs=graphs)
+                for name in names}
+    rows, quality = measure_decoders({name: {mode: d for mode in MODES} for name, d in decoders.items()},
+                                     splits["test"].to(device), test_prompts, config)
+    for row in rows:
+        if row["name"] in plans:
+            plan = plans[row["name"]]
+            row.update(plan, checked_exits=",".join(map(str, plan["checked_exits"])))
+        if row["name"] == "self_speculative":
+            row["predicted_speedup"] = spec_costs[row["mode"]][config.num_draft]["predicted_speedup"]
     return rows, quality, plans, costs, val_records
 
 def time_speculative(model, prompts, config, cells):
-    """Self-speculative decoding for every (draft_exit, num_draft, draft_stop) cell beside full depth, both
-    modes, all interleaved in one pass over the workload; one entry per cell and mode."""
+    """Self-speculative decoding for every (draft_exit, num_draft) cell beside full depth, both modes, all
+    interleaved in one pass over the workload; one entry per cell and mode."""
     decoders = {}
     for mode in MODES:
-        decoders["full", mode] = (decoder(model, "full", graphs=graphs_on(config, prompts.device)),
-                                  mode_temperature(mode, config))
+        T = mode_temperature(mode, config)
+        decoders["full", mode] = decoder(model, "full", graphs=graphs_on(config, prompts.device)), T
         for cell in cells:
-            decoders[cell, mode] = (decoder(model, "self_speculative", spec=cell), mode_temperature(mode, config))
-    speed = speed_pass(decoders, prompts, 1, config.bench_tokens, config.bench_repeats, config.seed, config.top_k)
-    return [{**spec_stats(s["outputs"], speed["full", mode]["outputs"], mode, cell[0], cell[2]), "mode": mode,
-             "speedup": s["tokens_per_second"] / speed["full", mode]["tokens_per_second"],
+            decoders[cell, mode] = decoder(model, "self_speculative", spec=cell), T
+    speed = speed_pass(decoders, prompts, 1, config.bench_tokens, config.bench_repeats, config.seed,
+                       config.top_k)
+    return [{**spec_stats(s["outputs"], speed["full", mode]["outputs"], mode), "draft_exit": cell[0],
+             "mode": mode, "speedup": s["tokens_per_second"] / speed["full", mode]["tokens_per_second"],
              "repetition": s["repetition"]}
             for (cell, mode), s in speed.items() if cell != "full"]
 
-SPEC_GRID = dict(draft_exits=(0, 1, 2), num_drafts=(4, 6, 8, 12), draft_stops=(0.0, 0.1, 0.2, 0.3))
+SPEC_GRID = dict(draft_exits=(0, 1, 2), num_drafts=(4, 6, 8, 12))
 
 def sweep_speculative(model, prompts, config, grid=SPEC_GRID):
-    """--spec_sweep: every (draft_exit, num_draft, draft_stop) on the val workload, greedy and sampled."""
-    cells = [(E, k, s) for E in grid["draft_exits"] if E < config.n_layer - 1
-             for k in grid["num_drafts"] for s in grid["draft_stops"]]
+    """--spec_sweep: every (draft_exit, num_draft) on the val workload, greedy and sampled."""
+    cells = [(E, k) for E in grid["draft_exits"] if E < config.n_layer - 1 for k in grid["num_drafts"]]
     return time_speculative(model, prompts, config, cells)
 
 # -----------------------------------------------------------------------------
@@ -1542,21 +1567,21 @@ def sweep_speculative(model, prompts, config, grid=SPEC_GRID):
 
 def expected_batch_depth(exited_at, batch_sizes, n_layer):
     """Mean of the deepest exit among B independent draws from the recorded per-token exit layers."""
-    cdf = torch.bincount(exited_at.cpu(), minlength=n_layer).double().cumsum(0) / len(exited_at)  # P(exit <= l)
+    counts = torch.bincount(exited_at.cpu(), minlength=n_layer).double()
+    cdf = counts.cumsum(0) / len(exited_at)  # P(exit <= l)
     depth = torch.arange(1, n_layer + 1, dtype=torch.float64)
-    return {B: float(((cdf**B - torch.cat([cdf.new_zeros(1), cdf[:-1] ** B])) * depth).sum()) for B in batch_sizes}
+    below = torch.cat([cdf.new_zeros(1), cdf[:-1]])  # P(exit < l)
+    return {B: float(((cdf**B - below**B) * depth).sum()) for B in batch_sizes}
 
 class SkipDecode(Holes):
-    """After SkipDecode (arXiv:2307.02628): every row at window position pos exits at schedule[pos], a depth that
-    never rises along the window, so a later token never reads a layer an earlier one skipped: no holes are ever
-    read, no exit check is needed, and a batch saves what a row saves."""
-    name = "skipdecode"
-
-    def __init__(self, model, schedule):
-        self.schedule, self.last = schedule, model.config.n_layer - 1
+    """After SkipDecode (arXiv:2307.02628): every row at window position pos exits at schedule[pos], a
+    depth that never rises along the window, so a later token never reads a layer an earlier one skipped:
+    no holes are ever read, no exit check is needed, and a batch saves what a row saves."""
+    def __init__(self, schedule):
+        self.schedule = schedule
 
     def exit_checks(self, pos, checked_exits):
-        return [self.schedule[pos]] if self.schedule[pos] < self.last else []
+        return [self.schedule[pos]]  # the last layer is never checked: it always exits
 
 def window_positions(n_positions, block_size):
     """(N,): the window position at which sequential decoding feeds the token predicting each position."""
@@ -1574,193 +1599,72 @@ def choose_schedule(records, n_layer, block_size, budget):
         for e in range(n_layer - 1):
             figures = exit_summary(records, torch.where(wpos >= a, e, n_layer - 1))
             if figures["disagreement"] <= budget and figures["compute_saved"] > best["compute_saved"]:
-                best = {"schedule": [n_layer - 1] * a + [e] * (block_size - a), "from_position": a, "exit_layer": e,
-                        "compute_saved": figures["compute_saved"], "disagreement": figures["disagreement"]}
+                best = {"schedule": [n_layer - 1] * a + [e] * (block_size - a), "from_position": a,
+                        "exit_layer": e, "compute_saved": figures["compute_saved"],
+                        "disagreement": figures["disagreement"]}
     return best
 
-BATCH_DESIGNS = ("full", "state_copy", "skipdecode", "self_speculative", "auto", "auto_approx")
-BATCH_DRAFTS = (4, 8, 11, 16)  # num_draft tried for batched speculation (11 fills 33 new tokens, block 64's half + 1)
+BATCH_DESIGNS = ("full", "state_copy", "skipdecode", "self_speculative", "auto")
+BATCH_DRAFTS = (4, 8, 11, 16)  # num_draft tried in batches (11 fills 33 new tokens, block 64's half + 1)
 
-def choose_batch_drafts(model, config, val_prompts, batch_size):
-    """num_draft per mode for batched self-speculative decoding at batch_size: the fastest on the val workload.
+def batch_decoders(model, config, plan, schedule, drafts, auto, graphs):
+    """The batch table's decoders: name -> {mode: decode}. drafts: the k of self_speculative per mode;
+    auto: per mode, the k it runs, or None for full depth."""
+    decoders = {name: {} for name in BATCH_DESIGNS}
+    for mode in MODES:
+        for name in BATCH_DESIGNS[:3]:
+            decoders[name][mode] = decoder(model, name, plan, config.confidence_measure, schedule=schedule["schedule"],
+                                           graphs=graphs)
+        spec = decoder(model, "self_speculative", spec=(config.draft_exit, drafts[mode]))
+        decoders["self_speculative"][mode] = spec
+        decoders["auto"][mode] = decoders["full"][mode] if auto[mode] is None else spec
+    return decoders
 
-    A batch runs as many rounds as its slowest row needs, and a window takes block_size / 2 + 1 new tokens
-    before it slides, so the best draft length moves with the batch size. At batch 1 the spec sweep's stands.
-    Returns ({mode: num_draft}, {"mode num_draft": val tokens/s})."""
-    if batch_size == 1:
-        return {mode: config.num_draft for mode in MODES}, {}
-    grid = sorted(set(BATCH_DRAFTS) | {config.num_draft})
-    decoders = {(k, mode): (decoder(model, "self_speculative", spec=spec_settings(config, k)),
-                            mode_temperature(mode, config)) for k in grid for mode in MODES}
-    speed = speed_pass(decoders, val_prompts, batch_size, config.bench_tokens, config.bench_repeats, config.seed,
-                       config.top_k)
-    best = {mode: max(grid, key=lambda k: speed[k, mode]["tokens_per_second"]) for mode in MODES}
-    return best, {f"{mode} {k}": speed[k, mode]["tokens_per_second"] for k, mode in decoders}
-
-def speculation_costs(model, prompts, batch_size, config, num_draft, full_tokens_per_second):
-    """Where batched greedy speculation spends its time at batch_size (one timed pass over the workload), and
-    how many rounds it takes beside what its rows would take alone: a batch lasts as long as its slowest row."""
-    clock, rounds, steps = {}, 0, 0
-    for batch in prompts.split(batch_size):
-        stats = generate_self_speculative(model, batch, config.bench_tokens, config.draft_exit, num_draft,
-                                          clock=clock).stats
-        rounds, steps = rounds + stats["rounds"], steps + stats["draft_steps"]
-    alone = torch.tensor([generate_self_speculative(model, p[None], config.bench_tokens, config.draft_exit,
-                                                    num_draft).stats["rounds"] for p in prompts])
-    per_batch, total = alone.view(-1, batch_size).float(), sum(clock.values())
-    return {"batch_size": batch_size, "num_draft": num_draft, "rounds": rounds,
-            "slowest_row_rounds": int(per_batch.max(1).values.sum()), "mean_row_rounds": float(per_batch.mean(1).sum()),
-            "shares": {phase: t / total for phase, t in clock.items()}, "draft_step_ms": 1e3 * clock["draft"] / steps,
-            "verify_ms": 1e3 * clock["verify"] / rounds, "full_step_ms": 1e3 * batch_size / full_tokens_per_second}
+def batch_predictions(row, plan, skip, depth, spec, auto):
+    """The cost models' speed-up beside a batch-table row: state_copy at the batch's expected depth (every
+    row waits for the deepest), skipdecode from the block runs it skips, speculation per round (on val)."""
+    name, mode = row["name"], row["mode"]
+    B = row["batch_size"]
+    if name == "full":
+        return {"predicted_speedup": 1.0}
+    if name == "state_copy":
+        return {"expected_layers": depth[B], "predicted_speedup": plan["predicted_speedup"] * depth[1] / depth[B]}
+    if name == "skipdecode":
+        return {"predicted_speedup": skip}
+    k = row.get("num_draft")
+    if name == "auto" and auto[mode] is None:
+        return {"predicted_speedup": 1.0, "choice": "full depth"}
+    figures = {"predicted_speedup": spec[mode][k]["predicted_speedup"]}
+    if name == "auto":
+        figures["choice"] = f"k={k}"
+    return figures
 
 def measure_batches(model, splits, config, device, plans, val_records, unit_costs):
-    """The batch table: every design at every batch size, greedy and sampled, quality beside speed, and the cost
-    models' predictions (unit_costs: decode_costs' batch-1 figures)."""
-    L, plan, test = config.n_layer, plans["state_copy"], splits["test"].to(device)
+    """The batch table: every design at every batch size, greedy and sampled, quality beside speed, and the
+    cost models' predictions (unit_costs: decode_costs' batch-1 figures)."""
+    L, plan, graphs = config.n_layer, plans["state_copy"], graphs_on(config, device)
     test_prompts, val_prompts = (workload(splits[s], config.bench_prompts, config.bench_prompt_len).to(device)
                                  for s in ("test", "val"))
     schedule = choose_schedule(val_records, L, config.block_size, config.schedule_disagreement)
-    state_copy_exits = exits_at_threshold(val_records, config.confidence_measure, plan["threshold"],
-                                          plan["checked_exits"])
+    exits = exits_at_threshold(val_records, config.confidence_measure, plan["threshold"], plan["checked_exits"])
     # skipdecode skips the same share of block runs in every row, with no checks: that share of a token's blocks
-    skip = {"predicted_speedup": unit_costs["token"] / (unit_costs["token"] - schedule["compute_saved"] * L
-                                                        * unit_costs["block"])}
-    rows, chosen, costs = [], {}, []
+    skipped = schedule["compute_saved"] * L * unit_costs["block"]
+    skip = unit_costs["token"] / (unit_costs["token"] - skipped)
+    rows, chosen, grid = [], {}, sorted(set(BATCH_DRAFTS) | {config.num_draft})
     for B in (b for b in BATCH_SIZES if config.bench_prompts % b == 0):
-        drafts, val_speed = choose_batch_drafts(model, config, val_prompts, B)
-        goodput = {mode: dict(goodput_costs(model, val_prompts, B, config, mode),  # on val
-                              skipdecode_speedup=skip["predicted_speedup"]) for mode in MODES}
-        most = 2 * config.num_draft  # auto's longest draft
-        chosen[B] = {"num_draft": drafts, "val_tokens_per_second": val_speed, "goodput_costs": goodput}
-        decoders = {name: {mode: decoder(model, name, plan, config.confidence_measure,
-                                         spec_settings(config, most if name.startswith("auto") else drafts[mode]),
-                                         schedule["schedule"], graphs_on(config, device), goodput) for mode in MODES}
-                    for name in BATCH_DESIGNS}
-        batch_rows, _, speed = measure_decoders(decoders, test, test_prompts, config, B, {"state_copy": plan})
-        depth = expected_batch_depth(state_copy_exits, (1, B), L)  # a step runs as deep as its deepest row
-        # state_copy keeps batch 1's per-token overheads (checks, writes), and saves only what the deepest row skips
-        copy = {"expected_layers": depth[B], "predicted_speedup": plan["predicted_speedup"] * depth[1] / depth[B]}
-        batch_rows = [dict(r, **copy) if r["name"] == "state_copy" else dict(r, **skip) if r["name"] == "skipdecode"
-                      else dict(r, **goodput_prediction(r, goodput[r["mode"]], config)) for r in batch_rows]
-        rows += [approx_quality(r, batch_rows) if r["name"] == "auto_approx" else r for r in batch_rows]
-        costs.append(speculation_costs(model, test_prompts, B, config, drafts["greedy"],
-                                       speed["full", "greedy"]["tokens_per_second"]))
-    return {"entries": rows, "schedule": schedule, "plan": plan, "drafts": chosen, "speculation_costs": costs}
-
-def approx_quality(row, batch_rows):
-    """auto_approx's quality: full depth's where it chose an exact decoder, else SkipDecode's teacher-forced figures
-    (the same schedule, so the same positions and predictions)."""
-    if row["choice"] != "skipdecode":
-        return dict(row, approximate=False)
-    skip = next(r for r in batch_rows if r["name"] == "skipdecode")
-    return dict(row, approximate=True, quality_from="skipdecode's teacher-forced test positions",
-                **{k: skip[k] for k in ("test_loss", "test_accuracy", "agreement")})
-
-def goodput_prediction(row, costs, config):
-    """The cost model's speed-up beside a batch-table row (full depth, speculation, auto) and what auto chose."""
-    spec = (config.draft_exit, 2 * config.num_draft)
-    if row["name"] == "self_speculative":
-        model_of = GoodputController(costs, costs["acceptance"], *spec, config.n_layer)
-        return {"predicted_speedup": model_of.speedup(row["num_draft"])}
-    if row["name"] not in ("auto", "auto_approx"):
-        return {"predicted_speedup": 1.0} if row["name"] == "full" else {}
-    kind, predicted, controller = auto_choice(costs, spec, config.n_layer, row["name"] == "auto_approx")
-    return {"predicted_speedup": predicted, "choice": f"k={controller.choose()[1]}" if kind == "speculate" else
-            {"full": "full depth", "skipdecode": "skipdecode"}[kind]}
-
-def auto_choice(costs, spec, n_layer, approximate=False):
-    """What auto runs at one batch size and mode, chosen before decoding from the cost model: ('full', 1.0, _),
-    ('speculate', predicted speed-up, the controller that goes on choosing k round by round), or, with approximation
-    allowed (auto_approx), ('skipdecode', predicted, _) where SkipDecode's schedule is predicted to beat both."""
-    # val's acceptance counts as the drafts it was measured on: a few noisy rounds do not overturn it
-    controller = GoodputController(costs, costs["acceptance"], spec[0], spec[1], n_layer, prior=costs["tested"],
-                                   margin=GOODPUT_MARGIN * math.sqrt(4 / costs["batches"]))
-    exit_, k = controller.choose()
-    kind, predicted = ("full", 1.0) if exit_ == controller.full_exit else ("speculate", controller.speedup(k))
-    controller.margin = 0.0  # once it speculates, it stops only where full depth is predicted faster
-    skip = costs.get("skipdecode_speedup", 0.0)  # set by measure_batches: the schedule's share of block runs skipped
-    if approximate and skip > max(predicted, 1 + GOODPUT_MARGIN):
-        kind, predicted = "skipdecode", skip
-    return kind, predicted, controller
+        spec = speculation_costs(model, val_prompts, config, B, grid, graphs)  # on val
+        drafts = {mode: max(grid, key=lambda k: spec[mode][k]["predicted_speedup"]) for mode in MODES}
+        auto = {mode: drafts[mode] if spec[mode][drafts[mode]]["predicted_speedup"] > 1 else None
+                for mode in MODES}
+        chosen[B] = {"num_draft": drafts, "auto": auto, "speculation_costs": spec}
+        decoders = batch_decoders(model, config, plan, schedule, drafts, auto, graphs)
+        batch_rows, _ = measure_decoders(decoders, splits["test"].to(device), test_prompts, config, B)
+        depth = expected_batch_depth(exits, (1, B), L)  # a step runs as deep as its deepest row
+        rows += [dict(r, **batch_predictions(r, plan, skip, depth, spec, auto)) for r in batch_rows]
+    return {"entries": rows, "schedule": schedule, "plan": plan, "drafts": chosen}
 
 # -----------------------------------------------------------------------------
-# Goodput: what each draft length buys at a batch size, and a controller that chooses it round by round
-
-def expected_tokens(acceptance, k):
-    """Tokens a row gains in a round of k drafts, each kept with probability `acceptance` until the first miss:
-    the kept prefix and the full model's token after it, k at most: 1 + a + ... + a^(k-1)."""
-    # a is per draft tested, kept / (kept + rejections): not kept / drafted, which counts the drafts after a miss
-    return float(k) if acceptance >= 1 else (1 - acceptance**k) / (1 - acceptance)
-
-# speculate only where the model predicts at least this gain, timed on val over four batches of prompts; a batch
-# lasts as long as its slowest row, so fewer batches say less about test's: the margin grows as 1 / sqrt(batches)
-GOODPUT_MARGIN = 0.1
-
-class GoodputController:
-    """Chooses each round's draft: the length k in 1..most with the most tokens per second by the cost model, or
-    full depth (a draft through every layer, kept whole) when no k beats it. A round costs its k draft steps, a
-    verify pass and the rest of the round, and lasts the round factor times what the mean row needs (each timed at
-    a few k and joined by straight lines, goodput_costs); a row gains expected_tokens(a, k), and each token also
-    costs its share of the window re-prefills. a starts at val's acceptance (worth `prior` tested drafts) and
-    follows the rounds. margin: the gain it needs to speculate (auto_choice drops it to 0 once decoding starts, so
-    a dip in the acceptance does not switch to full-depth rounds, which run slower than plain full depth)."""
-    def __init__(self, costs, acceptance, draft_exit, most, n_layer, prior=32, margin=GOODPUT_MARGIN):
-        self.costs, self.draft_exit, self.most, self.full_exit = costs, draft_exit, most, n_layer - 1
-        self.kept, self.tested, self.best, self.margin = acceptance * prior, float(prior), {}, margin
-
-    def speedup(self, k, acceptance=None):
-        """Predicted tokens per second of k drafts a round over full depth's, at this batch size."""
-        c, a = self.costs, self.kept / self.tested if acceptance is None else acceptance
-        at = lambda name: float(np.interp(k, c["timed_k"], c[name]))  # noqa: E731  (flat past the ends)
-        seconds = at("slowest") * (at("draft") + at("verify") + at("rest"))
-        return c["full_step"] / (seconds / expected_tokens(a, k) + c["prefill"])
-
-    def choose(self):
-        """(draft exit, most drafts) for the next round: the best k where it is predicted to beat full depth by the
-        margin, else full depth. It moves only when the acceptance does (to 0.01)."""
-        a = round(self.kept / self.tested, 2)
-        if a not in self.best:  # a round is a few ms: the model is not evaluated afresh for each one
-            k = max(range(1, self.most + 1), key=lambda j: self.speedup(j, a))
-            self.best[a] = k, self.speedup(k, a)
-        k, predicted = self.best[a]
-        return (self.draft_exit, k) if predicted > 1 + self.margin else (self.full_exit, self.most)
-
-    def update(self, tested, kept):
-        """tested: drafts the verifier judged (each kept one, and the first rejected one of a row); kept: kept."""
-        self.tested, self.kept = self.tested + tested, self.kept + kept
-
-def goodput_costs(model, prompts, batch_size, config, mode):
-    """The cost model's figures on a workload at batch_size, in seconds: a full-depth step, the re-prefills per step
-    of the batch and the acceptance in this mode (per draft tested), over timed passes at k = 2, K and 2K drafts
-    (K = num_draft, at least 4); and at each of those k (timed_k), per round: the draft steps, the verify pass, the
-    rest, and the round factor (rounds taken over what the mean row needs at the acceptance of all passes together:
-    a batch waits for its slowest row, and window edges cut rounds short, more so at long k). Straight lines join
-    them, so at that acceptance the model gives each timed pass's own time back. Drafts are timed per round because
-    a draft step costs more at short k (a round lays out its steps once)."""
-    T, n_batches, K = mode_temperature(mode, config), len(prompts) // batch_size, max(config.num_draft, 4)
-    timed_k, passes, clock, stats, full = (2, K, 2 * K), [], Counter(), Counter(), []  # clock, stats: all passes
-    for k in timed_k:  # a full-depth pass before each speculative one: the median of the three is the step's cost
-        full.append(speed_pass({"full": (decoder(model, "full"), T)}, prompts, batch_size, config.bench_tokens, 1,
-                               config.seed, config.top_k)["full"]["tokens_per_second"])
-        pass_clock, pass_stats = {}, Counter()
-        for i, batch in enumerate(prompts.split(batch_size)):
-            gen = torch.Generator(device=prompts.device).manual_seed(config.seed + i)
-            pass_stats.update(generate_self_speculative(model, batch, config.bench_tokens, config.draft_exit, k, T,
-                                                        config.top_k, gen, clock=pass_clock).stats)
-        passes.append((k, pass_stats["rounds"], pass_clock))
-        clock.update(pass_clock)
-        stats.update(pass_stats)
-    a = stats["accepted"] / max(1, stats["accepted"] + stats["rejected"])
-    per_round = [(c["draft"] / r, c["verify"] / r, c["accept and the rest"] / r,
-                  r * expected_tokens(a, k) / (n_batches * config.bench_tokens)) for k, r, c in passes]
-    draft, verify, rest, slowest = (list(v) for v in zip(*per_round))
-    return {"full_step": batch_size / float(np.median(full)), "acceptance": a,
-            "prefill": clock["re-prefill"] / (len(timed_k) * n_batches * config.bench_tokens),
-            "tested": max(1, stats["accepted"] + stats["rejected"]), "batches": n_batches,
-            "timed_k": list(timed_k), "draft": draft, "verify": verify, "rest": rest, "slowest": slowest}
-
-# -----------------------------------------------------------------------------
-# Measurement, 2: training recipes compared at the same budget, and what exit heads cost to train
+# Measurement, 2: training recipes compared at the same budget
 
 def evaluate_recipe(name, model, splits, config, device, prompts):
     """The figures a recipe is judged on: losses, calibrated compute saved, self-speculative speed."""
@@ -1769,11 +1673,13 @@ def evaluate_recipe(name, model, splits, config, device, prompts):
     checked_exits = list(range(config.n_layer - 1))
     val, test = (record_exits(model, splits[s].to(device), config.sweep_positions) for s in ("val", "test"))
     cal = calibration_report(val, test, config.confidence_measure, checked_exits, config.epsilon, config.delta)
-    spec = {r["mode"]: r for r in time_speculative(model, prompts, config, [spec_settings(config)])}
-    return {"recipe": name, **RECIPES[name], "val_loss_final": losses["val"][-1], "val_loss_exits": losses["val"][:-1],
-            "calibrated_threshold": cal["threshold"], "compute_saved": cal["test"]["compute_saved"],
-            "test_loss": cal["test"]["loss"], "test_full_loss": cal["test"]["full_loss"],
-            "spec_speedup": spec["greedy"]["speedup"], "spec_acceptance_rate": spec["greedy"]["acceptance_rate"],
+    cell = (config.draft_exit, config.num_draft)
+    spec = {r["mode"]: r for r in time_speculative(model, prompts, config, [cell])}
+    return {"recipe": name, **RECIPES[name], "val_loss_final": losses["val"][-1],
+            "val_loss_exits": losses["val"][:-1], "calibrated_threshold": cal["threshold"],
+            "compute_saved": cal["test"]["compute_saved"], "test_loss": cal["test"]["loss"],
+            "test_full_loss": cal["test"]["full_loss"], "spec_speedup": spec["greedy"]["speedup"],
+            "spec_acceptance_rate": spec["greedy"]["acceptance_rate"],
             "spec_identical_to_full": spec["greedy"]["identical_to_full"],
             "spec_speedup_sampled": spec["sampled"]["speedup"],
             "spec_acceptance_rate_sampled": spec["sampled"]["acceptance_rate"]}
@@ -1790,25 +1696,6 @@ def compare_recipes(config, splits, device, prompts):
         entries.append({**evaluate_recipe(name, model, splits, cfg, device, prompts), "train_seconds": seconds})
     return entries
 
-def benchmark_training(config, splits, device, rounds=5, steps=40):
-    """Median ms per training step with this recipe's exit heads and with none (a plain GPT: alpha 0,
-    no distillation, no layer dropout), in alternating blocks of steps on the same batches: one run, one ratio."""
-    setups = {}
-    for name, changes in (("exit heads", {}), ("plain GPT", dict(alpha=0.0, distill_weight=0.0, layer_dropout=0.0))):
-        cfg = LabConfig(**{**asdict(config), **changes})
-        torch.manual_seed(cfg.seed)
-        model = RecipeGPT(cfg).to(device)
-        setups[name] = (model, configure_optimizer(model, cfg), cfg, [])
-    gen = torch.Generator().manual_seed(config.seed)
-    batches = [get_batch(splits["train"], config.block_size, config.batch_size, gen, device) for _ in range(steps)]
-    for _ in range(rounds + 1):  # the first round warms up and is not counted
-        for model, optimizer, cfg, times in setups.values():
-            for x, y in batches:
-                t0 = time.perf_counter()
-                train_step(model, optimizer, x, y, cfg)
-                synchronize(device)
-                times.append(1000 * (time.perf_counter() - t0))
-    return {name: float(np.median(times[steps:])) for name, (_, _, _, times) in setups.items()}
 # -----------------------------------------------------------------------------
 # Reports: the exit map, tables for people, JSON for programs
 
@@ -2510,7 +2397,7 @@ RULES = {  # the numbers each field takes; names come from CHOICES, true/false f
     "strategies_threshold": number(float, -1, 1, high_open=False),
 }
 CHOICES = {"init_from": ("scratch", "resume"), "exit_weights": ("constant", "linear", "geometric", "layerskip"),
-           "exit_head": ("separate", "shared", "final"), "kv_strategy": KV_STRATEGIES + ("self_speculative",),
+           "exit_head": ("separate", "shared", "final"), "kv_strategy": tuple(KV_STRATEGIES) + ("self_speculative",),
            "confidence_measure": tuple(CONFIDENCE_MEASURES)}
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -2633,81 +2520,88 @@ def pick_device(name):
 # Main: the lesson, then the lab, every analysis under the question it answers
 
 def choose_exit_rule(model, tokenizer, splits, config, device):
-    """Sweep on val, calibrate per measure, report on test; the logit lens and the exit slices (printed later)."""
+    """Sweep on val, calibrate per measure, report on test; the logit lens and the exit slices."""
     val, test = (record_exits(model, splits[s].to(device), config.sweep_positions) for s in ("val", "test"))
     checked_exits = parse_exit_layers(config.exit_layers, config.n_layer)
     by_measure = {m: sweep(val, m, checked_exits) for m in CONFIDENCE_MEASURES}
-    cals = [calibration_report(val, test, m, checked_exits, config.epsilon, config.delta) for m in CONFIDENCE_MEASURES]
+    cals = [calibration_report(val, test, m, checked_exits, config.epsilon, config.delta)
+            for m in CONFIDENCE_MEASURES]
     rule = {"sweep": by_measure[config.confidence_measure],
             "sweep_by_measure": [{"measure": m, "entries": e} for m, e in by_measure.items()],
             "calibration": next(c for c in cals if c["measure"] == config.confidence_measure),
             "calibration_by_measure": cals}
-    starts = range(0, len(splits["val"]) - config.block_size, config.block_size)[:64]  # up to 64 val windows
+    starts = range(0, len(splits["val"]) - config.block_size, config.block_size)[:64]  # up to 64 windows
     windows = torch.stack([splits["val"][i : i + config.block_size] for i in starts]).to(device)  # (<= 64, T)
     rule["logit_lens"] = logit_lens(model, windows)
-    exits = exits_at_threshold(test, config.confidence_measure, rule["calibration"]["threshold"], checked_exits)
+    threshold = rule["calibration"]["threshold"]
+    exits = exits_at_threshold(test, config.confidence_measure, threshold, checked_exits)
     rule["slices"] = exit_slices(test, exits, tokenizer, splits["test"])
     return rule
 
-def calibrated_threshold(rule, config, device):
-    """The lesson's choose_threshold: Learn then Test on val (the whole exit rule goes into `rule` for later)."""
-    def choose(model, tokenizer, splits):
-        rule.update(choose_exit_rule(model, tokenizer, splits, config, device))
-        below = "" if config.sample_only or config.lesson_only else "; 'Which threshold?' below"
-        print(f"\nthe early-exit sample uses the threshold calibrated on val ({rule['calibration']['threshold']:g}"
-              f"{below})")
-        return rule["calibration"]["threshold"]
-    return choose
+def sample_decoder(model, config, threshold):
+    """The early-exit sample's decoder (--kv_strategy), its label and the exits it checks."""
+    if config.kv_strategy == "self_speculative":
+        drafters = f"layers 0..{config.draft_exit} draft"
+        label = f"self_speculative, {drafters} up to {config.num_draft} a round, the rest verify"
+        return decoder(model, "self_speculative", spec=(config.draft_exit, config.num_draft)), label, ()
+    checked = parse_exit_layers(config.exit_layers, config.n_layer)
+    plan = {"threshold": threshold, "checked_exits": checked}
+    label = f"{config.kv_strategy}, {config.confidence_measure} > {threshold:g}"
+    return decoder(model, config.kv_strategy, plan, config.confidence_measure), label, checked
 
-def generation_report(lesson, config):
-    """The lesson's samples, the early-exit sample's exit map, the speculation map, and their report.json entries."""
-    (full, full_speed), (early, speed) = lesson["samples"].values()
-    T0, tokenizer, model, L = lesson["idx"].size(1), lesson["tokenizer"], lesson["model"], config.n_layer
-    text, exited_at = tokenizer.decode(early.tokens[0, T0:].tolist()), early.exited_at[0].tolist()
-    print("\n" + colour_text(text, exited_at, L, sys.stdout.isatty()))
-    # the confidence of the head each character left from: the decoder teacher-forced on its own sample
-    if early.stats:  # self-speculation: every exit read in the decoder's windows
+def sample_confidences(model, early, T0, threshold, config):
+    """The confidence of the head each character of the sample left from, read in the decoder's windows."""
+    if isinstance(early, SpeculativeGeneration):  # every exit recorded at once
         records = record_exits(model, early.tokens[0], early.tokens.size(1) - 1)
         positions = torch.arange(T0 - 1, early.tokens.size(1) - 1, device=early.tokens.device)
-        confidences = records.confidences[config.confidence_measure][early.exited_at[0], positions]
-    else:
-        confidences = confidence(generate(model, lesson["idx"], config.max_new_tokens, strategy=config.kv_strategy,
-                                          exit_threshold=lesson["threshold"], measure=config.confidence_measure,
-                                          checked_exits=parse_exit_layers(config.exit_layers, L),
-                                          forced=early.tokens[:, T0:]).logits[0], config.confidence_measure)
+        return records.confidences[config.confidence_measure][early.exited_at[0], positions]
+    plan = {"threshold": threshold, "checked_exits": parse_exit_layers(config.exit_layers, config.n_layer)}
+    decode = decoder(model, config.kv_strategy, plan, config.confidence_measure)
+    logits = decode(early.tokens[:, :T0], config.max_new_tokens, forced=early.tokens[:, T0:]).logits[0]
+    return confidence(logits, config.confidence_measure)
+
+def generation_report(model, tokenizer, idx, samples, threshold, config):
+    """The early-exit sample's exit map (printed) and the report.json entry of both samples."""
+    (full, full_speed), (early, speed) = samples.values()
+    T0, L = idx.size(1), config.n_layer
+    text, exited_at = tokenizer.decode(early.tokens[0, T0:].tolist()), early.exited_at[0].tolist()
+    print("\n" + colour_text(text, exited_at, L, sys.stdout.isatty()))
     counts = torch.bincount(early.exited_at[0], minlength=L).tolist()
-    return {"exit_threshold": lesson["threshold"], "kv_strategy": config.kv_strategy, "exit_counts": counts,
+    return {"exit_threshold": threshold, "kv_strategy": config.kv_strategy, "exit_counts": counts,
             "mean_layers": sum((l + 1) * c for l, c in enumerate(counts)) / sum(counts),
             "layers_run_per_token": early.layers_run / config.max_new_tokens, "tokens_per_second": speed,
             "full_depth_tokens_per_second": full_speed, "sample": text, "exited_at": exited_at,
-            "full_depth_sample": tokenizer.decode(full.tokens[0, T0:].tolist()), "confidences": confidences.tolist()}
+            "full_depth_sample": tokenizer.decode(full.tokens[0, T0:].tolist()),
+            "confidences": sample_confidences(model, early, T0, threshold, config).tolist()}
 
-def speculation_map(lesson, config):
-    """The self-speculative sample from the lesson's prompt and seed (the early-exit one, if it was drawn so): which
-    characters were drafts the full model accepted, and which are its own tokens where it rejected one."""
-    early, T0 = lesson["samples"]["early-exit"][0], lesson["idx"].size(1)
-    gen = torch.Generator(device=lesson["idx"].device).manual_seed(config.seed)
-    spec = early if early.stats else speculative_sample(config)(lesson["model"], lesson["idx"], config.max_new_tokens,
-                                                                 config.temperature, config.top_k, gen)
+def speculation_map(model, tokenizer, idx, samples, config):
+    """The self-speculative sample from the same prompt and seed (the early-exit one, if it was drawn so):
+    which characters were drafts the full model accepted, and which its own tokens where it rejected one."""
+    spec = samples["early-exit"][0]
+    if not isinstance(spec, SpeculativeGeneration):
+        gen = torch.Generator(device=idx.device).manual_seed(config.seed)
+        spec = generate_self_speculative(model, idx, config.max_new_tokens, config.draft_exit,
+                                         config.num_draft, config.temperature, config.top_k, gen)
     drafted = (spec.exited_at[0] < config.n_layer - 1).tolist()
     s = spec.stats
-    entry = {"sample": lesson["tokenizer"].decode(spec.tokens[0, T0:].tolist()), "drafted": drafted,
+    entry = {"sample": tokenizer.decode(spec.tokens[0, idx.size(1) :].tolist()), "drafted": drafted,
              "acceptance_rate": s["accepted"] / max(1, s["drafted"]), "rounds": s["rounds"],
              "draft_exit": config.draft_exit, "num_draft": config.num_draft}
-    print("\n" + textwrap.fill(f"the verifier at work (report.html draws it): a self-speculative sample from the same "
-                               f"prompt and seed kept {entry['acceptance_rate']:.0%} of its drafts; {sum(drafted)} of "
-                               f"{len(drafted)} characters are accepted drafts, the rest the full model's own, in "
-                               f"{s['rounds']} verify passes", WIDTH))
+    print("\n" + textwrap.fill(f"the verifier at work (report.html draws it): a self-speculative sample from "
+                               f"the same prompt and seed kept {entry['acceptance_rate']:.0%} of its drafts; "
+                               f"{sum(drafted)} of {len(drafted)} characters are accepted drafts, the rest "
+                               f"the full model's own, in {s['rounds']} verify passes", WIDTH))
     return entry
 
 def measure_strategies(model, splits, config, device):
-    """The strategies table on the workload, costs and plans, batch depth, and (--spec_sweep) the self-speculative
-    grid and (--bench_batch) the batch table."""
+    """The strategies table on the workload, costs and plans, batch depth, and (--spec_sweep) the
+    self-speculative grid and (--bench_batch) the batch table."""
     entries, quality, plans, costs, val_records = compare_strategies(model, splits, config, device)
     depths = expected_batch_depth(quality["backfill"]["exited_at"], BATCH_SIZES, config.n_layer)
     print_strategies(entries, quality, config, costs, depths)
     report = {"strategies": entries, "exit_plans": plans, "decode_costs": costs,
-              "exit_check_cost": costs["check"] / costs["block"], "batch_depth": {str(b): d for b, d in depths.items()},
+              "exit_check_cost": costs["check"] / costs["block"],
+              "batch_depth": {str(b): d for b, d in depths.items()},
               "workload": {"split": "test", "prompts": config.bench_prompts, "prompt_len": config.bench_prompt_len,
                            "tokens": config.bench_tokens, "repeats": config.bench_repeats, "chosen_on": "val"}}
     if config.bench_batch:
@@ -2731,53 +2625,61 @@ def run_recipe_comparison(config, device):
     print(f"\nrecipes: {os.path.join(config.out_dir, 'recipes.json')}")
     return entries
 
-def run_training_benchmark(config, device):
-    """--bench_train=1: the exit heads' training overhead, measured in one run."""
-    ms = benchmark_training(config, load_data(config)[1], device)
-    print("median ms per training step, interleaved: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items())
-          + f" | ratio {ms['exit heads'] / ms['plain GPT']:.3f}")
-    return ms
+def lesson_config(config):
+    """Part I's Config from the lab's fields, with Part I's own threshold where the lab's says 'calibrate'."""
+    values = {f.name: getattr(config, f.name) for f in fields(Config)}
+    if values["exit_threshold"] < 0:
+        values["exit_threshold"] = Config.exit_threshold
+    return Config(**values)
+
+def write_report(report, config, name):
+    write_json(report, os.path.join(config.out_dir, f"{name}.json"))
+    write_html_report(report, os.path.join(config.out_dir, f"{name}.html"))
+    print(f"\nreport: {os.path.join(config.out_dir, name + '.json')} and {name}.html beside it")
+
+def run_lab(model, tokenizer, splits, config, device, report):
+    """Part I's samples from the lab's model, threshold and decoder, then every analysis of the lab."""
+    rule = None
+    threshold = config.exit_threshold
+    if threshold < 0:  # calibrate on val (Learn then Test)
+        rule = choose_exit_rule(model, tokenizer, splits, config, device)
+        threshold = rule["calibration"]["threshold"]
+        print(f"\nthe early-exit sample uses the threshold calibrated on val ({threshold:g})")
+    early_exit, label, checked = sample_decoder(model, config, threshold)
+    idx, samples = show_samples(model, tokenizer, config, device, early_exit, label, checked)
+    report["generation"] = generation_report(model, tokenizer, idx, samples, threshold, config)
+    report["speculation"] = speculation_map(model, tokenizer, idx, samples, config)
+    if config.sample_only:  # sampling leaves the trained run's report alone: samples.*
+        return write_report({"config": asdict(config), **report}, config, "samples")
+    if rule is None:  # an explicit threshold: the exit rule is still analysed
+        rule = choose_exit_rule(model, tokenizer, splits, config, device)
+    print_exit_rule(rule, config)
+    report.update(rule)
+    report.update(measure_strategies(model, splits, config, device))
+    write_report(report, config, "report")
 
 def run(config, overridden):
-    """The default job: the lesson (Part I) with the lab's hooks, then every analysis of the lab, in story order."""
+    """The default job: the lab's model (trained, resumed or loaded), its samples and every analysis;
+    --lesson_only runs Part I alone, --compare_recipes the recipe comparison."""
     torch.manual_seed(config.seed)
+    if config.lesson_only:
+        return run_lesson(lesson_config(config), pick_device(config.device))
     rank, world, process_device = start_processes(config)
     device = process_device or pick_device(config.device)
     if config.compare_recipes:
         return run_recipe_comparison(config, device)
-    if config.bench_train:
-        return run_training_benchmark(config, device)
-    report, rule = {}, {}
-    if config.sample_only:  # the lesson's samples from the checkpoint: no training, no analysis
+    tokenizer, splits = load_data(config)
+    report = {}
+    if config.sample_only:
         if config.init_from != "resume":
             raise ValueError("--sample_only=1 samples from a checkpoint: add --init_from=resume")
-        build = lambda *a: load_trained(*a, overridden=overridden)  # noqa: E731
+        model = load_trained(config, tokenizer, device, overridden)
     else:
-        build = lambda *a: train_or_resume(*a, overridden=overridden, rank=rank, world=world, report=report)  # noqa
-    choose = None if "exit_threshold" in overridden else calibrated_threshold(rule, config, device)
-    speculative = config.kv_strategy == "self_speculative"  # then self-speculation draws the early-exit sample
-    decoding = dict(strategy="backfill" if speculative else config.kv_strategy,
-                    checked_exits=parse_exit_layers(config.exit_layers, config.n_layer))
-    lesson = run_lesson(config, device, build, choose, speculative_sample(config) if speculative else None, **decoding)
+        model = train_or_resume(config, tokenizer, splits, device, overridden, rank, world, report)
     if world > 1:
         torch.distributed.destroy_process_group()
-    if lesson is None:  # a torchrun rank above 0: only rank 0 analyses, prints and writes
-        return None
-    report["generation"] = generation_report(lesson, config)
-    report["speculation"] = speculation_map(lesson, config)
-    if config.sample_only or config.lesson_only:  # sampling leaves the trained run's report alone: samples.*
-        report, name = {"config": asdict(config), **report}, "samples" if config.sample_only else "report"
-        write_json(report, os.path.join(config.out_dir, f"{name}.json"))
-        write_html_report(report, os.path.join(config.out_dir, f"{name}.html"))
-        return report
-    if not rule:  # an explicit --exit_threshold: the exit rule is still analysed
-        rule = choose_exit_rule(lesson["model"], lesson["tokenizer"], lesson["splits"], config, device)
-    print_exit_rule(rule, config)
-    report.update(rule)
-    report.update(measure_strategies(lesson["model"], lesson["splits"], config, device))
-    write_json(report, os.path.join(config.out_dir, "report.json"))
-    write_html_report(report, os.path.join(config.out_dir, "report.html"))
-    print(f"\nreport: {os.path.join(config.out_dir, 'report.json')} and report.html beside it")
+    if model is not None:  # None: a torchrun rank above 0; only rank 0 analyses, prints and writes
+        run_lab(model, tokenizer, splits, config, device, report)
     return report
 
 def main(argv=None):
