@@ -1607,6 +1607,15 @@ def choose_schedule(records, n_layer, block_size, budget):
 BATCH_DESIGNS = ("full", "state_copy", "skipdecode", "self_speculative", "auto")
 BATCH_DRAFTS = (4, 8, 11, 16)  # num_draft tried in batches (11 fills 33 new tokens, block 64's half + 1)
 
+def choose_drafts(spec):
+    """From speculation_costs' figures: per mode, the k predicted fastest (self_speculative's), and what
+    auto runs: that k, or None (full depth) where no k is predicted faster than full depth."""
+    drafts, auto = {}, {}
+    for mode, by_k in spec.items():
+        drafts[mode] = max(by_k, key=lambda k: by_k[k]["predicted_speedup"])
+        auto[mode] = drafts[mode] if by_k[drafts[mode]]["predicted_speedup"] > 1 else None
+    return drafts, auto
+
 def batch_decoders(model, config, plan, schedule, drafts, auto, graphs):
     """The batch table's decoders: name -> {mode: decode}. drafts: the k of self_speculative per mode;
     auto: per mode, the k it runs, or None for full depth."""
@@ -1653,9 +1662,7 @@ def measure_batches(model, splits, config, device, plans, val_records, unit_cost
     rows, chosen, grid = [], {}, sorted(set(BATCH_DRAFTS) | {config.num_draft})
     for B in (b for b in BATCH_SIZES if config.bench_prompts % b == 0):
         spec = speculation_costs(model, val_prompts, config, B, grid, graphs)  # on val
-        drafts = {mode: max(grid, key=lambda k: spec[mode][k]["predicted_speedup"]) for mode in MODES}
-        auto = {mode: drafts[mode] if spec[mode][drafts[mode]]["predicted_speedup"] > 1 else None
-                for mode in MODES}
+        drafts, auto = choose_drafts(spec)
         chosen[B] = {"num_draft": drafts, "auto": auto, "speculation_costs": spec}
         decoders = batch_decoders(model, config, plan, schedule, drafts, auto, graphs)
         batch_rows, _ = measure_decoders(decoders, splits["test"].to(device), test_prompts, config, B)

@@ -74,3 +74,40 @@ def trained():
             loss.backward()
             opt.step()
     return model.eval(), data
+
+
+def strategy(name):
+    """The KV strategy class of a name, as generate() takes it."""
+    return m.KV_STRATEGIES[name]
+
+
+def generate_with_cache(model, idx, n_new, strategy=m.Backfill, **kw):
+    """m.generate, plus the KV cache it decoded with and the strategy instance it used."""
+    made = {}
+
+    class Recorded(m.KVCache):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made["cache"] = self
+
+    def make():
+        made["strategy"] = strategy()
+        return made["strategy"]
+
+    original = m.KVCache
+    m.KVCache = Recorded
+    try:
+        out = m.generate(model, idx, n_new, strategy=make, **kw)
+    finally:
+        m.KVCache = original
+    return out, made["cache"], made["strategy"]
+
+
+def flush(model, cache, deferred):
+    """Run what deferred recompute left parked at the end, so its cache can be compared with backfill's."""
+    with torch.inference_mode():
+        for l, block in enumerate(model.transformer.h):
+            n, end = cache.lengths[l], cache.lengths[0]  # layer 0 always holds every position
+            if n < end:
+                deferred.parked[:, n:end] = block(deferred.parked[:, n:end], cache, l)
+    return cache

@@ -15,7 +15,7 @@ def test_parallel_records_equal_the_sequential_decoder(trained, measure):
     records = m.record_exits(model, text, 150)  # 150 positions: several windows of 32, re-prefills included
     threshold = {"top1": 0.3, "margin": 0.2, "entropy": 0.4}[measure]
     for strategy in ("backfill", "deferred"):
-        out = m.generate(model, text[None, :1], 150, strategy=strategy, exit_threshold=threshold, measure=measure,
+        out = m.generate(model, text[None, :1], 150, strategy=m.KV_STRATEGIES[strategy], exit_threshold=threshold, measure=measure,
                          forced=text[None, 1:151])
         exits = m.exits_at_threshold(records, measure, threshold, [0, 1, 2])
         assert torch.equal(out.exited_at[0], exits)

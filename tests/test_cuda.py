@@ -54,8 +54,9 @@ def test_decode_steps_on_cuda_equal_the_cpus():
     gpu = copy.deepcopy(model).cuda()
     idx, forced = torch.randint(0, 11, (2, 3)), torch.randint(0, 11, (2, 20))
     for strategy in m.KV_STRATEGIES:
-        cpu = m.generate(model, idx, 20, strategy=strategy, exit_threshold=0.6, forced=forced)
-        cuda = m.generate(gpu, idx.cuda(), 20, strategy=strategy, exit_threshold=0.6, forced=forced.cuda())
+        cpu = m.generate(model, idx, 20, strategy=m.KV_STRATEGIES[strategy], exit_threshold=0.6, forced=forced)
+        cuda = m.generate(gpu, idx.cuda(), 20, strategy=m.KV_STRATEGIES[strategy], exit_threshold=0.6,
+                            forced=forced.cuda())
         assert torch.allclose(cpu.logits, cuda.logits.cpu(), atol=1e-4), strategy
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import m, reference_generate, tiny_config, tiny_model
+from conftest import generate_with_cache, m, reference_generate, tiny_config, tiny_model
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 
@@ -93,7 +93,7 @@ def test_window_positions_never_pass_block_size():
 def test_threshold_one_reproduces_full_depth(model, strategy):
     idx = torch.randint(0, 11, (1, 2))
     ref = reference_generate(model, idx, 40, temperature=1.0, generator=torch.Generator().manual_seed(5))
-    out = m.generate(model, idx, 40, strategy=strategy, exit_threshold=1.0, temperature=1.0,
+    out = m.generate(model, idx, 40, strategy=m.KV_STRATEGIES[strategy], exit_threshold=1.0, temperature=1.0,
                      generator=torch.Generator().manual_seed(5))
     assert torch.equal(out.tokens, ref)
     assert (out.exited_at == 3).all()
@@ -117,9 +117,9 @@ def test_first_exit_layer_is_respected(model):
 
 def test_backfill_leaves_the_cache_of_a_full_depth_pass(model):
     idx = torch.randint(0, 11, (2, 2))
-    out = m.generate(model, idx, 37, exit_threshold=0.6, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    out, cache, _ = generate_with_cache(model, idx, 37, exit_threshold=0.6, temperature=1.0,
+                                        generator=torch.Generator().manual_seed(1))
     assert 0 < (out.exited_at < 3).float().mean() < 1, "the test needs some early exits"
-    cache = out.cache
     n = cache.lengths[0]
     assert cache.lengths == [n] * 4
     ref = m.KVCache(model.config, 2, "cpu")

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import m, tiny_model
+from conftest import generate_with_cache, m, tiny_model
 from test_speculative import accept_one
 
 pytestmark = pytest.mark.usefixtures("no_grad")
@@ -209,7 +209,8 @@ def test_state_copy_and_holes_match_an_independent_reference(strategy, batch):
     model = tiny_model()
     gen = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, 11, (batch, 41), generator=gen)  # 40 steps: two window slides at block 16
-    out = m.generate(model, tokens[:, :1], 40, strategy=strategy, exit_threshold=0.6, forced=tokens[:, 1:])
+    out = m.generate(model, tokens[:, :1], 40, strategy=m.KV_STRATEGIES[strategy], exit_threshold=0.6,
+                     forced=tokens[:, 1:])
     ref_logits, ref_exits = reference_decode(model, tokens, 0.6, strategy)
     assert torch.equal(out.exited_at, ref_exits)
     assert torch.allclose(out.logits, ref_logits, atol=1e-4)
@@ -229,13 +230,14 @@ def test_deferred_catch_up_is_one_block_call_per_layer():
     calls = {l: [] for l in range(4)}
     for l, block in enumerate(model.transformer.h):
         block.register_forward_hook(lambda mod, args, out, l=l: calls[l].append(args[0].size(1)))
-    out = m.generate(model, torch.zeros(1, 1, dtype=torch.long), 15, strategy="deferred", exit_threshold=0.6,
-                     forced=torch.randint(0, 11, (1, 15), generator=torch.Generator().manual_seed(2)))
+    forced = torch.randint(0, 11, (1, 15), generator=torch.Generator().manual_seed(2))
+    out, cache, _ = generate_with_cache(model, torch.zeros(1, 1, dtype=torch.long), 15, m.Deferred,
+                                        exit_threshold=0.6, forced=forced)
     exits = out.exited_at[0]
     for l in range(4):
         # layer l runs exactly once in every step whose token needs it, whatever is pending there
         assert len(calls[l]) == int((exits >= l).sum()), f"layer {l}"
     assert max(max(c) for c in calls.values()) >= 3, "the test needs a catch-up of two or more pending positions"
     # every position that reached layer l before the end ran it exactly once
-    pending_at_end = [15 - out.cache.lengths[l] for l in range(4)]
+    pending_at_end = [15 - cache.lengths[l] for l in range(4)]
     assert [sum(calls[l]) for l in range(4)] == [15 - p for p in pending_at_end]

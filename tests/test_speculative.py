@@ -36,11 +36,13 @@ def test_rejections_happen_and_roll_back(trained):
 
 def test_each_layer_runs_once_per_fed_position(trained):
     model, data = trained
+    positions = [0] * model.config.n_layer
+    for l, block in enumerate(model.transformer.h):
+        block.register_forward_hook(lambda mod, args, out, l=l: positions.__setitem__(l, positions[l] + out.size(1)))
     spec = m.generate_self_speculative(model, data[None, :5], 80, 1, 4, temperature=0.0)
     L = model.config.n_layer
     # every drafted position ran every layer exactly once: 0..E in the draft, the rest in the verify pass
-    prefill = (sum(spec.cache.layer_evals) - spec.layers_run) // L
-    assert spec.cache.layer_evals == [spec.stats["drafted"] + prefill] * L
+    assert positions == [spec.stats["drafted"] + spec.prefill_runs // L] * L
     assert spec.layers_run == L * spec.stats["drafted"]
 
 
@@ -82,10 +84,8 @@ def test_accept_rule_is_exact_and_a_wrong_rule_is_caught():
     assert tv(accept_distribution(p, q, wrong_rule), p) > 0.1  # the test has the power to fail
 
 
-@pytest.mark.parametrize("draft_stop", [0.0, 0.5])
-def test_sampled_generation_matches_the_full_model_distribution(draft_stop):
-    """Many 2-token self-speculative draws from a fixed context vs the full model's exact probabilities;
-    with draft_stop the draft often ends after one token, and the output must not change distribution."""
+def test_sampled_generation_matches_the_full_model_distribution():
+    """Many 2-token self-speculative draws from a fixed context vs the full model's exact probabilities."""
     model = tiny_model(n_layer=3)
     idx = torch.tensor([[3, 1, 4]])
     probs1 = m.probs_from_logits(model(idx)[0][0, -1], 1.0, 0)  # (V,)
@@ -93,13 +93,11 @@ def test_sampled_generation_matches_the_full_model_distribution(draft_stop):
                                                          1.0, 0) for a in range(11)])  # (V, V): p(a, b)
     gen = torch.Generator().manual_seed(0)
     counts = torch.zeros(11, 11)
-    n, short = 3000, 0
+    n = 3000
     for _ in range(n):
-        out = m.generate_self_speculative(model, idx, 2, 0, 2, temperature=1.0, generator=gen, draft_stop=draft_stop)
+        out = m.generate_self_speculative(model, idx, 2, 0, 2, temperature=1.0, generator=gen)
         a, b = out.tokens[0, 3:].tolist()
         counts[a, b] += 1
-        short += out.stats["drafted"] == out.stats["rounds"]  # only if the first round (k = 2) stopped early
-    assert (short > n / 10) == (draft_stop > 0), "draft_stop must shorten some drafts, and only it"
     emp = counts / n
     assert 0.5 * (emp.sum(1) - joint.sum(1)).abs().sum() < 0.04  # first token
     assert 0.5 * (emp - joint).abs().sum() < 0.12  # both tokens jointly (121 cells)

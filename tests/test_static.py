@@ -33,14 +33,3 @@ def test_a_static_step_reads_every_slot_whatever_its_position():
     for pos in (0, 5, 15):
         m.static_step(model, cache, torch.tensor([1, 2]), torch.tensor([pos, pos]))
     assert shapes == {(2, 1, 1, cache.k.size(3))}
-
-
-@pytest.mark.parametrize("batch", [1, 4])
-def test_static_self_speculation_equals_the_dynamic_one(trained, batch):
-    model, data = trained
-    idx = torch.stack([data[1500 * b : 1500 * b + 5] for b in range(batch)])
-    for temperature in (0.0, 1.0):
-        a = m.generate_self_speculative(model, idx, 80, 0, 4, temperature, 0, torch.Generator().manual_seed(1))
-        b = m.generate_self_speculative(model, idx, 80, 0, 4, temperature, 0, torch.Generator().manual_seed(1),
-                                        static=True)
-        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.exited_at, b.exited_at), temperature

@@ -3,14 +3,9 @@
 import pytest
 import torch
 
-from conftest import m, tiny_model
+from conftest import flush, generate_with_cache, m, strategy, tiny_model
 
 pytestmark = pytest.mark.usefixtures("no_grad")
-
-
-def flushed(model, cache):
-    m.flush(model, cache)
-    return cache
 
 
 @pytest.mark.parametrize("n_new", [12, 50])  # inside one window, and across two re-prefills
@@ -19,16 +14,17 @@ def test_deferred_equals_backfill_tokens_and_cache(n_new, batch):
     model = tiny_model()
     idx = torch.randint(0, 11, (batch, 3))
     kw = dict(exit_threshold=0.6, temperature=1.0)
-    back = m.generate(model, idx, n_new, strategy="backfill", generator=torch.Generator().manual_seed(3), **kw)
-    defer = m.generate(model, idx, n_new, strategy="deferred", generator=torch.Generator().manual_seed(3), **kw)
+    back, back_cache, _ = generate_with_cache(model, idx, n_new, generator=torch.Generator().manual_seed(3), **kw)
+    defer, cache, deferred = generate_with_cache(model, idx, n_new, m.Deferred,
+                                                 generator=torch.Generator().manual_seed(3), **kw)
     assert torch.equal(back.tokens, defer.tokens)
     assert torch.equal(back.exited_at, defer.exited_at)
     assert (defer.exited_at < 3).all(0).any(), "the test needs steps where every row exits early"
-    cache = flushed(model, defer.cache)
-    n = back.cache.lengths[0]
-    assert cache.lengths == back.cache.lengths == [n] * 4
-    assert torch.allclose(cache.k[:, :, :, :n], back.cache.k[:, :, :, :n], atol=1e-5)
-    assert torch.allclose(cache.v[:, :, :, :n], back.cache.v[:, :, :, :n], atol=1e-5)
+    flush(model, cache, deferred)
+    n = back_cache.lengths[0]
+    assert cache.lengths == back_cache.lengths == [n] * 4
+    assert torch.allclose(cache.k[:, :, :, :n], back_cache.k[:, :, :, :n], atol=1e-5)
+    assert torch.allclose(cache.v[:, :, :, :n], back_cache.v[:, :, :, :n], atol=1e-5)
 
 
 def test_deferred_never_runs_a_layer_twice_for_a_position():
@@ -42,23 +38,24 @@ def test_deferred_never_runs_a_layer_twice_for_a_position():
 
     for block in model.transformer.h:
         block.register_forward_pre_hook(record)
-    out = m.generate(model, torch.zeros(1, 1, dtype=torch.long), 45, strategy="deferred", exit_threshold=0.6,
-                     temperature=1.0, generator=torch.Generator().manual_seed(0))
-    flushed(model, out.cache)
+    out, cache, deferred = generate_with_cache(model, torch.zeros(1, 1, dtype=torch.long), 45, m.Deferred,
+                                               exit_threshold=0.6, temperature=1.0,
+                                               generator=torch.Generator().manual_seed(0))
+    flush(model, cache, deferred)
     assert (out.exited_at < 3).float().mean() > 0.2
     assert len(cache_trace) == len(set(cache_trace)), "a (layer, window, position) ran twice"
     # and after the flush every position of the last window ran every layer exactly once
-    last = [t for t in cache_trace if t[1] == out.cache.start]
+    last = [t for t in cache_trace if t[1] == cache.start]
     for layer in range(4):
-        assert sorted(p for l, _, p in last if l == layer) == list(range(out.cache.lengths[0]))
+        assert sorted(p for l, _, p in last if l == layer) == list(range(cache.lengths[0]))
 
 
 def test_deferred_batches_the_catch_up():
     """A token after an early exit runs the skipped layers for both positions in one block call."""
     model = tiny_model()
-    out = m.generate(model, torch.zeros(1, 1, dtype=torch.long), 15, strategy="deferred", exit_threshold=0.6,
+    out = m.generate(model, torch.zeros(1, 1, dtype=torch.long), 15, strategy=strategy("deferred"), exit_threshold=0.6,
                      forced=torch.randint(0, 11, (1, 15)))
-    back = m.generate(model, torch.zeros(1, 1, dtype=torch.long), 15, strategy="backfill", exit_threshold=0.6,
+    back = m.generate(model, torch.zeros(1, 1, dtype=torch.long), 15, strategy=strategy("backfill"), exit_threshold=0.6,
                       forced=out.tokens[:, 1:])
     assert torch.allclose(out.logits, back.logits, atol=1e-5)
     assert out.layers_run < back.layers_run  # the work still pending at the end is dropped
@@ -69,7 +66,7 @@ def test_state_copy_writes_kv_from_the_exit_state(bias):
     model = tiny_model(bias=bias)
     cache = m.KVCache(model.config, 1, "cpu")
     idx = torch.tensor([[4]])
-    logits, layer = m.decode_step(model, cache, idx, 0, m.StateCopy(model), 0.0, [1])
+    logits, layer = m.decode_step(model, cache, idx, 0, m.StateCopy(), 0.0, [1])
     assert int(layer) == 1 and cache.lengths == [1, 1, 1, 1]
     x = model.embed(idx)
     for l in range(2):
@@ -86,19 +83,19 @@ def test_state_copy_writes_kv_from_the_exit_state(bias):
 
 def test_holes_leave_the_upper_layers_short():
     model = tiny_model()
-    out = m.generate(model, torch.zeros(1, 1, dtype=torch.long), 12, strategy="holes", exit_threshold=0.6,
-                     forced=torch.randint(0, 11, (1, 12)))
+    out, cache, _ = generate_with_cache(model, torch.zeros(1, 1, dtype=torch.long), 12, m.Holes,
+                                        exit_threshold=0.6, forced=torch.randint(0, 11, (1, 12)))
     early = (out.exited_at[0] < 3).sum().item()
     assert early > 0
-    assert out.cache.lengths[0] == 12 and out.cache.lengths[3] == 12 - early
-    assert out.cache.lengths == sorted(out.cache.lengths, reverse=True)
+    assert cache.lengths[0] == 12 and cache.lengths[3] == 12 - early
+    assert cache.lengths == sorted(cache.lengths, reverse=True)
 
 
-@pytest.mark.parametrize("strategy", m.KV_STRATEGIES)
+@pytest.mark.parametrize("name", m.KV_STRATEGIES)
 @pytest.mark.parametrize("batch", [1, 3])
-def test_every_strategy_generates_three_block_sizes(strategy, batch):
+def test_every_strategy_generates_three_block_sizes(name, batch):
     model = tiny_model()
-    out = m.generate(model, torch.zeros(batch, 1, dtype=torch.long), 48, strategy=strategy, exit_threshold=0.6,
+    out = m.generate(model, torch.zeros(batch, 1, dtype=torch.long), 48, strategy=m.KV_STRATEGIES[name], exit_threshold=0.6,
                      temperature=1.0, generator=torch.Generator().manual_seed(0))
     assert out.tokens.shape == (batch, 49)
     assert ((0 <= out.exited_at) & (out.exited_at < 4)).all()
@@ -106,7 +103,7 @@ def test_every_strategy_generates_three_block_sizes(strategy, batch):
 
 def test_batch_step_runs_as_deep_as_its_deepest_row():
     model = tiny_model()
-    out = m.generate(model, torch.tensor([[1], [7], [3]]), 10, strategy="state_copy", exit_threshold=0.6,
+    out = m.generate(model, torch.tensor([[1], [7], [3]]), 10, strategy=strategy("state_copy"), exit_threshold=0.6,
                      forced=torch.randint(0, 11, (3, 10)))
     deepest = out.exited_at.max(0).values + 1  # (N,) layers each step needed
     assert out.layers_run == deepest.sum().item()
@@ -125,8 +122,8 @@ def test_quality_pass_and_speed_pass_report_what_they_ran():
     model = tiny_model()
     data = torch.randint(0, 11, (100,))
     plan = {"threshold": 0.6, "checked_exits": [0, 1, 2]}
-    runs = {n: m.decoder(model, n, plan, spec=(0, 4, 0.0)) for n in ("full",) + m.KV_STRATEGIES + ("self_speculative",)}
-    quality = {n: m.quality_pass(runs[n], data, 40, 4) for n in ("full",) + m.KV_STRATEGIES}
+    runs = {n: m.decoder(model, n, plan, spec=(0, 4)) for n in ("full", *m.KV_STRATEGIES, "self_speculative")}
+    quality = {n: m.quality_pass(runs[n], data, 40, 4) for n in ("full", *m.KV_STRATEGIES)}
     assert quality["full"]["mean_layers"] == 4.0 and quality["full"]["exit_fractions"][3] == 1.0
     assert quality["deferred"]["test_loss"] == pytest.approx(quality["backfill"]["test_loss"], abs=1e-5)
     assert quality["state_copy"]["mean_layers"] < 4.0
