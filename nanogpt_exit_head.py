@@ -418,9 +418,9 @@ def format_exit_stats(counts):
 # Training: AdamW, warmup then cosine decay, the joint loss
 
 def synchronize(device):
-    """Wait for queued kernels, so a timer reads finished work (CUDA launches return at once)."""
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
+    """Wait for queued kernels, so a timer reads finished work (CUDA and MPS launches return at once)."""
+    if torch.device(device).type in ("cuda", "mps"):
+        getattr(torch, torch.device(device).type).synchronize()  # torch.cuda or torch.mps
 
 def autocast_context(device):
     """bf16 autocast for training and evaluation on CUDA; plain fp32 elsewhere, and in all decoding."""
@@ -2617,17 +2617,17 @@ def parse_exit_layers(text, n_layer):
     return layers
 
 def pick_device(name):
-    """'auto' picks cuda, then mps, then cpu; a named device must be one this torch offers."""
-    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    """'auto' picks CUDA, then the CPU; Apple's MPS runs only when named. A named device must be on this machine."""
     if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
-    kind, _, index = name.partition(":")
-    cuda = torch.cuda.is_available() and (not index or index.isdigit() and int(index) < torch.cuda.device_count())
-    if kind == "cuda" and cuda or name == "cpu" or name == "mps" and mps:
-        return name
-    offered = ["auto", "cpu"] + (["cuda", f"cuda:0..{torch.cuda.device_count() - 1}"] if torch.cuda.is_available()
-                                 else []) + (["mps"] if mps else [])
-    raise ValueError(f"--device={name!r} is not offered by this torch; use one of {', '.join(offered)}")
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    offered = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if torch.cuda.is_available():
+        offered.append("cuda")
+    if torch.backends.mps.is_available():
+        offered.append("mps")
+    if name not in offered:
+        raise ValueError(f"--device={name!r} is not on this machine, which offers auto, {', '.join(offered)}")
+    return name
 
 # -----------------------------------------------------------------------------
 # Main: the lesson, then the lab, every analysis under the question it answers

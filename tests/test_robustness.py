@@ -202,3 +202,21 @@ def test_each_process_draws_its_own_batches(tmp_path, monkeypatch):
         assert (model is None) == (rank > 0), "only rank 0 evaluates and writes"
         first[start + 1 :] = []  # keep the first batch of training; the rest are evaluation's
     assert torch.equal(first[0][0], first[2][0]) and not torch.equal(first[0][0], first[1][0])
+
+
+def test_auto_picks_cuda_then_the_cpu_never_mps(monkeypatch):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert m.pick_device("auto") == "cpu" and m.pick_device("mps") == "mps"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert m.pick_device("auto") == "cuda"
+
+
+def test_synchronize_waits_for_mps(monkeypatch):
+    """Timings on Apple's GPU read finished work only if the timer waits for it."""
+    calls = []
+    monkeypatch.setattr(torch.mps, "synchronize", lambda: calls.append("mps"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("cuda"))
+    for device in ("mps", "cpu", "cuda:0"):
+        m.synchronize(device)
+    assert calls == ["mps", "cuda"]
