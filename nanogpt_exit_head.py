@@ -2326,11 +2326,11 @@ def write_html_report(report, path):
 # Checkpoints: written to a temporary file, then renamed, so none is ever half-written; resume, Ctrl-C, torchrun
 
 ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "exit_head")  # forced from a checkpoint
-CHECKPOINT_KEYS = {"model", "optimizer", "config", "iter_num", "vocab"}  # older ones lack rng and train_log
+CHECKPOINT_KEYS = {"model", "optimizer", "config", "rng", "vocab", "iter_num", "train_seconds", "train_log"}
 
-def atomic_save(obj, path, writer):
+def atomic_save(obj, path, writer=torch.save):
     writer(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    os.replace(path + ".tmp", path)  # a rename is atomic: a crash leaves the old file or the new one
 
 def write_text(text, path):
     atomic_save(text, path, lambda t, p: Path(p).write_text(t, encoding="utf-8"))
@@ -2338,26 +2338,37 @@ def write_text(text, path):
 def write_json(obj, path):
     write_text(json.dumps(obj, indent=2), path)
 
-def save_checkpoint(path, model, optimizer, config, iter_num, tokenizer, train_seconds, rng, train_log, val_loss=None):
-    """Tensors and plain Python data only, so torch.load(weights_only=True) can read it back. iter_num: steps done;
-    val_loss: the last full-depth val loss (None mid-training); rng: the sampler's and torch's states."""
-    atomic_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": asdict(config),
-                 "iter_num": iter_num, "vocab": tokenizer.chars, "train_seconds": train_seconds, "rng": rng,
-                 "train_log": train_log, "val_loss": val_loss}, path, torch.save)
+def random_states(device):
+    """torch's random states (dropout, layer dropout): the CPU's, and the GPU's where training runs on one.
+    Every process of a torchrun job seeds and draws them alike, so rank 0's are every rank's."""
+    states = {"torch": torch.get_rng_state()}
+    if torch.device(device).type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+def set_random_states(states, device):
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.device(device).type == "cuda":
+        torch.cuda.set_rng_state(states["cuda"], device)
+
+def save_checkpoint(path, model, optimizer, config, progress):
+    """Tensors and plain Python data only, so torch.load(weights_only=True) reads it back. progress: the
+    vocabulary, iter_num (steps done), train_seconds and train_log."""
+    rng = random_states(next(model.parameters()).device)
+    atomic_save({**progress, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "config": asdict(config), "rng": rng}, path)
 
 def load_checkpoint(path, config, overridden, tokenizer):
     """Load ckpt.pt; architecture fields come from it, and must agree with explicit overrides."""
-    again = "delete it, or train anew with --init_from=scratch"
-    if not os.path.isfile(path):
-        raise ValueError(f"--init_from=resume but there is no checkpoint at {path!r}")
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip; a truncated one has lost its directory
+        raise ValueError(f"no readable checkpoint at {path!r} (none, truncated, or not torch.save's zip); "
+                         "train one with --init_from=scratch")
     try:  # weights_only: a checkpoint is data, never code to run
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, OSError, KeyError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
-        raise ValueError(f"{path!r} is not a readable checkpoint (truncated or corrupt: {type(e).__name__}); "
-                         f"{again}") from None
+    except (RuntimeError, pickle.UnpicklingError) as e:  # a zip torch did not write, or objects that are not data
+        raise ValueError(f"{path!r} is not a readable checkpoint: {type(e).__name__}") from None
     if not isinstance(ckpt, dict) or not CHECKPOINT_KEYS <= set(ckpt):
-        missing = ", ".join(sorted(CHECKPOINT_KEYS - set(ckpt))) if isinstance(ckpt, dict) else "everything"
-        raise ValueError(f"{path!r} is not a checkpoint of this script (it lacks {missing}); {again}")
+        raise ValueError(f"{path!r} is not a checkpoint of this script: it needs {sorted(CHECKPOINT_KEYS)}")
     if ckpt["vocab"] != tokenizer.chars:
         raise ValueError(f"checkpoint vocabulary ({len(ckpt['vocab'])} chars) does not match {config.input_path!r}")
     for name in ARCH_FIELDS:
@@ -2367,108 +2378,125 @@ def load_checkpoint(path, config, overridden, tokenizer):
         setattr(config, name, ckpt["config"][name])
     return ckpt
 
-def restore(ckpt, config, device):
-    """The checkpoint's model and optimizer, or a one-line error where they do not fit."""
-    model = RecipeGPT(config)
-    try:
-        model.load_state_dict(ckpt["model"])
-        model.to(device)
-        optimizer = configure_optimizer(model, config)
-        optimizer.load_state_dict(ckpt["optimizer"])
-    except (RuntimeError, TypeError, AttributeError, ValueError, KeyError) as e:  # shapes or names that do not fit
-        raise ValueError(f"checkpoint does not fit the model: {str(e).splitlines()[0][:200]}") from None
-    return model, optimizer
-
 class Interrupted(Exception):
     """Ctrl-C stopped training; the checkpoint at `path` holds every step done."""
 
 def start_processes(config):
-    """Under torchrun (RANK and WORLD_SIZE set): join the process group, gloo on CPU and nccl on CUDA.
+    """Under torchrun (RANK set): join the process group, nccl on CUDA and gloo on the CPU.
     Returns (rank, world size, device); (0, 1, None) for a plain run."""
     if "RANK" not in os.environ:
         return 0, 1, None
-    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
-    cuda = torch.cuda.is_available() and config.device in ("auto", "cuda")
-    torch.distributed.init_process_group("nccl" if cuda else "gloo")
-    if cuda:
-        torch.cuda.set_device(local)
-    return rank, world, f"cuda:{local}" if cuda else "cpu"
+    device, backend = "cpu", "gloo"
+    if torch.cuda.is_available() and config.device in ("auto", "cuda"):
+        device, backend = f"cuda:{os.environ['LOCAL_RANK']}", "nccl"
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group(backend)
+    return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
 
-def step_model_for(model, config, device, world):
-    """What takes the training steps: DistributedDataParallel across processes (every process its own batch,
-    gradients averaged in backward), compiled with --compile; None: the model itself."""
+def step_model_for(model, config, world):
+    """What takes the training steps (None: the model itself): DistributedDataParallel across processes (each its
+    own batch, gradients averaged in backward), compiled with --compile."""
+    step_model = None
     if world > 1:
         unused = config.alpha == 0 and config.distill_weight == 0  # then the exit heads get no gradient
-        ids = [torch.device(device).index] if str(device).startswith("cuda") else None
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, find_unused_parameters=unused)
-    return torch.compile(model) if config.compile else (model if world > 1 else None)
+        step_model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=unused)
+    if config.compile:
+        step_model = torch.compile(step_model or model)
+    return step_model
 
-def random_states(generator):
-    return {"batches": generator.get_state(), "torch": torch.get_rng_state()}
+def batch_sampler(config, splits, rank, steps):
+    """Process rank's batch generator after `steps` steps: seeded seed + rank, then the steps' batches drawn again
+    (a batch a step, cheap), so a resumed run of any process draws what an uninterrupted one would."""
+    generator = torch.Generator().manual_seed(config.seed + rank)
+    for _ in range(steps):
+        get_batch(splits["train"], config.block_size, config.batch_size, generator, "cpu")
+    return generator
+
+def new_or_resumed(config, tokenizer, device, overridden):
+    """(model, optimizer, progress): new ones, or the checkpoint's with torch's random states as they were."""
+    if config.init_from == "scratch":
+        model = RecipeGPT(config).to(device)
+        progress = {"vocab": tokenizer.chars, "iter_num": 0, "train_seconds": 0.0, "train_log": []}
+        return model, configure_optimizer(model, config), progress
+    ckpt = load_checkpoint(os.path.join(config.out_dir, "ckpt.pt"), config, overridden, tokenizer)
+    model = RecipeGPT(config)
+    try:  # strict: every name and shape must match
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        raise ValueError(f"checkpoint does not fit the model: {' '.join(str(e).split())[:300]}") from None
+    model.to(device)
+    optimizer = configure_optimizer(model, config)
+    optimizer.load_state_dict(ckpt["optimizer"])  # a ValueError where its groups do not fit
+    set_random_states(ckpt["rng"], device)
+    return model, optimizer, {key: ckpt[key] for key in ("vocab", "iter_num", "train_seconds", "train_log")}
+
+def print_setup(model, config, tokenizer, splits, device, world):
+    base, heads = count_params(model)
+    sizes = "/".join(f"{len(splits[s]):,}" for s in ("train", "val", "test"))
+    print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: {sizes} characters "
+          f"| processes: {world}")
+    print(f"parameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in {config.n_layer - 1} exit heads "
+          f"({config.exit_head}; {100 * heads / base:.2f}% overhead)")
+    print(f"losses while training: each split's mean over {config.eval_iters} batches of {config.batch_size} x "
+          f"{config.block_size} characters; 'val loss' is full depth's")
+
+def train_with_checkpoints(model, optimizer, splits, config, device, progress, path, rank, world):
+    """Train from progress's step to max_iters; rank 0 saves a checkpoint at every evaluation and on Ctrl-C, which
+    then raises Interrupted. Updates progress; returns (seconds, median ms a step)."""
+    done, seconds, log = progress["iter_num"], progress["train_seconds"], progress["train_log"]
+    stop, t0 = [], time.time()
+
+    def on_step(it, new_log):  # before every step
+        if rank == 0 and (stop or (it % config.eval_interval == 0 and it > done)):
+            progress.update(iter_num=it, train_seconds=seconds + time.time() - t0, train_log=log + new_log)
+            save_checkpoint(path, model, optimizer, config, progress)
+        if stop:
+            raise Interrupted(path)
+
+    handler = signal.signal(signal.SIGINT, lambda *_: stop.append(1))  # Ctrl-C: finish the step, then stop
+    try:
+        took, ms, new_log = train(model, optimizer, splits, config, device, done,
+                                  batch_sampler(config, splits, rank, done), on_step,
+                                  step_model_for(model, config, world), evaluate=rank == 0)
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    progress.update(train_seconds=seconds + took, train_log=log + new_log)
+    return took, ms
 
 def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, world=1, report=None):
     """The lab's build_model for run_lesson: a new model or the checkpoint's, trained up to max_iters with a
     checkpoint at every evaluation and on Ctrl-C; None on the ranks of a torchrun job above 0. The training
     figures go into report."""
-    path, ckpt = os.path.join(config.out_dir, "ckpt.pt"), {}
-    if config.init_from == "resume":
-        ckpt = load_checkpoint(path, config, overridden, tokenizer)
-        model, optimizer = restore(ckpt, config, device)
-    else:
-        model = RecipeGPT(config).to(device)
-        optimizer = configure_optimizer(model, config)
-    done, seconds, log, rng = (ckpt.get(k, d) for k, d in (("iter_num", 0), ("train_seconds", 0.0),
-                                                           ("train_log", []), ("rng", None)))
-    base, heads = count_params(model)
+    path = os.path.join(config.out_dir, "ckpt.pt")
+    model, optimizer, progress = new_or_resumed(config, tokenizer, device, overridden)
+    done, took, ms_per_iter = progress["iter_num"], 0.0, None
     if rank == 0:
-        sizes = "/".join(f"{len(splits[s]):,}" for s in ("train", "val", "test"))
-        print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: {sizes} "
-              f"characters | processes: {world}\nparameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in "
-              f"{config.n_layer - 1} exit heads ({config.exit_head}; {100 * heads / base:.2f}% overhead)\nlosses while "
-              f"training: each split's mean over {config.eval_iters} batches of {config.batch_size} x "
-              f"{config.block_size} characters; 'val loss' is full depth's")
+        print_setup(model, config, tokenizer, splits, device, world)
         os.makedirs(config.out_dir, exist_ok=True)
-    generator, stop, ms_per_iter, t0 = torch.Generator().manual_seed(config.seed + rank), [], None, time.time()
-    if rng is not None:  # the sampler's and torch's random states: a resumed run repeats an uninterrupted one
-        generator.set_state(rng["batches"]), torch.set_rng_state(rng["torch"])
-
-    def on_step(it, new_log):  # before every step: a checkpoint at each evaluation, and on Ctrl-C (then stop)
-        if rank == 0 and (stop or (it % config.eval_interval == 0 and it > done)):
-            save_checkpoint(path, model, optimizer, config, it, tokenizer, seconds + time.time() - t0,
-                            random_states(generator), log + new_log)
-        if stop:
-            raise KeyboardInterrupt
-
     if done < config.max_iters:
-        on_main = threading.current_thread() is threading.main_thread()  # signal handlers live in the main thread
-        handler = signal.signal(signal.SIGINT, lambda *_: stop.append(1)) if on_main else None
-        try:
-            took, ms_per_iter, new_log = train(model, optimizer, splits, config, device, done, generator, on_step,
-                                               step_model_for(model, config, device, world), evaluate=rank == 0)
-        except KeyboardInterrupt:
-            raise Interrupted(path) from None
-        finally:
-            handler and signal.signal(signal.SIGINT, handler)
-        seconds, log, rng = seconds + took, log + new_log, random_states(generator)
+        took, ms_per_iter = train_with_checkpoints(model, optimizer, splits, config, device, progress, path, rank,
+                                                   world)
     if rank > 0:
         return None
+    progress["iter_num"] = max(done, config.max_iters)
     losses = estimate_loss(model, splits, config, device)
-    print(format_eval(max(done, config.max_iters), losses))
-    save_checkpoint(path, model, optimizer, config, max(done, config.max_iters), tokenizer, seconds, rng, log,
-                    losses["val"][-1])
-    earlier = f" (with the checkpoint's first {done} steps: {seconds:.1f} s)" if done else ""
-    print(f"resumed from {path} at step {done} of max_iters={config.max_iters}: no training this run (the checkpoint's "
-          f"training took {seconds:.1f} s)" if ms_per_iter is None else f"trained steps {done}..{config.max_iters} "
-          f"in {took:.1f} s, median {ms_per_iter:.1f} ms a step{earlier}; checkpoint: {path}")
-    report.update({"config": asdict(config), "n_params": base, "n_params_exit_heads": heads, "train_seconds": seconds,
-                   "ms_per_iter": ms_per_iter, "val_loss": {"final": losses["val"][-1], "exits": losses["val"][:-1]},
-                   "train_loss": losses["train"][-1], "train_log": log, "processes": world})
+    print(format_eval(progress["iter_num"], losses))
+    save_checkpoint(path, model, optimizer, config, progress)
+    if ms_per_iter is None:
+        print(f"resumed from {path} at step {done} of max_iters={config.max_iters}: no training this run")
+    else:
+        print(f"trained steps {done}..{config.max_iters} in {took:.1f} s, median {ms_per_iter:.1f} ms a step; "
+              f"checkpoint: {path}")
+    base, heads = count_params(model)
+    report.update({"config": asdict(config), "n_params": base, "n_params_exit_heads": heads,
+                   "train_seconds": progress["train_seconds"], "ms_per_iter": ms_per_iter,
+                   "val_loss": {"final": losses["val"][-1], "exits": losses["val"][:-1]},
+                   "train_loss": losses["train"][-1], "train_log": progress["train_log"], "processes": world})
     return model.eval()
 
-def load_trained(config, tokenizer, splits, device, overridden=()):
+def load_trained(config, tokenizer, device, overridden=()):
     """The lab's build_model for --sample_only: the checkpoint's model, no training."""
-    ckpt = load_checkpoint(os.path.join(config.out_dir, "ckpt.pt"), config, overridden, tokenizer)
-    return restore(ckpt, config, device)[0].eval()
+    return new_or_resumed(config, tokenizer, device, overridden)[0].eval()
 
 # -----------------------------------------------------------------------------
 # Command line: every field of the two Config dataclasses as --name=value (argparse), and the rules it checks

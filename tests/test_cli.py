@@ -79,7 +79,7 @@ BAD_INPUTS = [
     (["--max_iters=ten"], "takes a int, not 'ten'"),
     (["max_iters=10"], "--name=value"),
     (["--kv_strategy=magic"], "kv_strategy"),
-    (["--init_from=resume"], "no checkpoint"),
+    (["--init_from=resume"], "no readable checkpoint"),
 ]
 
 
