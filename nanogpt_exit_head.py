@@ -2501,45 +2501,33 @@ def load_trained(config, tokenizer, device, overridden=()):
 # -----------------------------------------------------------------------------
 # Command line: every field of the two Config dataclasses as --name=value (argparse), and the rules it checks
 
-def boolean(text):
-    """An argparse type for true/false fields."""
-    if text.lower() not in ("1", "true", "yes", "0", "false", "no"):
-        raise argparse.ArgumentTypeError(f"takes true/false (or 1/0), not {text!r}")
-    return text.lower() in ("1", "true", "yes")
-
-def number(kind, low, high=math.inf, low_open=False, high_open=True):
-    """An argparse type: a number of this kind between low and high (the ends included unless open)."""
-    rule = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"takes a {kind.__name__}, not {text!r}") from None
-        if not ((value > low if low_open else value >= low) and (value < high if high_open else value <= high)):
-            raise argparse.ArgumentTypeError(f"{value} is outside {rule}")
-        return value
-
-    parse.rule = rule
-    return parse
-
-RULES = {  # the numbers each field takes; names come from CHOICES, true/false from boolean
-    **{name: number(int, 0) for name in ("seed", "max_iters", "warmup_iters", "top_k", "draft_exit")},
-    **{name: number(int, 1) for name in ("n_head", "n_embd", "batch_size", "eval_interval", "eval_iters",
-                                          "max_new_tokens", "num_draft", "quality_positions", "bench_prompts",
-                                          "bench_prompt_len", "bench_tokens", "bench_repeats", "sweep_positions")},
-    **{name: number(float, 0) for name in ("alpha", "min_lr", "weight_decay", "grad_clip", "temperature",
-                                            "distill_weight")},
-    **{name: number(float, 0, 1) for name in ("dropout", "beta1", "beta2", "layer_dropout", "draft_stop")},
-    **{name: number(float, 0, 1, low_open=True) for name in ("epsilon", "delta")},
-    **{name: number(float, 0, 1, high_open=False) for name in ("exit_threshold", "schedule_disagreement")},
-    "n_layer": number(int, 2), "block_size": number(int, 2), "learning_rate": number(float, 0, low_open=True),
-    "distill_temperature": number(float, 0, low_open=True),
-    "strategies_threshold": number(float, -1, 1, high_open=False),
+RANGES = {  # the numbers each field takes: a square bracket includes that end, a round one leaves it out
+    "[0, inf)": ("seed", "max_iters", "warmup_iters", "top_k", "draft_exit", "alpha", "min_lr", "weight_decay",
+                 "grad_clip", "temperature", "distill_weight"),
+    "[1, inf)": ("n_head", "n_embd", "batch_size", "eval_interval", "eval_iters", "max_new_tokens", "num_draft",
+                 "quality_positions", "bench_prompts", "bench_prompt_len", "bench_tokens", "bench_repeats",
+                 "sweep_positions"),
+    "[2, inf)": ("n_layer", "block_size"),
+    "(0, inf)": ("learning_rate", "distill_temperature"),
+    "[0, 1)": ("dropout", "beta1", "beta2", "layer_dropout"),
+    "(0, 1)": ("epsilon", "delta"),
+    "[0, 1]": ("schedule_disagreement",),
+    "[-1, 1]": ("exit_threshold", "strategies_threshold"),  # -1 chooses on val; validate rules out (-1, 0)
 }
 CHOICES = {"init_from": ("scratch", "resume"), "exit_weights": ("constant", "linear", "geometric", "layerskip"),
-           "exit_head": ("separate", "shared", "final"), "kv_strategy": KV_STRATEGIES + ("self_speculative",),
+           "exit_head": ("separate", "shared", "final"), "kv_strategy": (*KV_STRATEGIES, "self_speculative"),
            "confidence_measure": tuple(CONFIDENCE_MEASURES)}
+
+def boolean(text):
+    """An argparse type: true/false or 1/0."""
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(text)
+    return text.lower() in ("true", "1")
+
+def in_range(value, rule):
+    """Whether value lies in an interval of RANGES, e.g. '[0, 1)'."""
+    low, high = (float(end) for end in rule[1:-1].split(","))
+    return low < value < high or (value == low and rule[0] == "[") or (value == high and rule[-1] == "]")
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, with a bad argument raised as a ValueError: main prints one line and exits with status 2."""
@@ -2548,101 +2536,79 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def build_parser():
     """One --name for every field of LabConfig (vocab_size aside); its help is the comment beside the field."""
-    comments = {}
-    for line in inspect.getsource(Config).splitlines() + inspect.getsource(LabConfig).splitlines():
-        name, sep, rest = line.strip().partition(":")
-        if sep and "#" in rest and name.isidentifier():
-            comments[name] = rest.split("#", 1)[1].strip()
+    source = inspect.getsource(Config) + inspect.getsource(LabConfig)
+    comments = dict(re.findall(r"^ +(\w+): .*?  # (.*)$", source.replace("%", "%%"), re.MULTILINE))
+    rules = {name: f" in {rule}" for rule, names in RANGES.items() for name in names}
+    rules.update({name: f" one of {', '.join(choices)}" for name, choices in CHOICES.items()})
     parser = ArgumentParser(prog="nanogpt_exit_head.py", usage="%(prog)s [--name=value ...]", allow_abbrev=False,
-                            epilog="several processes: torchrun "
-                            "--standalone --nproc_per_node=N nanogpt_exit_head.py [...] (batch_size per process)",
-                            description="Train a character-level GPT with an exit head after every layer, then "
-                                        "measure early exit. Every field of the Config dataclasses is a --name=value.")
-    groups = {cls: parser.add_argument_group(title) for cls, title in
-              ((Config, "Part I, the lesson (Config)"), (LabConfig, "Part II, the lab (LabConfig)"))}
-    lesson = {f.name for f in fields(Config)}
-    for f in (f for f in fields(LabConfig) if f.name != "vocab_size"):
-        kind = boolean if f.type is bool else RULES.get(f.name, f.type)
-        rule = f" in {kind.rule}" if hasattr(kind, "rule") else ""
-        rule += f" one of {', '.join(CHOICES[f.name])}" if f.name in CHOICES else ""
-        groups[Config if f.name in lesson else LabConfig].add_argument(
-            f"--{f.name}", type=kind, default=f.default, choices=CHOICES.get(f.name), metavar="",
-            help=f"{comments.get(f.name, '')} (default {f.default!r}){rule}")
+                            epilog="several processes: torchrun --standalone --nproc_per_node=N "
+                                   "nanogpt_exit_head.py [...] (batch_size per process)")
+    for f in fields(LabConfig):
+        if f.name != "vocab_size":
+            kind = boolean if f.type is bool else f.type
+            parser.add_argument(f"--{f.name}", type=kind, default=f.default, choices=CHOICES.get(f.name), metavar="",
+                                help=f"{comments.get(f.name, '')} (default {f.default!r}){rules.get(f.name, '')}")
     return parser
 
 def parse_args(argv):
     """--name=value for any field; returns (config, the names given)."""
     known, unknown = build_parser().parse_known_args(argv)
     if unknown:
-        close = difflib.get_close_matches(unknown[0].split("=")[0], [f"--{f.name}" for f in fields(LabConfig)], n=1)
-        raise ValueError(f"unknown argument {unknown[0]!r}: arguments are --name=value for a field of --help"
-                         + (f" (did you mean {close[0]}?)" if close else ""))
+        close = difflib.get_close_matches(unknown[0].split("=")[0], [f"--{f.name}" for f in fields(LabConfig)])
+        raise ValueError(f"unknown argument {unknown[0]!r}: arguments are --name=value, did you mean "
+                         f"{' or '.join(close[:1] or ['a name from --help'])}?")
     config = LabConfig(**vars(known))
     validate(config)
     return config, {a[2:].split("=")[0] for a in argv if a.startswith("--")}
 
 def validate(config):
-    """The rules that tie fields together, or the files and the machine, with a message that says what to change."""
+    """The ranges, the rules that tie fields together, the files and the folder, each with what to change."""
+    for rule, names in RANGES.items():
+        for name in names:
+            if not in_range(getattr(config, name), rule):
+                raise ValueError(f"--{name}={getattr(config, name)} is outside {rule}")
     for bad, message in (
             (config.n_embd % config.n_head, f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}"),
             (config.min_lr > config.learning_rate,
              f"min_lr={config.min_lr} is above learning_rate={config.learning_rate}"),
-            (-1 < config.strategies_threshold < 0, f"strategies_threshold={config.strategies_threshold}: -1 (choose "
-                                                   "on val) or a value in [0, 1]"),
-            (config.draft_exit >= config.n_layer - 1, f"draft_exit={config.draft_exit} must be a layer below the last "
-                                                      f"(0..{config.n_layer - 2})"),
+            (-1 < config.exit_threshold < 0, "--exit_threshold is -1 (calibrate on val) or in [0, 1]"),
+            (-1 < config.strategies_threshold < 0, "--strategies_threshold is -1 (choose on val) or in [0, 1]"),
+            (config.draft_exit >= config.n_layer - 1,
+             f"draft_exit={config.draft_exit} must be a layer below the last (0..{config.n_layer - 2})"),
             (not config.prompt, "--prompt must hold at least one character")):
         if bad:
             raise ValueError(message)
     parse_exit_layers(config.exit_layers, config.n_layer)
-    check_out_dir(config.out_dir)
     check_text(config)
+    try:  # say now, not after training, that out_dir cannot be a folder of ours
+        os.makedirs(config.out_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out_dir={config.out_dir!r} cannot be made a folder: {e.strerror}") from None
 
 def check_text(config):
     """The input file is UTF-8 text long enough for every split, and the prompt's characters are in it."""
-    path = config.input_path
-    if not os.path.isfile(path):
-        raise ValueError(f"--input_path={path!r}: no such file (the repository ships input.txt)")
-    raw = Path(path).read_bytes()
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise ValueError(f"input file {path!r} is not UTF-8: byte {e.start} (line {line}) is "
-                         f"{raw[e.start:e.start + 1]!r}; convert it, e.g. iconv -t UTF-8") from None
-    unknown = ", ".join(repr(c) for c in sorted(set(config.prompt) - set(text)))
+        text = Path(config.input_path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:  # no such file, or not UTF-8 (then convert it: iconv -t UTF-8)
+        raise ValueError(f"--input_path={config.input_path!r}: {e}") from None
     need = max(config.block_size, config.bench_prompt_len) + 2
-    short = ", ".join(name for name, d in split_data(text).items() if len(d) < need)
-    for bad, message in ((not text, f"input file {path!r} is empty"),
-                         (unknown, f"--prompt has characters not in the vocabulary of {path!r}: {unknown}"),
-                         (short, f"input file {path!r} ({len(text):,} characters) is too short: the {short} split(s) "
-                                 f"need at least {need} characters for block_size={config.block_size} and "
-                                 f"bench_prompt_len={config.bench_prompt_len}; use a longer text or a smaller "
-                                 "block_size")):
-        if bad:
-            raise ValueError(message)
-
-def check_out_dir(path):
-    """out_dir must be a folder we can write: say so now, not after training."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"--out_dir={path!r} is a file; name a folder")
-    probe = path
-    while not os.path.exists(probe):  # the nearest folder that exists must let us create what is missing
-        probe = os.path.dirname(os.path.abspath(probe))
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"--out_dir={path!r} cannot be written ({probe!r} is not writable)")
+    if min(len(split) for split in split_data(text).values()) < need:
+        raise ValueError(f"--input_path={config.input_path!r} ({len(text):,} characters) is too short: each split "
+                         f"needs {need} for block_size and bench_prompt_len; use a longer text or a smaller block_size")
+    unknown = sorted(set(config.prompt) - set(text))
+    if unknown:
+        raise ValueError(f"--prompt has characters not in the vocabulary of {config.input_path!r}: "
+                         f"{''.join(unknown)!r}")
 
 def parse_exit_layers(text, n_layer):
-    """'all' or '0,2' -> the sorted layers (below the last) whose exit head is checked."""
-    if text in ("all", "auto"):  # 'auto' is resolved per strategy by the exit plan; elsewhere it checks all
+    """'all' or '0,2' -> the sorted layers (below the last) whose exit head is checked; 'auto' is resolved per
+    strategy by the exit plan, and checks all elsewhere."""
+    if text in ("all", "auto"):
         return list(range(n_layer - 1))
-    try:
-        layers = sorted({int(t) for t in text.split(",") if t.strip()})
-    except ValueError:
-        raise ValueError(f"exit_layers={text!r} must be 'all', 'auto' or a comma list of layer numbers") from None
-    if any(not 0 <= l < n_layer - 1 for l in layers):
-        raise ValueError(f"exit_layers={text!r}: exits live on layers 0..{n_layer - 2} (the last layer always exits)")
-    return layers
+    if not re.fullmatch(r"\d+(,\d+)*", text) or max(int(t) for t in text.split(",")) > n_layer - 2:
+        raise ValueError(f"exit_layers={text!r}: 'all', 'auto' or a comma list of layers 0..{n_layer - 2} (the "
+                         "last layer always exits)")
+    return sorted({int(t) for t in text.split(",")})
 
 def pick_device(name):
     """'auto' picks CUDA, then the CPU; Apple's MPS runs only when named. A named device must be on this machine."""
