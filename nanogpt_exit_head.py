@@ -2323,14 +2323,15 @@ def write_html_report(report, path):
                "</body></html>", path)
 
 # -----------------------------------------------------------------------------
-# Checkpoints: written to a temporary file, then renamed, so none is ever half-written; resume, Ctrl-C, torchrun
+# Checkpoints: written to a temporary file, then renamed; resume, Ctrl-C, torchrun
 
-ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "exit_head")  # forced from a checkpoint
-CHECKPOINT_KEYS = {"model", "optimizer", "config", "rng", "vocab", "iter_num", "train_seconds", "train_log"}
+ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "exit_head")  # forced on resume
+PROGRESS = ("vocab", "iter_num", "train_seconds", "train_log")  # a run's plain data
+CHECKPOINT_KEYS = {"model", "optimizer", "config", "rng", *PROGRESS}
 
 def atomic_save(obj, path, writer=torch.save):
     writer(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)  # a rename is atomic: a crash leaves the old file or the new one
+    os.replace(path + ".tmp", path)  # atomic: a crash leaves the old file or the new, never half
 
 def write_text(text, path):
     atomic_save(text, path, lambda t, p: Path(p).write_text(t, encoding="utf-8"))
@@ -2339,8 +2340,8 @@ def write_json(obj, path):
     write_text(json.dumps(obj, indent=2), path)
 
 def random_states(device):
-    """torch's random states (dropout, layer dropout): the CPU's, and the GPU's where training runs on one.
-    Every process of a torchrun job seeds and draws them alike, so rank 0's are every rank's."""
+    """torch's random states (dropout, layer dropout): the CPU's, and the GPU's if training runs
+    on one. Every process of a torchrun job seeds and draws them alike: rank 0's are everyone's."""
     states = {"torch": torch.get_rng_state()}
     if torch.device(device).type == "cuda":
         states["cuda"] = torch.cuda.get_rng_state(device)
@@ -2352,7 +2353,7 @@ def set_random_states(states, device):
         torch.cuda.set_rng_state(states["cuda"], device)
 
 def save_checkpoint(path, model, optimizer, config, progress):
-    """Tensors and plain Python data only, so torch.load(weights_only=True) reads it back. progress: the
+    """Tensors and plain data only, so torch.load(weights_only=True) reads it back. progress: the
     vocabulary, iter_num (steps done), train_seconds and train_log."""
     rng = random_states(next(model.parameters()).device)
     atomic_save({**progress, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -2360,21 +2361,23 @@ def save_checkpoint(path, model, optimizer, config, progress):
 
 def load_checkpoint(path, config, overridden, tokenizer):
     """Load ckpt.pt; architecture fields come from it, and must agree with explicit overrides."""
-    if not zipfile.is_zipfile(path):  # torch.save writes a zip; a truncated one has lost its directory
-        raise ValueError(f"no readable checkpoint at {path!r} (none, truncated, or not torch.save's zip); "
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip; a truncated one lost its directory
+        raise ValueError(f"no readable checkpoint at {path!r} (none, truncated, or not a zip); "
                          "train one with --init_from=scratch")
     try:  # weights_only: a checkpoint is data, never code to run
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, pickle.UnpicklingError) as e:  # a zip torch did not write, or objects that are not data
+    except (RuntimeError, pickle.UnpicklingError) as e:  # a zip not torch's, or objects not data
         raise ValueError(f"{path!r} is not a readable checkpoint: {type(e).__name__}") from None
     if not isinstance(ckpt, dict) or not CHECKPOINT_KEYS <= set(ckpt):
-        raise ValueError(f"{path!r} is not a checkpoint of this script: it needs {sorted(CHECKPOINT_KEYS)}")
+        raise ValueError(f"{path!r} is not a checkpoint of this script: it needs "
+                         f"{', '.join(sorted(CHECKPOINT_KEYS))}")
     if ckpt["vocab"] != tokenizer.chars:
-        raise ValueError(f"checkpoint vocabulary ({len(ckpt['vocab'])} chars) does not match {config.input_path!r}")
+        raise ValueError(f"checkpoint vocabulary ({len(ckpt['vocab'])} chars) does not match "
+                         f"{config.input_path!r}")
     for name in ARCH_FIELDS:
         if name in overridden and getattr(config, name) != ckpt["config"][name]:
-            raise ValueError(f"checkpoint has {name}={ckpt['config'][name]}, but --{name}={getattr(config, name)} "
-                             "was given")
+            raise ValueError(f"checkpoint has {name}={ckpt['config'][name]}, but "
+                             f"--{name}={getattr(config, name)} was given")
         setattr(config, name, ckpt["config"][name])
     return ckpt
 
@@ -2394,26 +2397,26 @@ def start_processes(config):
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
 
 def step_model_for(model, config, world):
-    """What takes the training steps (None: the model itself): DistributedDataParallel across processes (each its
-    own batch, gradients averaged in backward), compiled with --compile."""
+    """What takes the training steps (None: the model itself): DistributedDataParallel across
+    processes (each its own batch, gradients averaged in backward), compiled with --compile."""
     step_model = None
     if world > 1:
-        unused = config.alpha == 0 and config.distill_weight == 0  # then the exit heads get no gradient
+        unused = config.alpha == 0 and config.distill_weight == 0  # no gradient for the exits
         step_model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=unused)
     if config.compile:
         step_model = torch.compile(step_model or model)
     return step_model
 
 def batch_sampler(config, splits, rank, steps):
-    """Process rank's batch generator after `steps` steps: seeded seed + rank, then the steps' batches drawn again
-    (a batch a step, cheap), so a resumed run of any process draws what an uninterrupted one would."""
+    """Process rank's batch generator after `steps` steps: seeded seed + rank, then those steps'
+    batches drawn again (one a step, cheap), so a resumed process draws what it would have."""
     generator = torch.Generator().manual_seed(config.seed + rank)
     for _ in range(steps):
         get_batch(splits["train"], config.block_size, config.batch_size, generator, "cpu")
     return generator
 
 def new_or_resumed(config, tokenizer, device, overridden):
-    """(model, optimizer, progress): new ones, or the checkpoint's with torch's random states as they were."""
+    """(model, optimizer, progress): new, or the checkpoint's with its random states back."""
     if config.init_from == "scratch":
         model = RecipeGPT(config).to(device)
         progress = {"vocab": tokenizer.chars, "iter_num": 0, "train_seconds": 0.0, "train_log": []}
@@ -2423,37 +2426,40 @@ def new_or_resumed(config, tokenizer, device, overridden):
     try:  # strict: every name and shape must match
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
-        raise ValueError(f"checkpoint does not fit the model: {' '.join(str(e).split())[:300]}") from None
+        message = " ".join(str(e).split())[:300]
+        raise ValueError(f"checkpoint does not fit the model: {message}") from None
     model.to(device)
     optimizer = configure_optimizer(model, config)
     optimizer.load_state_dict(ckpt["optimizer"])  # a ValueError where its groups do not fit
     set_random_states(ckpt["rng"], device)
-    return model, optimizer, {key: ckpt[key] for key in ("vocab", "iter_num", "train_seconds", "train_log")}
+    return model, optimizer, {key: ckpt[key] for key in PROGRESS}
 
 def print_setup(model, config, tokenizer, splits, device, world):
     base, heads = count_params(model)
     sizes = "/".join(f"{len(splits[s]):,}" for s in ("train", "val", "test"))
-    print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: {sizes} characters "
-          f"| processes: {world}")
-    print(f"parameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in {config.n_layer - 1} exit heads "
-          f"({config.exit_head}; {100 * heads / base:.2f}% overhead)")
-    print(f"losses while training: each split's mean over {config.eval_iters} batches of {config.batch_size} x "
-          f"{config.block_size} characters; 'val loss' is full depth's")
+    print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: "
+          f"{sizes} characters | processes: {world}")
+    print(f"parameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in {config.n_layer - 1} "
+          f"exit heads ({config.exit_head}; {100 * heads / base:.2f}% overhead)")
+    print(f"losses while training: each split's mean over {config.eval_iters} batches of "
+          f"{config.batch_size} x {config.block_size} characters; 'val loss' is full depth's")
 
 def train_with_checkpoints(model, optimizer, splits, config, device, progress, path, rank, world):
-    """Train from progress's step to max_iters; rank 0 saves a checkpoint at every evaluation and on Ctrl-C, which
-    then raises Interrupted. Updates progress; returns (seconds, median ms a step)."""
+    """Train from progress's step to max_iters; rank 0 saves a checkpoint at every evaluation and
+    on Ctrl-C, which then raises Interrupted. Updates progress; returns (seconds, ms a step)."""
     done, seconds, log = progress["iter_num"], progress["train_seconds"], progress["train_log"]
     stop, t0 = [], time.time()
 
     def on_step(it, new_log):  # before every step
         if rank == 0 and (stop or (it % config.eval_interval == 0 and it > done)):
-            progress.update(iter_num=it, train_seconds=seconds + time.time() - t0, train_log=log + new_log)
+            progress.update(iter_num=it, train_seconds=seconds + time.time() - t0,
+                            train_log=log + new_log)
             save_checkpoint(path, model, optimizer, config, progress)
         if stop:
             raise Interrupted(path)
 
-    handler = signal.signal(signal.SIGINT, lambda *_: stop.append(1))  # Ctrl-C: finish the step, then stop
+    # Ctrl-C only sets a flag: the step under way finishes, so the checkpoint holds whole steps
+    handler = signal.signal(signal.SIGINT, lambda *_: stop.append(1))
     try:
         took, ms, new_log = train(model, optimizer, splits, config, device, done,
                                   batch_sampler(config, splits, rank, done), on_step,
@@ -2464,9 +2470,9 @@ def train_with_checkpoints(model, optimizer, splits, config, device, progress, p
     return took, ms
 
 def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, world=1, report=None):
-    """The lab's build_model for run_lesson: a new model or the checkpoint's, trained up to max_iters with a
-    checkpoint at every evaluation and on Ctrl-C; None on the ranks of a torchrun job above 0. The training
-    figures go into report."""
+    """The lab's build_model for run_lesson: a new model or the checkpoint's, trained up to
+    max_iters with a checkpoint at every evaluation and on Ctrl-C; None on the ranks of a torchrun
+    job above 0. The training figures go into report."""
     path = os.path.join(config.out_dir, "ckpt.pt")
     model, optimizer, progress = new_or_resumed(config, tokenizer, device, overridden)
     done, took, ms_per_iter = progress["iter_num"], 0.0, None
@@ -2474,8 +2480,8 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
         print_setup(model, config, tokenizer, splits, device, world)
         os.makedirs(config.out_dir, exist_ok=True)
     if done < config.max_iters:
-        took, ms_per_iter = train_with_checkpoints(model, optimizer, splits, config, device, progress, path, rank,
-                                                   world)
+        took, ms_per_iter = train_with_checkpoints(model, optimizer, splits, config, device,
+                                                   progress, path, rank, world)
     if rank > 0:
         return None
     progress["iter_num"] = max(done, config.max_iters)
@@ -2483,15 +2489,17 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
     print(format_eval(progress["iter_num"], losses))
     save_checkpoint(path, model, optimizer, config, progress)
     if ms_per_iter is None:
-        print(f"resumed from {path} at step {done} of max_iters={config.max_iters}: no training this run")
+        print(f"resumed from {path} at step {done} of max_iters={config.max_iters}: no training "
+              "this run")
     else:
-        print(f"trained steps {done}..{config.max_iters} in {took:.1f} s, median {ms_per_iter:.1f} ms a step; "
-              f"checkpoint: {path}")
+        print(f"trained steps {done}..{config.max_iters} in {took:.1f} s, median "
+              f"{ms_per_iter:.1f} ms a step; checkpoint: {path}")
     base, heads = count_params(model)
     report.update({"config": asdict(config), "n_params": base, "n_params_exit_heads": heads,
                    "train_seconds": progress["train_seconds"], "ms_per_iter": ms_per_iter,
                    "val_loss": {"final": losses["val"][-1], "exits": losses["val"][:-1]},
-                   "train_loss": losses["train"][-1], "train_log": progress["train_log"], "processes": world})
+                   "train_loss": losses["train"][-1], "train_log": progress["train_log"],
+                   "processes": world})
     return model.eval()
 
 def load_trained(config, tokenizer, device, overridden=()):
@@ -2499,23 +2507,25 @@ def load_trained(config, tokenizer, device, overridden=()):
     return new_or_resumed(config, tokenizer, device, overridden)[0].eval()
 
 # -----------------------------------------------------------------------------
-# Command line: every field of the two Config dataclasses as --name=value (argparse), and the rules it checks
+# Command line: every Config field as --name=value (argparse), and the rules it checks
 
-RANGES = {  # the numbers each field takes: a square bracket includes that end, a round one leaves it out
-    "[0, inf)": ("seed", "max_iters", "warmup_iters", "top_k", "draft_exit", "alpha", "min_lr", "weight_decay",
-                 "grad_clip", "temperature", "distill_weight"),
-    "[1, inf)": ("n_head", "n_embd", "batch_size", "eval_interval", "eval_iters", "max_new_tokens", "num_draft",
-                 "quality_positions", "bench_prompts", "bench_prompt_len", "bench_tokens", "bench_repeats",
-                 "sweep_positions"),
+RANGES = {  # the numbers each field takes: [ or ] includes that end, ( or ) leaves it out
+    "[0, inf)": ("seed", "max_iters", "warmup_iters", "top_k", "draft_exit", "alpha", "min_lr",
+                 "weight_decay", "grad_clip", "temperature", "distill_weight"),
+    "[1, inf)": ("n_head", "n_embd", "batch_size", "eval_interval", "eval_iters", "max_new_tokens",
+                 "num_draft", "quality_positions", "bench_prompts", "bench_prompt_len",
+                 "bench_tokens", "bench_repeats", "sweep_positions"),
     "[2, inf)": ("n_layer", "block_size"),
     "(0, inf)": ("learning_rate", "distill_temperature"),
     "[0, 1)": ("dropout", "beta1", "beta2", "layer_dropout"),
     "(0, 1)": ("epsilon", "delta"),
     "[0, 1]": ("schedule_disagreement",),
-    "[-1, 1]": ("exit_threshold", "strategies_threshold"),  # -1 chooses on val; validate rules out (-1, 0)
+    "[-1, 1]": ("exit_threshold", "strategies_threshold"),  # -1 chooses on val; not in (-1, 0)
 }
-CHOICES = {"init_from": ("scratch", "resume"), "exit_weights": ("constant", "linear", "geometric", "layerskip"),
-           "exit_head": ("separate", "shared", "final"), "kv_strategy": (*KV_STRATEGIES, "self_speculative"),
+CHOICES = {"init_from": ("scratch", "resume"),
+           "exit_weights": ("constant", "linear", "geometric", "layerskip"),
+           "exit_head": ("separate", "shared", "final"),
+           "kv_strategy": (*KV_STRATEGIES, "self_speculative"),
            "confidence_measure": tuple(CONFIDENCE_MEASURES)}
 
 def boolean(text):
@@ -2527,54 +2537,60 @@ def boolean(text):
 def in_range(value, rule):
     """Whether value lies in an interval of RANGES, e.g. '[0, 1)'."""
     low, high = (float(end) for end in rule[1:-1].split(","))
-    return low < value < high or (value == low and rule[0] == "[") or (value == high and rule[-1] == "]")
+    ends = (value == low and rule[0] == "[") or (value == high and rule[-1] == "]")
+    return low < value < high or ends
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, with a bad argument raised as a ValueError: main prints one line and exits with status 2."""
+    """argparse, with a bad argument raised as a ValueError: main prints one line, exits with 2."""
     def error(self, message):
         raise ValueError(message)
 
 def build_parser():
-    """One --name for every field of LabConfig (vocab_size aside); its help is the comment beside the field."""
+    """One --name for every field of LabConfig but vocab_size; its help is the field's comment."""
     source = inspect.getsource(Config) + inspect.getsource(LabConfig)
-    comments = dict(re.findall(r"^ +(\w+): .*?  # (.*)$", source.replace("%", "%%"), re.MULTILINE))
+    comments = dict(re.findall(r"^ +(\w+): .*?  # (.*)$", source.replace("%", "%%"), re.M))
     rules = {name: f" in {rule}" for rule, names in RANGES.items() for name in names}
     rules.update({name: f" one of {', '.join(choices)}" for name, choices in CHOICES.items()})
-    parser = ArgumentParser(prog="nanogpt_exit_head.py", usage="%(prog)s [--name=value ...]", allow_abbrev=False,
-                            epilog="several processes: torchrun --standalone --nproc_per_node=N "
-                                   "nanogpt_exit_head.py [...] (batch_size per process)")
+    parser = ArgumentParser(prog="nanogpt_exit_head.py", usage="%(prog)s [--name=value ...]",
+                            allow_abbrev=False, epilog="several processes: torchrun "
+                            "--standalone --nproc_per_node=N nanogpt_exit_head.py [...]")
     for f in fields(LabConfig):
         if f.name != "vocab_size":
+            help = f"{comments.get(f.name, '')} (default {f.default!r}){rules.get(f.name, '')}"
             kind = boolean if f.type is bool else f.type
-            parser.add_argument(f"--{f.name}", type=kind, default=f.default, choices=CHOICES.get(f.name), metavar="",
-                                help=f"{comments.get(f.name, '')} (default {f.default!r}){rules.get(f.name, '')}")
+            parser.add_argument(f"--{f.name}", type=kind, default=f.default,
+                                choices=CHOICES.get(f.name), metavar="", help=help)
     return parser
 
 def parse_args(argv):
     """--name=value for any field; returns (config, the names given)."""
     known, unknown = build_parser().parse_known_args(argv)
     if unknown:
-        close = difflib.get_close_matches(unknown[0].split("=")[0], [f"--{f.name}" for f in fields(LabConfig)])
-        raise ValueError(f"unknown argument {unknown[0]!r}: arguments are --name=value, did you mean "
-                         f"{' or '.join(close[:1] or ['a name from --help'])}?")
+        names = [f"--{f.name}" for f in fields(LabConfig)]
+        close = difflib.get_close_matches(unknown[0].split("=")[0], names) or ["a name of --help"]
+        raise ValueError(f"unknown argument {unknown[0]!r}: arguments are --name=value; did you "
+                         f"mean {close[0]}?")
     config = LabConfig(**vars(known))
     validate(config)
     return config, {a[2:].split("=")[0] for a in argv if a.startswith("--")}
 
 def validate(config):
-    """The ranges, the rules that tie fields together, the files and the folder, each with what to change."""
+    """The ranges, the rules that tie fields together, the files and the folder."""
     for rule, names in RANGES.items():
         for name in names:
             if not in_range(getattr(config, name), rule):
                 raise ValueError(f"--{name}={getattr(config, name)} is outside {rule}")
     for bad, message in (
-            (config.n_embd % config.n_head, f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}"),
+            (config.n_embd % config.n_head,
+             f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}"),
             (config.min_lr > config.learning_rate,
              f"min_lr={config.min_lr} is above learning_rate={config.learning_rate}"),
-            (-1 < config.exit_threshold < 0, "--exit_threshold is -1 (calibrate on val) or in [0, 1]"),
-            (-1 < config.strategies_threshold < 0, "--strategies_threshold is -1 (choose on val) or in [0, 1]"),
+            (-1 < config.exit_threshold < 0, "exit_threshold: -1 (calibrate on val) or in [0, 1]"),
+            (-1 < config.strategies_threshold < 0, "strategies_threshold: -1 (choose on val) or in "
+                                                   "[0, 1]"),
             (config.draft_exit >= config.n_layer - 1,
-             f"draft_exit={config.draft_exit} must be a layer below the last (0..{config.n_layer - 2})"),
+             f"draft_exit={config.draft_exit} must be a layer below the last: "
+             f"0..{config.n_layer - 2}"),
             (not config.prompt, "--prompt must hold at least one character")):
         if bad:
             raise ValueError(message)
@@ -2583,35 +2599,36 @@ def validate(config):
     try:  # say now, not after training, that out_dir cannot be a folder of ours
         os.makedirs(config.out_dir, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"--out_dir={config.out_dir!r} cannot be made a folder: {e.strerror}") from None
+        raise ValueError(f"--out_dir={config.out_dir!r} cannot be a folder: {e.strerror}") from None
 
 def check_text(config):
-    """The input file is UTF-8 text long enough for every split, and the prompt's characters are in it."""
+    """The input file is UTF-8 text long enough for every split, holding the prompt's characters."""
     try:
         text = Path(config.input_path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:  # no such file, or not UTF-8 (then convert it: iconv -t UTF-8)
+    except (OSError, UnicodeDecodeError) as e:  # no such file, or not UTF-8 (iconv -t UTF-8 it)
         raise ValueError(f"--input_path={config.input_path!r}: {e}") from None
     need = max(config.block_size, config.bench_prompt_len) + 2
     if min(len(split) for split in split_data(text).values()) < need:
-        raise ValueError(f"--input_path={config.input_path!r} ({len(text):,} characters) is too short: each split "
-                         f"needs {need} for block_size and bench_prompt_len; use a longer text or a smaller block_size")
-    unknown = sorted(set(config.prompt) - set(text))
+        raise ValueError(f"--input_path={config.input_path!r} ({len(text):,} characters) is too "
+                         f"short: each split needs {need} for block_size and bench_prompt_len")
+    unknown = "".join(sorted(set(config.prompt) - set(text)))
     if unknown:
-        raise ValueError(f"--prompt has characters not in the vocabulary of {config.input_path!r}: "
-                         f"{''.join(unknown)!r}")
+        raise ValueError(f"--prompt has characters not in the vocabulary of "
+                         f"{config.input_path!r}: {unknown!r}")
 
 def parse_exit_layers(text, n_layer):
-    """'all' or '0,2' -> the sorted layers (below the last) whose exit head is checked; 'auto' is resolved per
-    strategy by the exit plan, and checks all elsewhere."""
+    """'all' or '0,2' -> the sorted layers (below the last) whose exit head is checked; 'auto' is
+    resolved per strategy by the exit plan, and checks all elsewhere."""
     if text in ("all", "auto"):
         return list(range(n_layer - 1))
-    if not re.fullmatch(r"\d+(,\d+)*", text) or max(int(t) for t in text.split(",")) > n_layer - 2:
-        raise ValueError(f"exit_layers={text!r}: 'all', 'auto' or a comma list of layers 0..{n_layer - 2} (the "
-                         "last layer always exits)")
+    if not re.fullmatch(r"\d+(,\d+)*", text) or max(map(int, text.split(","))) > n_layer - 2:
+        raise ValueError(f"exit_layers={text!r}: 'all', 'auto' or a comma list of layers "
+                         f"0..{n_layer - 2} (the last layer always exits)")
     return sorted({int(t) for t in text.split(",")})
 
 def pick_device(name):
-    """'auto' picks CUDA, then the CPU; Apple's MPS runs only when named. A named device must be on this machine."""
+    """'auto' picks CUDA, then the CPU; Apple's MPS runs only when named. A named device must be
+    on this machine."""
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     offered = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
@@ -2620,7 +2637,8 @@ def pick_device(name):
     if torch.backends.mps.is_available():
         offered.append("mps")
     if name not in offered:
-        raise ValueError(f"--device={name!r} is not on this machine, which offers auto, {', '.join(offered)}")
+        raise ValueError(f"--device={name!r} is not on this machine: it offers auto, "
+                         f"{', '.join(offered)}")
     return name
 
 # -----------------------------------------------------------------------------

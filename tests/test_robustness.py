@@ -123,7 +123,7 @@ def test_bad_files_end_in_one_line(tmp_path, capsys):
     assert "too short" in one_line_error(capsys, 2, run_main(tmp_path / "o2", f"--input_path={short}"))
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
-    assert "cannot be made a folder" in one_line_error(capsys, 2, run_main(a_file))
+    assert "cannot be a folder" in one_line_error(capsys, 2, run_main(a_file))
 
 
 def test_a_large_block_size_runs(tmp_path):
