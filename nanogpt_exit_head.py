@@ -408,9 +408,9 @@ def format_exit_stats(counts):
 # Training: AdamW, warmup then cosine decay, the joint loss
 
 def synchronize(device):
-    """Wait for queued kernels, so a timer reads finished work (CUDA launches return at once)."""
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
+    """Wait for queued kernels, so a timer reads finished work (CUDA and MPS launches return at once)."""
+    if torch.device(device).type in ("cuda", "mps"):
+        getattr(torch, torch.device(device).type).synchronize()  # torch.cuda or torch.mps
 
 def autocast_context(device):
     """bf16 autocast for training and evaluation on CUDA; plain fp32 elsewhere, and in all decoding."""
@@ -553,7 +553,6 @@ import pickle
 import re
 import signal
 import textwrap
-import threading
 import zipfile
 from collections import Counter
 from dataclasses import asdict, fields
@@ -566,7 +565,7 @@ class LabConfig(Config):
     # runs
     out_dir: str = "out"  # where ckpt.pt, report.json and report.html go
     init_from: str = "scratch"  # 'scratch' trains a new model, 'resume' continues from out_dir/ckpt.pt
-    device: str = "auto"  # 'auto' picks cuda, then mps, then cpu; or name one
+    device: str = "auto"  # 'auto' picks cuda, then cpu; mps only when named (--device=mps)
     compile: bool = False  # torch.compile the model for training (slow to start, faster on GPU)
     lesson_only: bool = False  # run Part I alone: its GPT, training, threshold (0.9 for -1) and backfill
     sample_only: bool = False  # with --init_from=resume: the samples, exit map and statistics only, no training
@@ -2217,14 +2216,15 @@ def write_html_report(report, path):
                "</body></html>", path)
 
 # -----------------------------------------------------------------------------
-# Checkpoints: written to a temporary file, then renamed, so none is ever half-written; resume, Ctrl-C, torchrun
+# Checkpoints: written to a temporary file, then renamed; resume, Ctrl-C, torchrun
 
-ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "exit_head")  # forced from a checkpoint
-CHECKPOINT_KEYS = {"model", "optimizer", "config", "iter_num", "vocab"}  # older ones lack rng and train_log
+ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "exit_head")  # forced on resume
+PROGRESS = ("vocab", "iter_num", "train_seconds", "train_log")  # a run's plain data
+CHECKPOINT_KEYS = {"model", "optimizer", "config", "rng", *PROGRESS}
 
-def atomic_save(obj, path, writer):
+def atomic_save(obj, path, writer=torch.save):
     writer(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    os.replace(path + ".tmp", path)  # atomic: a crash leaves the old file or the new, never half
 
 def write_text(text, path):
     atomic_save(text, path, lambda t, p: Path(p).write_text(t, encoding="utf-8"))
@@ -2232,296 +2232,307 @@ def write_text(text, path):
 def write_json(obj, path):
     write_text(json.dumps(obj, indent=2), path)
 
-def save_checkpoint(path, model, optimizer, config, iter_num, tokenizer, train_seconds, rng, train_log, val_loss=None):
-    """Tensors and plain Python data only, so torch.load(weights_only=True) can read it back. iter_num: steps done;
-    val_loss: the last full-depth val loss (None mid-training); rng: the sampler's and torch's states."""
-    atomic_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": asdict(config),
-                 "iter_num": iter_num, "vocab": tokenizer.chars, "train_seconds": train_seconds, "rng": rng,
-                 "train_log": train_log, "val_loss": val_loss}, path, torch.save)
+def random_states(device):
+    """torch's random states (dropout, layer dropout): the CPU's, and the GPU's if training runs
+    on one. Every process of a torchrun job seeds and draws them alike: rank 0's are everyone's."""
+    states = {"torch": torch.get_rng_state()}
+    if torch.device(device).type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+def set_random_states(states, device):
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.device(device).type == "cuda":
+        torch.cuda.set_rng_state(states["cuda"], device)
+
+def save_checkpoint(path, model, optimizer, config, progress):
+    """Tensors and plain data only, so torch.load(weights_only=True) reads it back. progress: the
+    vocabulary, iter_num (steps done), train_seconds and train_log."""
+    rng = random_states(next(model.parameters()).device)
+    atomic_save({**progress, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "config": asdict(config), "rng": rng}, path)
 
 def load_checkpoint(path, config, overridden, tokenizer):
     """Load ckpt.pt; architecture fields come from it, and must agree with explicit overrides."""
-    again = "delete it, or train anew with --init_from=scratch"
-    if not os.path.isfile(path):
-        raise ValueError(f"--init_from=resume but there is no checkpoint at {path!r}")
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip; a truncated one lost its directory
+        raise ValueError(f"no readable checkpoint at {path!r} (none, truncated, or not a zip); "
+                         "train one with --init_from=scratch")
     try:  # weights_only: a checkpoint is data, never code to run
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, OSError, KeyError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
-        raise ValueError(f"{path!r} is not a readable checkpoint (truncated or corrupt: {type(e).__name__}); "
-                         f"{again}") from None
+    except (RuntimeError, pickle.UnpicklingError) as e:  # a zip not torch's, or objects not data
+        raise ValueError(f"{path!r} is not a readable checkpoint: {type(e).__name__}") from None
     if not isinstance(ckpt, dict) or not CHECKPOINT_KEYS <= set(ckpt):
-        missing = ", ".join(sorted(CHECKPOINT_KEYS - set(ckpt))) if isinstance(ckpt, dict) else "everything"
-        raise ValueError(f"{path!r} is not a checkpoint of this script (it lacks {missing}); {again}")
+        raise ValueError(f"{path!r} is not a checkpoint of this script: it needs "
+                         f"{', '.join(sorted(CHECKPOINT_KEYS))}")
     if ckpt["vocab"] != tokenizer.chars:
-        raise ValueError(f"checkpoint vocabulary ({len(ckpt['vocab'])} chars) does not match {config.input_path!r}")
+        raise ValueError(f"checkpoint vocabulary ({len(ckpt['vocab'])} chars) does not match "
+                         f"{config.input_path!r}")
     for name in ARCH_FIELDS:
         if name in overridden and getattr(config, name) != ckpt["config"][name]:
-            raise ValueError(f"checkpoint has {name}={ckpt['config'][name]}, but --{name}={getattr(config, name)} "
-                             "was given")
+            raise ValueError(f"checkpoint has {name}={ckpt['config'][name]}, but "
+                             f"--{name}={getattr(config, name)} was given")
         setattr(config, name, ckpt["config"][name])
     return ckpt
-
-def restore(ckpt, config, device):
-    """The checkpoint's model and optimizer, or a one-line error where they do not fit."""
-    model = RecipeGPT(config)
-    try:
-        model.load_state_dict(ckpt["model"])
-        model.to(device)
-        optimizer = configure_optimizer(model, config)
-        optimizer.load_state_dict(ckpt["optimizer"])
-    except (RuntimeError, TypeError, AttributeError, ValueError, KeyError) as e:  # shapes or names that do not fit
-        raise ValueError(f"checkpoint does not fit the model: {str(e).splitlines()[0][:200]}") from None
-    return model, optimizer
 
 class Interrupted(Exception):
     """Ctrl-C stopped training; the checkpoint at `path` holds every step done."""
 
 def start_processes(config):
-    """Under torchrun (RANK and WORLD_SIZE set): join the process group, gloo on CPU and nccl on CUDA.
+    """Under torchrun (RANK set): join the process group, nccl on CUDA and gloo on the CPU.
     Returns (rank, world size, device); (0, 1, None) for a plain run."""
     if "RANK" not in os.environ:
         return 0, 1, None
-    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
-    cuda = torch.cuda.is_available() and config.device in ("auto", "cuda")
-    torch.distributed.init_process_group("nccl" if cuda else "gloo")
-    if cuda:
-        torch.cuda.set_device(local)
-    return rank, world, f"cuda:{local}" if cuda else "cpu"
+    device, backend = "cpu", "gloo"
+    if torch.cuda.is_available() and config.device in ("auto", "cuda"):
+        device, backend = f"cuda:{os.environ['LOCAL_RANK']}", "nccl"
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group(backend)
+    return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
 
-def step_model_for(model, config, device, world):
-    """What takes the training steps: DistributedDataParallel across processes (every process its own batch,
-    gradients averaged in backward), compiled with --compile; None: the model itself."""
+def step_model_for(model, config, world):
+    """What takes the training steps (None: the model itself): DistributedDataParallel across
+    processes (each its own batch, gradients averaged in backward), compiled with --compile."""
+    step_model = None
     if world > 1:
-        unused = config.alpha == 0 and config.distill_weight == 0  # then the exit heads get no gradient
-        ids = [torch.device(device).index] if str(device).startswith("cuda") else None
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, find_unused_parameters=unused)
-    return torch.compile(model) if config.compile else (model if world > 1 else None)
+        unused = config.alpha == 0 and config.distill_weight == 0  # no gradient for the exits
+        step_model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=unused)
+    if config.compile:
+        step_model = torch.compile(step_model or model)
+    return step_model
 
-def random_states(generator):
-    return {"batches": generator.get_state(), "torch": torch.get_rng_state()}
+def batch_sampler(config, splits, rank, steps):
+    """Process rank's batch generator after `steps` steps: seeded seed + rank, then those steps'
+    batches drawn again (one a step, cheap), so a resumed process draws what it would have."""
+    generator = torch.Generator().manual_seed(config.seed + rank)
+    for _ in range(steps):
+        get_batch(splits["train"], config.block_size, config.batch_size, generator, "cpu")
+    return generator
+
+def new_or_resumed(config, tokenizer, device, overridden):
+    """(model, optimizer, progress): new, or the checkpoint's with its random states back."""
+    if config.init_from == "scratch":
+        model = RecipeGPT(config).to(device)
+        progress = {"vocab": tokenizer.chars, "iter_num": 0, "train_seconds": 0.0, "train_log": []}
+        return model, configure_optimizer(model, config), progress
+    ckpt = load_checkpoint(os.path.join(config.out_dir, "ckpt.pt"), config, overridden, tokenizer)
+    model = RecipeGPT(config)
+    try:  # strict: every name and shape must match
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        message = " ".join(str(e).split())[:300]
+        raise ValueError(f"checkpoint does not fit the model: {message}") from None
+    model.to(device)
+    optimizer = configure_optimizer(model, config)
+    optimizer.load_state_dict(ckpt["optimizer"])  # a ValueError where its groups do not fit
+    set_random_states(ckpt["rng"], device)
+    return model, optimizer, {key: ckpt[key] for key in PROGRESS}
+
+def print_setup(model, config, tokenizer, splits, device, world):
+    base, heads = count_params(model)
+    sizes = "/".join(f"{len(splits[s]):,}" for s in ("train", "val", "test"))
+    print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: "
+          f"{sizes} characters | processes: {world}")
+    print(f"parameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in {config.n_layer - 1} "
+          f"exit heads ({config.exit_head}; {100 * heads / base:.2f}% overhead)")
+    print(f"losses while training: each split's mean over {config.eval_iters} batches of "
+          f"{config.batch_size} x {config.block_size} characters; 'val loss' is full depth's")
+
+def train_with_checkpoints(model, optimizer, splits, config, device, progress, path, rank, world):
+    """Train from progress's step to max_iters; rank 0 saves a checkpoint at every evaluation and
+    on Ctrl-C, which then raises Interrupted. Updates progress; returns (seconds, ms a step)."""
+    done, seconds, log = progress["iter_num"], progress["train_seconds"], progress["train_log"]
+    stop, t0 = [], time.time()
+
+    def on_step(it, new_log):  # before every step
+        if rank == 0 and (stop or (it % config.eval_interval == 0 and it > done)):
+            progress.update(iter_num=it, train_seconds=seconds + time.time() - t0,
+                            train_log=log + new_log)
+            save_checkpoint(path, model, optimizer, config, progress)
+        if stop:
+            raise Interrupted(path)
+
+    # Ctrl-C only sets a flag: the step under way finishes, so the checkpoint holds whole steps
+    handler = signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+    try:
+        took, ms, new_log = train(model, optimizer, splits, config, device, done,
+                                  batch_sampler(config, splits, rank, done), on_step,
+                                  step_model_for(model, config, world), evaluate=rank == 0)
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    progress.update(train_seconds=seconds + took, train_log=log + new_log)
+    return took, ms
 
 def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, world=1, report=None):
-    """The lab's build_model for run_lesson: a new model or the checkpoint's, trained up to max_iters with a
-    checkpoint at every evaluation and on Ctrl-C; None on the ranks of a torchrun job above 0. The training
-    figures go into report."""
-    path, ckpt = os.path.join(config.out_dir, "ckpt.pt"), {}
-    if config.init_from == "resume":
-        ckpt = load_checkpoint(path, config, overridden, tokenizer)
-        model, optimizer = restore(ckpt, config, device)
-    else:
-        model = RecipeGPT(config).to(device)
-        optimizer = configure_optimizer(model, config)
-    done, seconds, log, rng = (ckpt.get(k, d) for k, d in (("iter_num", 0), ("train_seconds", 0.0),
-                                                           ("train_log", []), ("rng", None)))
-    base, heads = count_params(model)
+    """The lab's build_model for run_lesson: a new model or the checkpoint's, trained up to
+    max_iters with a checkpoint at every evaluation and on Ctrl-C; None on the ranks of a torchrun
+    job above 0. The training figures go into report."""
+    path = os.path.join(config.out_dir, "ckpt.pt")
+    model, optimizer, progress = new_or_resumed(config, tokenizer, device, overridden)
+    done, took, ms_per_iter = progress["iter_num"], 0.0, None
     if rank == 0:
-        sizes = "/".join(f"{len(splits[s]):,}" for s in ("train", "val", "test"))
-        print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: {sizes} "
-              f"characters | processes: {world}\nparameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in "
-              f"{config.n_layer - 1} exit heads ({config.exit_head}; {100 * heads / base:.2f}% overhead)\nlosses while "
-              f"training: each split's mean over {config.eval_iters} batches of {config.batch_size} x "
-              f"{config.block_size} characters; 'val loss' is full depth's")
+        print_setup(model, config, tokenizer, splits, device, world)
         os.makedirs(config.out_dir, exist_ok=True)
-    generator, stop, ms_per_iter, t0 = torch.Generator().manual_seed(config.seed + rank), [], None, time.time()
-    if rng is not None:  # the sampler's and torch's random states: a resumed run repeats an uninterrupted one
-        generator.set_state(rng["batches"]), torch.set_rng_state(rng["torch"])
-
-    def on_step(it, new_log):  # before every step: a checkpoint at each evaluation, and on Ctrl-C (then stop)
-        if rank == 0 and (stop or (it % config.eval_interval == 0 and it > done)):
-            save_checkpoint(path, model, optimizer, config, it, tokenizer, seconds + time.time() - t0,
-                            random_states(generator), log + new_log)
-        if stop:
-            raise KeyboardInterrupt
-
     if done < config.max_iters:
-        on_main = threading.current_thread() is threading.main_thread()  # signal handlers live in the main thread
-        handler = signal.signal(signal.SIGINT, lambda *_: stop.append(1)) if on_main else None
-        try:
-            took, ms_per_iter, new_log = train(model, optimizer, splits, config, device, done, generator, on_step,
-                                               step_model_for(model, config, device, world), evaluate=rank == 0)
-        except KeyboardInterrupt:
-            raise Interrupted(path) from None
-        finally:
-            handler and signal.signal(signal.SIGINT, handler)
-        seconds, log, rng = seconds + took, log + new_log, random_states(generator)
+        took, ms_per_iter = train_with_checkpoints(model, optimizer, splits, config, device,
+                                                   progress, path, rank, world)
     if rank > 0:
         return None
+    progress["iter_num"] = max(done, config.max_iters)
     losses = estimate_loss(model, splits, config, device)
-    print(format_eval(max(done, config.max_iters), losses))
-    save_checkpoint(path, model, optimizer, config, max(done, config.max_iters), tokenizer, seconds, rng, log,
-                    losses["val"][-1])
-    earlier = f" (with the checkpoint's first {done} steps: {seconds:.1f} s)" if done else ""
-    print(f"resumed from {path} at step {done} of max_iters={config.max_iters}: no training this run (the checkpoint's "
-          f"training took {seconds:.1f} s)" if ms_per_iter is None else f"trained steps {done}..{config.max_iters} "
-          f"in {took:.1f} s, median {ms_per_iter:.1f} ms a step{earlier}; checkpoint: {path}")
-    report.update({"config": asdict(config), "n_params": base, "n_params_exit_heads": heads, "train_seconds": seconds,
-                   "ms_per_iter": ms_per_iter, "val_loss": {"final": losses["val"][-1], "exits": losses["val"][:-1]},
-                   "train_loss": losses["train"][-1], "train_log": log, "processes": world})
+    print(format_eval(progress["iter_num"], losses))
+    save_checkpoint(path, model, optimizer, config, progress)
+    if ms_per_iter is None:
+        print(f"resumed from {path} at step {done} of max_iters={config.max_iters}: no training "
+              "this run")
+    else:
+        print(f"trained steps {done}..{config.max_iters} in {took:.1f} s, median "
+              f"{ms_per_iter:.1f} ms a step; checkpoint: {path}")
+    base, heads = count_params(model)
+    report.update({"config": asdict(config), "n_params": base, "n_params_exit_heads": heads,
+                   "train_seconds": progress["train_seconds"], "ms_per_iter": ms_per_iter,
+                   "val_loss": {"final": losses["val"][-1], "exits": losses["val"][:-1]},
+                   "train_loss": losses["train"][-1], "train_log": progress["train_log"],
+                   "processes": world})
     return model.eval()
 
-def load_trained(config, tokenizer, splits, device, overridden=()):
+def load_trained(config, tokenizer, device, overridden=()):
     """The lab's build_model for --sample_only: the checkpoint's model, no training."""
-    ckpt = load_checkpoint(os.path.join(config.out_dir, "ckpt.pt"), config, overridden, tokenizer)
-    return restore(ckpt, config, device)[0].eval()
+    return new_or_resumed(config, tokenizer, device, overridden)[0].eval()
 
 # -----------------------------------------------------------------------------
-# Command line: every field of the two Config dataclasses as --name=value (argparse), and the rules it checks
+# Command line: every Config field as --name=value (argparse), and the rules it checks
 
-def boolean(text):
-    """An argparse type for true/false fields."""
-    if text.lower() not in ("1", "true", "yes", "0", "false", "no"):
-        raise argparse.ArgumentTypeError(f"takes true/false (or 1/0), not {text!r}")
-    return text.lower() in ("1", "true", "yes")
-
-def number(kind, low, high=math.inf, low_open=False, high_open=True):
-    """An argparse type: a number of this kind between low and high (the ends included unless open)."""
-    rule = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"takes a {kind.__name__}, not {text!r}") from None
-        if not ((value > low if low_open else value >= low) and (value < high if high_open else value <= high)):
-            raise argparse.ArgumentTypeError(f"{value} is outside {rule}")
-        return value
-
-    parse.rule = rule
-    return parse
-
-RULES = {  # the numbers each field takes; names come from CHOICES, true/false from boolean
-    **{name: number(int, 0) for name in ("seed", "max_iters", "warmup_iters", "top_k", "draft_exit")},
-    **{name: number(int, 1) for name in ("n_head", "n_embd", "batch_size", "eval_interval", "eval_iters",
-                                          "max_new_tokens", "num_draft", "quality_positions", "bench_prompts",
-                                          "bench_prompt_len", "bench_tokens", "bench_repeats", "sweep_positions")},
-    **{name: number(float, 0) for name in ("alpha", "min_lr", "weight_decay", "grad_clip", "temperature",
-                                            "distill_weight")},
-    **{name: number(float, 0, 1) for name in ("dropout", "beta1", "beta2", "layer_dropout", "draft_stop")},
-    **{name: number(float, 0, 1, low_open=True) for name in ("epsilon", "delta")},
-    **{name: number(float, 0, 1, high_open=False) for name in ("exit_threshold", "schedule_disagreement")},
-    "n_layer": number(int, 2), "block_size": number(int, 2), "learning_rate": number(float, 0, low_open=True),
-    "distill_temperature": number(float, 0, low_open=True),
-    "strategies_threshold": number(float, -1, 1, high_open=False),
+RANGES = {  # the numbers each field takes: [ or ] includes that end, ( or ) leaves it out
+    "[0, inf)": ("seed", "max_iters", "warmup_iters", "top_k", "draft_exit", "alpha", "min_lr",
+                 "weight_decay", "grad_clip", "temperature", "distill_weight"),
+    "[1, inf)": ("n_head", "n_embd", "batch_size", "eval_interval", "eval_iters", "max_new_tokens",
+                 "num_draft", "quality_positions", "bench_prompts", "bench_prompt_len",
+                 "bench_tokens", "bench_repeats", "sweep_positions"),
+    "[2, inf)": ("n_layer", "block_size"),
+    "(0, inf)": ("learning_rate", "distill_temperature"),
+    "[0, 1)": ("dropout", "beta1", "beta2", "layer_dropout"),
+    "(0, 1)": ("epsilon", "delta"),
+    "[0, 1]": ("schedule_disagreement",),
+    "[-1, 1]": ("exit_threshold", "strategies_threshold"),  # -1 chooses on val; not in (-1, 0)
 }
-CHOICES = {"init_from": ("scratch", "resume"), "exit_weights": ("constant", "linear", "geometric", "layerskip"),
-           "exit_head": ("separate", "shared", "final"), "kv_strategy": tuple(KV_STRATEGIES) + ("self_speculative",),
+CHOICES = {"init_from": ("scratch", "resume"),
+           "exit_weights": ("constant", "linear", "geometric", "layerskip"),
+           "exit_head": ("separate", "shared", "final"),
+           "kv_strategy": (*KV_STRATEGIES, "self_speculative"),
            "confidence_measure": tuple(CONFIDENCE_MEASURES)}
 
+def boolean(text):
+    """An argparse type: true/false or 1/0."""
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(text)
+    return text.lower() in ("true", "1")
+
+def in_range(value, rule):
+    """Whether value lies in an interval of RANGES, e.g. '[0, 1)'."""
+    low, high = (float(end) for end in rule[1:-1].split(","))
+    ends = (value == low and rule[0] == "[") or (value == high and rule[-1] == "]")
+    return low < value < high or ends
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, with a bad argument raised as a ValueError: main prints one line and exits with status 2."""
+    """argparse, with a bad argument raised as a ValueError: main prints one line, exits with 2."""
     def error(self, message):
         raise ValueError(message)
 
 def build_parser():
-    """One --name for every field of LabConfig (vocab_size aside); its help is the comment beside the field."""
-    comments = {}
-    for line in inspect.getsource(Config).splitlines() + inspect.getsource(LabConfig).splitlines():
-        name, sep, rest = line.strip().partition(":")
-        if sep and "#" in rest and name.isidentifier():
-            comments[name] = rest.split("#", 1)[1].strip()
-    parser = ArgumentParser(prog="nanogpt_exit_head.py", usage="%(prog)s [--name=value ...]", allow_abbrev=False,
-                            epilog="several processes: torchrun "
-                            "--standalone --nproc_per_node=N nanogpt_exit_head.py [...] (batch_size per process)",
-                            description="Train a character-level GPT with an exit head after every layer, then "
-                                        "measure early exit. Every field of the Config dataclasses is a --name=value.")
-    groups = {cls: parser.add_argument_group(title) for cls, title in
-              ((Config, "Part I, the lesson (Config)"), (LabConfig, "Part II, the lab (LabConfig)"))}
-    lesson = {f.name for f in fields(Config)}
-    for f in (f for f in fields(LabConfig) if f.name != "vocab_size"):
-        kind = boolean if f.type is bool else RULES.get(f.name, f.type)
-        rule = f" in {kind.rule}" if hasattr(kind, "rule") else ""
-        rule += f" one of {', '.join(CHOICES[f.name])}" if f.name in CHOICES else ""
-        groups[Config if f.name in lesson else LabConfig].add_argument(
-            f"--{f.name}", type=kind, default=f.default, choices=CHOICES.get(f.name), metavar="",
-            help=f"{comments.get(f.name, '')} (default {f.default!r}){rule}")
+    """One --name for every field of LabConfig but vocab_size; its help is the field's comment."""
+    source = inspect.getsource(Config) + inspect.getsource(LabConfig)
+    comments = dict(re.findall(r"^ +(\w+): .*?  # (.*)$", source.replace("%", "%%"), re.M))
+    rules = {name: f" in {rule}" for rule, names in RANGES.items() for name in names}
+    rules.update({name: f" one of {', '.join(choices)}" for name, choices in CHOICES.items()})
+    parser = ArgumentParser(prog="nanogpt_exit_head.py", usage="%(prog)s [--name=value ...]",
+                            allow_abbrev=False, epilog="several processes: torchrun "
+                            "--standalone --nproc_per_node=N nanogpt_exit_head.py [...]")
+    for f in fields(LabConfig):
+        if f.name != "vocab_size":
+            help = f"{comments.get(f.name, '')} (default {f.default!r}){rules.get(f.name, '')}"
+            kind = boolean if f.type is bool else f.type
+            parser.add_argument(f"--{f.name}", type=kind, default=f.default,
+                                choices=CHOICES.get(f.name), metavar="", help=help)
     return parser
 
 def parse_args(argv):
     """--name=value for any field; returns (config, the names given)."""
     known, unknown = build_parser().parse_known_args(argv)
     if unknown:
-        close = difflib.get_close_matches(unknown[0].split("=")[0], [f"--{f.name}" for f in fields(LabConfig)], n=1)
-        raise ValueError(f"unknown argument {unknown[0]!r}: arguments are --name=value for a field of --help"
-                         + (f" (did you mean {close[0]}?)" if close else ""))
+        names = [f"--{f.name}" for f in fields(LabConfig)]
+        close = difflib.get_close_matches(unknown[0].split("=")[0], names) or ["a name of --help"]
+        raise ValueError(f"unknown argument {unknown[0]!r}: arguments are --name=value; did you "
+                         f"mean {close[0]}?")
     config = LabConfig(**vars(known))
     validate(config)
     return config, {a[2:].split("=")[0] for a in argv if a.startswith("--")}
 
 def validate(config):
-    """The rules that tie fields together, or the files and the machine, with a message that says what to change."""
+    """The ranges, the rules that tie fields together, the files and the folder."""
+    for rule, names in RANGES.items():
+        for name in names:
+            if not in_range(getattr(config, name), rule):
+                raise ValueError(f"--{name}={getattr(config, name)} is outside {rule}")
     for bad, message in (
-            (config.n_embd % config.n_head, f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}"),
+            (config.n_embd % config.n_head,
+             f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}"),
             (config.min_lr > config.learning_rate,
              f"min_lr={config.min_lr} is above learning_rate={config.learning_rate}"),
-            (-1 < config.strategies_threshold < 0, f"strategies_threshold={config.strategies_threshold}: -1 (choose "
-                                                   "on val) or a value in [0, 1]"),
-            (config.draft_exit >= config.n_layer - 1, f"draft_exit={config.draft_exit} must be a layer below the last "
-                                                      f"(0..{config.n_layer - 2})"),
+            (-1 < config.exit_threshold < 0, "exit_threshold: -1 (calibrate on val) or in [0, 1]"),
+            (-1 < config.strategies_threshold < 0, "strategies_threshold: -1 (choose on val) or in "
+                                                   "[0, 1]"),
+            (config.draft_exit >= config.n_layer - 1,
+             f"draft_exit={config.draft_exit} must be a layer below the last: "
+             f"0..{config.n_layer - 2}"),
             (not config.prompt, "--prompt must hold at least one character")):
         if bad:
             raise ValueError(message)
     parse_exit_layers(config.exit_layers, config.n_layer)
-    check_out_dir(config.out_dir)
     check_text(config)
+    try:  # say now, not after training, that out_dir cannot be a folder of ours
+        os.makedirs(config.out_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out_dir={config.out_dir!r} cannot be a folder: {e.strerror}") from None
 
 def check_text(config):
-    """The input file is UTF-8 text long enough for every split, and the prompt's characters are in it."""
-    path = config.input_path
-    if not os.path.isfile(path):
-        raise ValueError(f"--input_path={path!r}: no such file (the repository ships input.txt)")
-    raw = Path(path).read_bytes()
+    """The input file is UTF-8 text long enough for every split, holding the prompt's characters."""
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise ValueError(f"input file {path!r} is not UTF-8: byte {e.start} (line {line}) is "
-                         f"{raw[e.start:e.start + 1]!r}; convert it, e.g. iconv -t UTF-8") from None
-    unknown = ", ".join(repr(c) for c in sorted(set(config.prompt) - set(text)))
+        text = Path(config.input_path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:  # no such file, or not UTF-8 (iconv -t UTF-8 it)
+        raise ValueError(f"--input_path={config.input_path!r}: {e}") from None
     need = max(config.block_size, config.bench_prompt_len) + 2
-    short = ", ".join(name for name, d in split_data(text).items() if len(d) < need)
-    for bad, message in ((not text, f"input file {path!r} is empty"),
-                         (unknown, f"--prompt has characters not in the vocabulary of {path!r}: {unknown}"),
-                         (short, f"input file {path!r} ({len(text):,} characters) is too short: the {short} split(s) "
-                                 f"need at least {need} characters for block_size={config.block_size} and "
-                                 f"bench_prompt_len={config.bench_prompt_len}; use a longer text or a smaller "
-                                 "block_size")):
-        if bad:
-            raise ValueError(message)
-
-def check_out_dir(path):
-    """out_dir must be a folder we can write: say so now, not after training."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"--out_dir={path!r} is a file; name a folder")
-    probe = path
-    while not os.path.exists(probe):  # the nearest folder that exists must let us create what is missing
-        probe = os.path.dirname(os.path.abspath(probe))
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"--out_dir={path!r} cannot be written ({probe!r} is not writable)")
+    if min(len(split) for split in split_data(text).values()) < need:
+        raise ValueError(f"--input_path={config.input_path!r} ({len(text):,} characters) is too "
+                         f"short: each split needs {need} for block_size and bench_prompt_len")
+    unknown = "".join(sorted(set(config.prompt) - set(text)))
+    if unknown:
+        raise ValueError(f"--prompt has characters not in the vocabulary of "
+                         f"{config.input_path!r}: {unknown!r}")
 
 def parse_exit_layers(text, n_layer):
-    """'all' or '0,2' -> the sorted layers (below the last) whose exit head is checked."""
-    if text in ("all", "auto"):  # 'auto' is resolved per strategy by the exit plan; elsewhere it checks all
+    """'all' or '0,2' -> the sorted layers (below the last) whose exit head is checked; 'auto' is
+    resolved per strategy by the exit plan, and checks all elsewhere."""
+    if text in ("all", "auto"):
         return list(range(n_layer - 1))
-    try:
-        layers = sorted({int(t) for t in text.split(",") if t.strip()})
-    except ValueError:
-        raise ValueError(f"exit_layers={text!r} must be 'all', 'auto' or a comma list of layer numbers") from None
-    if any(not 0 <= l < n_layer - 1 for l in layers):
-        raise ValueError(f"exit_layers={text!r}: exits live on layers 0..{n_layer - 2} (the last layer always exits)")
-    return layers
+    if not re.fullmatch(r"\d+(,\d+)*", text) or max(map(int, text.split(","))) > n_layer - 2:
+        raise ValueError(f"exit_layers={text!r}: 'all', 'auto' or a comma list of layers "
+                         f"0..{n_layer - 2} (the last layer always exits)")
+    return sorted({int(t) for t in text.split(",")})
 
 def pick_device(name):
-    """'auto' picks cuda, then mps, then cpu; a named device must be one this torch offers."""
-    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    """'auto' picks CUDA, then the CPU; Apple's MPS runs only when named. A named device must be
+    on this machine."""
     if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
-    kind, _, index = name.partition(":")
-    cuda = torch.cuda.is_available() and (not index or index.isdigit() and int(index) < torch.cuda.device_count())
-    if kind == "cuda" and cuda or name == "cpu" or name == "mps" and mps:
-        return name
-    offered = ["auto", "cpu"] + (["cuda", f"cuda:0..{torch.cuda.device_count() - 1}"] if torch.cuda.is_available()
-                                 else []) + (["mps"] if mps else [])
-    raise ValueError(f"--device={name!r} is not offered by this torch; use one of {', '.join(offered)}")
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    offered = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if torch.cuda.is_available():
+        offered.append("cuda")
+    if torch.backends.mps.is_available():
+        offered.append("mps")
+    if name not in offered:
+        raise ValueError(f"--device={name!r} is not on this machine: it offers auto, "
+                         f"{', '.join(offered)}")
+    return name
 
 # -----------------------------------------------------------------------------
 # Main: the lesson, then the lab, every analysis under the question it answers

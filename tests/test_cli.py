@@ -69,17 +69,17 @@ def test_default_run_prints_the_statistics(tmp_path, capsys):
 
 
 BAD_INPUTS = [
-    (["--input_path=/nonexistent/input.txt"], "no such file"),
+    (["--input_path=/nonexistent/input.txt"], "No such file"),
     (["--prompt=\u00e9t\u00e9"], "not in the vocabulary of 'input.txt': '\u00e9'"),
-    (["--exit_threshold=1.5"], "outside [0, 1]"),
-    (["--exit_threshold=-0.1"], "outside [0, 1]"),
+    (["--exit_threshold=1.5"], "outside [-1, 1]"),
+    (["--exit_threshold=-0.1"], "-1 (calibrate on val) or in [0, 1]"),
     (["--n_embd=30", "--n_head=4"], "not divisible"),
     (["--n_layr=3"], "unknown argument '--n_layr=3'"),
     (["--n_layr=3"], "did you mean --n_layer?"),
-    (["--max_iters=ten"], "takes a int, not 'ten'"),
+    (["--max_iters=ten"], "invalid int value: 'ten'"),
     (["max_iters=10"], "--name=value"),
     (["--kv_strategy=magic"], "kv_strategy"),
-    (["--init_from=resume"], "no checkpoint"),
+    (["--init_from=resume"], "no readable checkpoint"),
 ]
 
 
@@ -95,7 +95,7 @@ def test_empty_input_file(tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     assert run_main(tmp_path, f"--input_path={empty}") == 2
-    assert "is empty" in capsys.readouterr().err
+    assert "(0 characters) is too short" in capsys.readouterr().err
 
 
 def test_mismatched_checkpoint(tmp_path, capsys):
@@ -114,21 +114,13 @@ def test_mismatched_checkpoint(tmp_path, capsys):
     assert "does not fit" in capsys.readouterr().err
 
 
-def test_training_benchmark_times_both_setups(tmp_path, capsys):
-    assert run_main(tmp_path, "--bench_train=1") == 0
-    out = capsys.readouterr().out
-    assert "exit heads" in out and "plain GPT" in out and "ratio" in out
-    assert not (tmp_path / "ckpt.pt").exists()
-
-
 def test_spec_sweep_prints_the_grid(tmp_path, capsys):
     assert run_main(tmp_path, "--n_layer=3", "--max_iters=2", "--spec_sweep=1") == 0
     out = capsys.readouterr().out
     assert "self-speculative sweep on the val workload" in out
     assert "best greedy: draft_exit=" in out and "best sampled: draft_exit=" in out
     report = json.loads((tmp_path / "report.json").read_text())
-    grid = m.SPEC_GRID
-    assert len(report["spec_sweep"]) == 2 * 2 * len(grid["num_drafts"]) * len(grid["draft_stops"])  # modes, E < 2
+    assert {g["draft_exit"] for g in report["spec_sweep"]} == {0, 1}  # every exit below the last of 3 layers
     greedy = [g for g in report["spec_sweep"] if g["mode"] == "greedy"]
     assert len(greedy) == len(report["spec_sweep"]) // 2 and all(g["identical_to_full"] for g in greedy)
 
@@ -146,7 +138,7 @@ def test_report_has_the_strategies_and_calibration(tmp_path):
     assert all({"checked_exits", "threshold", "predicted_speedup"} <= set(row) for row in per_token)
     assert all(0 <= row["threshold"] <= 1 for row in per_token)
     spec = [row for row in r["strategies"] if row["name"] == "self_speculative"]
-    assert all({"acceptance_rate", "draft_exit", "num_draft", "draft_stop", "identical_to_full"} <= set(s) for s in spec)
+    assert all({"acceptance_rate", "draft_exit", "num_draft", "identical_to_full"} <= set(s) for s in spec)
     assert spec[0]["identical_to_full"] is True and spec[1]["identical_to_full"] is None
     assert r["workload"] == {"split": "test", "prompts": 2, "prompt_len": 8, "tokens": 20, "repeats": 1,
                              "chosen_on": "val"}
