@@ -580,7 +580,6 @@ class LabConfig(Config):
     exit_layers: str = "auto"  # exits checked: 'auto' (the cost-aware plan per strategy; all in samples), 'all', '1,3'
     draft_exit: int = 0  # self-speculative: the last layer of the draft (its exit head drafts)
     num_draft: int = 8  # self-speculative: the most tokens drafted per verify pass
-    cuda_graphs: bool = True  # on CUDA, time full depth with its step replayed as one CUDA graph (false: eager)
     # measurement
     quality_positions: int = 2000  # test positions decoded teacher-forced per decoder; more is steadier and slower
     bench_prompts: int = 16  # timed workload: prompts from evenly spaced places of test (val, when choosing)
@@ -704,27 +703,23 @@ class RowKVCache(KVCache):
     masked and then overwritten. Every block call of a step writes each row's entries at its own slots,
     laid out once per step (lay_out); attention reads the slots any row has filled, through one mask.
     `spare` slots past block_size take the drafts of rows with less room than others; those are always
-    rolled back. static: every layout reads all the slots, the unfilled ones masked, so a step's shapes
-    never change (a CUDA graph can record it)."""
-    def __init__(self, config, batch_size, device, spare=0, static=False):
+    rolled back."""
+    def __init__(self, config, batch_size, device, spare=0):
         L, hs = config.n_layer, config.n_embd // config.n_head
         shape = (L, batch_size, config.n_head, config.block_size + spare, hs)
         self.k = torch.zeros(shape, device=device)  # (L, B, nh, block_size + spare, hs)
         self.v = torch.zeros(shape, device=device)
         self.lengths, self.layer_evals, self.start = [0] * L, [0] * L, 0
         self.layout = None  # what the block calls of one step share: lay_out()
-        self.static = static
 
     def lay_out(self, slots, width=None):
         """(slots (B, T), their scatter index, the mask of what each query may see, W), W the slots any
         row has filled by then: attention reads no empty slot past the last. One row's slots are the last
         T of its W: a single query needs no mask, a chunk a causal one (and append writes a slice)."""
         B, T = slots.shape
-        if self.static:
-            width = self.k.size(3)
-        elif width is None:
+        if width is None:
             width = int(slots.max()) + 1
-        if B == 1 and not self.static:
+        if B == 1:
             mask = None if T == 1 else torch.ones(T, width, dtype=torch.bool, device=slots.device).tril(width - T)
             return slots, None, mask, width
         seen = torch.arange(width, device=slots.device)[None, None, :] <= slots[:, :, None]  # (B, T, W)
@@ -932,70 +927,6 @@ def kept_drafts(ids, n, accepted, B, end, draft_exit, full_exit):
     marks.index_put_((ids, n), torch.ones_like(n), accumulate=True)
     marks.index_put_((ids, n + accepted), -torch.ones_like(n), accumulate=True)
     return torch.where(marks.cumsum(1)[:, :end] > 0, draft_exit, full_exit)
-
-# -----------------------------------------------------------------------------
-# Fixed shapes: a full-depth step that a CUDA graph records once and replays (on a GPU, launches cost most)
-
-def static_step(model, cache, token, pos):
-    """One full-depth step of B rows whose shapes never change: token (B,) at window positions pos (B,),
-    the row cache (static) read through all its slots under a mask, and no read back to the host.
-    Returns (B, V) logits."""
-    cache.layout = cache.lay_out(pos[:, None])
-    x = model.transformer.drop(model.transformer.wte(token) + model.transformer.wpe(pos))[:, None]  # (B, 1, C)
-    for l, block in enumerate(model.transformer.h):
-        x = block(x, cache, l)
-    return model.exit_logits(x[:, 0], model.config.n_layer - 1)
-
-def cuda_graph(step, *inputs):
-    """Record step(*inputs) once as a CUDA graph; returns replay(*values): copy the values into the
-    recorded input tensors, replay every kernel at once, return the recorded output. Warm-up runs on a
-    side stream first."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step(*inputs)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(*inputs)
-
-    def replay(*values):
-        for buffer, value in zip(inputs, values):
-            buffer.copy_(value)
-        graph.replay()
-        return out
-
-    return replay
-
-@torch.inference_mode()
-def generate_static(model, idx, max_new_tokens, temperature=1.0, top_k=0, generator=None, graphs=False,
-                    forced=None):
-    """Full-depth decoding through static_step: generate()'s tokens, at batch B. graphs: replay the step
-    as one CUDA graph, recorded on the first step (its warm-up rewrites that step's own entries, with the
-    same values); a window slide re-prefills eagerly into the same cache, which the graph reads in place."""
-    cfg, (B, T0), dev = model.config, idx.shape, idx.device
-    tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)
-    cache, start, step, prefilled, emitted = RowKVCache(cfg, B, dev, static=True), None, None, 0, []
-    rows = torch.arange(B, device=dev)
-    for n in range(T0, T0 + max_new_tokens):  # every row feeds token n - 1 at the same window position
-        s = window_start(start, n, cfg.block_size)
-        if s != start:
-            start = s
-            prefilled += prefill_rows(model, cache, tokens, rows, torch.full_like(rows, s),
-                                      torch.full_like(rows, n))
-        token, pos = tokens[:, n - 1], torch.full((B,), n - 1 - start, device=dev)
-        if graphs and step is None:
-            step = cuda_graph(partial(static_step, model, cache), token.clone(), pos)
-        logits = step(token, pos) if step else static_step(model, cache, token, pos)
-        if forced is None:
-            tokens[:, n] = sample(logits, temperature, top_k, generator)
-        else:  # teacher-forced: keep what the step said, feed the given token
-            emitted.append(logits.float().clone())
-            tokens[:, n] = forced[:, n - T0]
-    exits = idx.new_full((B, max_new_tokens), cfg.n_layer - 1)
-    logits = torch.stack(emitted, 1) if emitted else None
-    return Generation(tokens, exits, logits, cfg.n_layer * max_new_tokens, prefilled)
 
 # -----------------------------------------------------------------------------
 # Training recipes: exits that agree with the final head draft well (layer dropout, self-distillation)
@@ -1299,14 +1230,13 @@ def mode_temperature(mode, config):
 
 SPECULATIVE = ("self_speculative", "auto")  # exact by construction: no quality pass of their own
 
-def decoder(model, name, plan=None, measure="top1", spec=(0, 8), schedule=None, graphs=False):
+def decoder(model, name, plan=None, measure="top1", spec=(0, 8), schedule=None):
     """The decoder of one table row, for any batch size: decode(idx (B, T0), n, generator=, temperature=,
-    top_k=, forced=) -> Generation. name: full (graphs: replayed as a CUDA graph), a KV strategy with its
-    exit plan, skipdecode with its schedule, or self_speculative with spec = (draft_exit, num_draft)."""
+    top_k=, forced=) -> Generation. name: full, a KV strategy with its exit plan, skipdecode with its
+    schedule, or self_speculative with spec = (draft_exit, num_draft). Full depth is one decoder on every
+    device: the predictions and the speed-ups divide by the same baseline."""
     if name == "self_speculative":
         return partial(generate_self_speculative, model, draft_exit=spec[0], num_draft=spec[1])
-    if name == "full" and graphs:
-        return partial(generate_static, model, graphs=True)
     if name == "full":
         return partial(generate, model)
     if name == "skipdecode":
@@ -1366,7 +1296,7 @@ def spec_stats(outputs, full_outputs, mode):
     if not runs:
         return {"identical_to_full": same}
     new_tokens = sum(o.exited_at.numel() for o in outputs)
-    return {"acceptance_rate": stats["accepted"] / max(1, stats["drafted"]),
+    return {"acceptance_rate": stats["accepted"] / max(1, stats["drafted"]), "rounds": stats["rounds"],
             "tokens_per_verify": new_tokens / stats["rounds"], "num_draft": runs[0]["num_draft"],
             "identical_to_full": same}
 
@@ -1401,7 +1331,7 @@ def measure_decoders(decoders, test, prompts, config, batch_size=1):
     return rows, quality
 
 @torch.inference_mode()
-def decode_costs(model, prompts, n_tokens, graphs=False, repeats=200, attempts=3):
+def decode_costs(model, prompts, n_tokens, repeats=200, attempts=3):
     """Seconds, one new token at batch 1 (medians): a block, an exit check (head, confidence and the host
     sync that decides), a state-copy write, the final head, and a whole full-depth token on these prompts,
     by the same full-depth decoder the speed-ups divide by. A token cheaper than n_layer blocks is
@@ -1413,7 +1343,7 @@ def decode_costs(model, prompts, n_tokens, graphs=False, repeats=200, attempts=3
               "check": partial(exit_check, model, x),
               "state_copy": partial(write_state_copy, cache, 1, x, weight, bias),
               "final_head": partial(model.exit_logits, x[:, 0], cfg.n_layer - 1)}
-    full = {"full": (decoder(model, "full", graphs=graphs), 0.0)}
+    full = {"full": (decoder(model, "full"), 0.0)}
     for attempt in range(1, attempts + 1):
         t = {key: [] for key in stages}
         for _ in range(repeats):
@@ -1482,37 +1412,33 @@ def strategy_plans(val_records, costs, config):
         plans[name] = {"checked_exits": checked, "threshold": t, "predicted_speedup": speedup}
     return plans
 
-def graphs_on(config, device):
-    """Whether full depth runs as CUDA graphs: on CUDA, unless --cuda_graphs=false."""
-    return config.cuda_graphs and str(device).startswith("cuda")
-
-def speculation_costs(model, prompts, config, batch_size, drafts, graphs=False):
-    """Self-speculation's cost model, per round, on the val workload at batch_size: every draft length k
-    in drafts timed beside full depth, both modes, interleaved. A round costs ms_per_round (its drafts, the
-    verify pass, the accept rule, its share of re-prefills) and moves each row tokens_per_round ahead (the
-    kept drafts and the full model's token: fewer at window edges, and a batch waits for its slowest row).
-    The predicted speed-up is full depth's time per token over a round's time per token. Returns
-    {mode: {k: figures}}."""
+def speculation_costs(model, prompts, config, batch_size, cells):
+    """Self-speculation on a workload at batch_size, every (draft_exit, num_draft) cell beside full depth,
+    both modes, interleaved: an entry per cell and mode. The cost model is per round: a round costs
+    ms_per_round (its drafts, the verify pass, the accept rule, its share of re-prefills) and emits
+    tokens_per_verify over the batch (kept drafts and the full model's token: fewer at window edges, and a
+    batch waits for its slowest row); the speed-up is full depth's time per token over a round's. Timed
+    on val, it is the prediction beside test's speed-ups and what auto chooses by."""
     decoders = {}
     for mode in MODES:
-        decoders["full", mode] = decoder(model, "full", graphs=graphs), mode_temperature(mode, config)
-        for k in drafts:
-            spec = decoder(model, "self_speculative", spec=(config.draft_exit, k))
-            decoders[k, mode] = spec, mode_temperature(mode, config)
+        T = mode_temperature(mode, config)
+        decoders["full", mode] = decoder(model, "full"), T
+        for cell in cells:
+            decoders[cell, mode] = decoder(model, "self_speculative", spec=cell), T
     speed = speed_pass(decoders, prompts, batch_size, config.bench_tokens, config.bench_repeats,
                        config.seed, config.top_k)
-    tokens = len(prompts) * config.bench_tokens  # over all rows
-    costs = {mode: {} for mode in MODES}
-    for (k, mode), s in speed.items():
-        if k == "full":
+    entries = []
+    for (cell, mode), s in speed.items():
+        full = speed["full", mode]
+        if cell == "full":
             continue
-        rounds = sum(o.stats["rounds"] for o in s["outputs"])
-        ms_per_round = 1e3 * tokens / s["tokens_per_second"] / rounds
-        full_ms = 1e3 / speed["full", mode]["tokens_per_second"]  # a token of one row
-        per_round = tokens / rounds / batch_size  # tokens a row gains in a round
-        costs[mode][k] = {"ms_per_round": ms_per_round, "tokens_per_round": per_round,
-                          "predicted_speedup": full_ms * per_round * batch_size / ms_per_round}
-    return costs
+        stats = spec_stats(s["outputs"], full["outputs"], mode)
+        ms_per_round = 1e3 * len(prompts) * config.bench_tokens / s["tokens_per_second"] / stats["rounds"]
+        full_ms = 1e3 / full["tokens_per_second"]  # full depth's time per token of the batch
+        entries.append({**stats, "draft_exit": cell[0], "mode": mode, "ms_per_round": ms_per_round,
+                        "speedup": full_ms * stats["tokens_per_verify"] / ms_per_round,
+                        "repetition": s["repetition"]})
+    return entries
 
 def compare_strategies(model, splits, config, device):
     """The strategies table at batch 1: exit plans chosen on val, quality teacher-forced on test, speed on
@@ -1520,13 +1446,12 @@ def compare_strategies(model, splits, config, device):
     val_prompts, test_prompts = (workload(splits[s], config.bench_prompts, config.bench_prompt_len).to(device)
                                  for s in ("val", "test"))
     val_records = record_exits(model, splits["val"].to(device), config.quality_positions)
-    graphs = graphs_on(config, device)
-    costs = decode_costs(model, val_prompts[:4], config.bench_tokens, graphs)
+    costs = decode_costs(model, val_prompts[:4], config.bench_tokens)
     plans = strategy_plans(val_records, costs, config)
     spec = (config.draft_exit, config.num_draft)
-    spec_costs = speculation_costs(model, val_prompts, config, 1, [config.num_draft], graphs)
+    spec_costs = {e["mode"]: e for e in speculation_costs(model, val_prompts, config, 1, [spec])}
     names = ("full",) + tuple(KV_STRATEGIES) + ("self_speculative",)
-    decoders = {name: decoder(model, name, plans.get(name), config.confidence_measure, spec, graphs=graphs)
+    decoders = {name: decoder(model, name, plans.get(name), config.confidence_measure, spec)
                 for name in names}
     rows, quality = measure_decoders({name: {mode: d for mode in MODES} for name, d in decoders.items()},
                                      splits["test"].to(device), test_prompts, config)
@@ -1535,31 +1460,15 @@ def compare_strategies(model, splits, config, device):
             plan = plans[row["name"]]
             row.update(plan, checked_exits=",".join(map(str, plan["checked_exits"])))
         if row["name"] == "self_speculative":
-            row["predicted_speedup"] = spec_costs[row["mode"]][config.num_draft]["predicted_speedup"]
+            row["predicted_speedup"] = spec_costs[row["mode"]]["speedup"]
     return rows, quality, plans, costs, val_records
-
-def time_speculative(model, prompts, config, cells):
-    """Self-speculative decoding for every (draft_exit, num_draft) cell beside full depth, both modes, all
-    interleaved in one pass over the workload; one entry per cell and mode."""
-    decoders = {}
-    for mode in MODES:
-        T = mode_temperature(mode, config)
-        decoders["full", mode] = decoder(model, "full", graphs=graphs_on(config, prompts.device)), T
-        for cell in cells:
-            decoders[cell, mode] = decoder(model, "self_speculative", spec=cell), T
-    speed = speed_pass(decoders, prompts, 1, config.bench_tokens, config.bench_repeats, config.seed,
-                       config.top_k)
-    return [{**spec_stats(s["outputs"], speed["full", mode]["outputs"], mode), "draft_exit": cell[0],
-             "mode": mode, "speedup": s["tokens_per_second"] / speed["full", mode]["tokens_per_second"],
-             "repetition": s["repetition"]}
-            for (cell, mode), s in speed.items() if cell != "full"]
 
 SPEC_GRID = dict(draft_exits=(0, 1, 2), num_drafts=(4, 6, 8, 12))
 
 def sweep_speculative(model, prompts, config, grid=SPEC_GRID):
     """--spec_sweep: every (draft_exit, num_draft) on the val workload, greedy and sampled."""
     cells = [(E, k) for E in grid["draft_exits"] if E < config.n_layer - 1 for k in grid["num_drafts"]]
-    return time_speculative(model, prompts, config, cells)
+    return speculation_costs(model, prompts, config, 1, cells)
 
 # -----------------------------------------------------------------------------
 # Batches: a batch runs as deep as its deepest row, unless a schedule (SkipDecode) or speculation decides
@@ -1606,23 +1515,24 @@ def choose_schedule(records, n_layer, block_size, budget):
 BATCH_DESIGNS = ("full", "state_copy", "skipdecode", "self_speculative", "auto")
 BATCH_DRAFTS = (4, 8, 11, 16)  # num_draft tried in batches (11 fills 33 new tokens, block 64's half + 1)
 
-def choose_drafts(spec):
-    """From speculation_costs' figures: per mode, the k predicted fastest (self_speculative's), and what
+def choose_drafts(entries):
+    """From speculation_costs' entries: per mode, the k predicted fastest (self_speculative's), and what
     auto runs: that k, or None (full depth) where no k is predicted faster than full depth."""
     drafts, auto = {}, {}
-    for mode, by_k in spec.items():
-        drafts[mode] = max(by_k, key=lambda k: by_k[k]["predicted_speedup"])
-        auto[mode] = drafts[mode] if by_k[drafts[mode]]["predicted_speedup"] > 1 else None
+    for mode in MODES:
+        best = max((e for e in entries if e["mode"] == mode), key=lambda e: e["speedup"])
+        drafts[mode] = best["num_draft"]
+        auto[mode] = best["num_draft"] if best["speedup"] > 1 else None
     return drafts, auto
 
-def batch_decoders(model, config, plan, schedule, drafts, auto, graphs):
+def batch_decoders(model, config, plan, schedule, drafts, auto):
     """The batch table's decoders: name -> {mode: decode}. drafts: the k of self_speculative per mode;
     auto: per mode, the k it runs, or None for full depth."""
     decoders = {name: {} for name in BATCH_DESIGNS}
     for mode in MODES:
         for name in BATCH_DESIGNS[:3]:
-            decoders[name][mode] = decoder(model, name, plan, config.confidence_measure, schedule=schedule["schedule"],
-                                           graphs=graphs)
+            decoders[name][mode] = decoder(model, name, plan, config.confidence_measure,
+                                           schedule=schedule["schedule"])
         spec = decoder(model, "self_speculative", spec=(config.draft_exit, drafts[mode]))
         decoders["self_speculative"][mode] = spec
         decoders["auto"][mode] = decoders["full"][mode] if auto[mode] is None else spec
@@ -1642,7 +1552,7 @@ def batch_predictions(row, plan, skip, depth, spec, auto):
     k = row.get("num_draft")
     if name == "auto" and auto[mode] is None:
         return {"predicted_speedup": 1.0, "choice": "full depth"}
-    figures = {"predicted_speedup": spec[mode][k]["predicted_speedup"]}
+    figures = {"predicted_speedup": spec[mode, k]["speedup"]}
     if name == "auto":
         figures["choice"] = f"k={k}"
     return figures
@@ -1650,7 +1560,7 @@ def batch_predictions(row, plan, skip, depth, spec, auto):
 def measure_batches(model, splits, config, device, plans, val_records, unit_costs):
     """The batch table: every design at every batch size, greedy and sampled, quality beside speed, and the
     cost models' predictions (unit_costs: decode_costs' batch-1 figures)."""
-    L, plan, graphs = config.n_layer, plans["state_copy"], graphs_on(config, device)
+    L, plan = config.n_layer, plans["state_copy"]
     test_prompts, val_prompts = (workload(splits[s], config.bench_prompts, config.bench_prompt_len).to(device)
                                  for s in ("test", "val"))
     schedule = choose_schedule(val_records, L, config.block_size, config.schedule_disagreement)
@@ -1660,10 +1570,11 @@ def measure_batches(model, splits, config, device, plans, val_records, unit_cost
     skip = unit_costs["token"] / (unit_costs["token"] - skipped)
     rows, chosen, grid = [], {}, sorted(set(BATCH_DRAFTS) | {config.num_draft})
     for B in (b for b in BATCH_SIZES if config.bench_prompts % b == 0):
-        spec = speculation_costs(model, val_prompts, config, B, grid, graphs)  # on val
-        drafts, auto = choose_drafts(spec)
-        chosen[B] = {"num_draft": drafts, "auto": auto, "speculation_costs": spec}
-        decoders = batch_decoders(model, config, plan, schedule, drafts, auto, graphs)
+        entries = speculation_costs(model, val_prompts, config, B, [(config.draft_exit, k) for k in grid])
+        drafts, auto = choose_drafts(entries)  # on val
+        chosen[B] = {"num_draft": drafts, "auto": auto, "speculation_costs": entries}
+        spec = {(e["mode"], e["num_draft"]): e for e in entries}
+        decoders = batch_decoders(model, config, plan, schedule, drafts, auto)
         batch_rows, _ = measure_decoders(decoders, splits["test"].to(device), test_prompts, config, B)
         depth = expected_batch_depth(exits, (1, B), L)  # a step runs as deep as its deepest row
         rows += [dict(r, **batch_predictions(r, plan, skip, depth, spec, auto)) for r in batch_rows]
@@ -1680,7 +1591,7 @@ def evaluate_recipe(name, model, splits, config, device, prompts):
     val, test = (record_exits(model, splits[s].to(device), config.sweep_positions) for s in ("val", "test"))
     cal = calibration_report(val, test, config.confidence_measure, checked_exits, config.epsilon, config.delta)
     cell = (config.draft_exit, config.num_draft)
-    spec = {r["mode"]: r for r in time_speculative(model, prompts, config, [cell])}
+    spec = {r["mode"]: r for r in speculation_costs(model, prompts, config, 1, [cell])}
     return {"recipe": name, **RECIPES[name], "val_loss_final": losses["val"][-1],
             "val_loss_exits": losses["val"][:-1], "calibrated_threshold": cal["threshold"],
             "compute_saved": cal["test"]["compute_saved"], "test_loss": cal["test"]["loss"],

@@ -122,16 +122,16 @@ def test_auto_runs_the_fastest_draft_on_val_or_full_depth(trained, monkeypatch):
     config = copy.copy(model.config)
     config.bench_tokens, config.bench_repeats = 12, 1
     prompts = m.workload(data[:5000], 4, 8)
-    spec = m.speculation_costs(model, prompts, config, 2, [2, 5])
-    for mode, by_k in spec.items():
-        for k, c in by_k.items():  # a round's time over the tokens it gains, against full depth's per token
-            assert c["tokens_per_round"] > 1 and c["ms_per_round"] > 0 and c["predicted_speedup"] > 0
-    fake = {"greedy": {2: {"predicted_speedup": 1.3}, 5: {"predicted_speedup": 1.6}},
-            "sampled": {2: {"predicted_speedup": 0.9}, 5: {"predicted_speedup": 0.7}}}
+    entries = m.speculation_costs(model, prompts, config, 2, [(0, 2), (0, 5)])
+    assert {(e["mode"], e["num_draft"]) for e in entries} == {(mode, k) for mode in m.MODES for k in (2, 5)}
+    for e in entries:  # a round's time over the tokens it emits, against full depth's time per token
+        assert e["tokens_per_verify"] > 2 and e["ms_per_round"] > 0 and e["speedup"] > 0
+    fake = [{"mode": "greedy", "num_draft": 2, "speedup": 1.3}, {"mode": "greedy", "num_draft": 5, "speedup": 1.6},
+            {"mode": "sampled", "num_draft": 2, "speedup": 0.9}, {"mode": "sampled", "num_draft": 5, "speedup": 0.7}]
     drafts, auto = m.choose_drafts(fake)
     assert drafts == {"greedy": 5, "sampled": 2} and auto == {"greedy": 5, "sampled": None}
     decoders = m.batch_decoders(model, config, {"threshold": 0.9, "checked_exits": [0]},
-                                {"schedule": [3] * 32}, drafts, auto, False)
+                                {"schedule": [3] * 32}, drafts, auto)
     assert decoders["auto"]["sampled"] is decoders["full"]["sampled"]
     assert decoders["auto"]["greedy"](prompts[:2], 6).stats["num_draft"] == 5
 

@@ -1,5 +1,5 @@
-"""On a GPU: every path runs on CUDA with tiny configs, decode steps agree with the CPU's, and the full-depth step
-replayed as a CUDA graph gives the eager step's tokens and logits. Skipped where CUDA is not available:
+"""On a GPU: every path runs on CUDA with tiny configs, and decode steps agree with the CPU's.
+Skipped where CUDA is not available:
 run them on a GPU with `python -m pytest -q tests/test_cuda.py`."""
 
 import copy
@@ -21,7 +21,7 @@ TINY = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_
         "--sweep_positions=500"]
 
 
-@pytest.mark.parametrize("study", [[], ["--bench_batch=1"], ["--spec_sweep=1"], ["--cuda_graphs=false"]])
+@pytest.mark.parametrize("study", [[], ["--bench_batch=1"], ["--spec_sweep=1"]])
 def test_the_default_run_and_every_study_on_cuda(tmp_path, study):
     with torch.enable_grad():
         assert m.main(TINY + study + [f"--out_dir={tmp_path}"]) == 0
@@ -58,15 +58,3 @@ def test_decode_steps_on_cuda_equal_the_cpus():
         cuda = m.generate(gpu, idx.cuda(), 20, strategy=m.KV_STRATEGIES[strategy], exit_threshold=0.6,
                             forced=forced.cuda())
         assert torch.allclose(cpu.logits, cuda.logits.cpu(), atol=1e-4), strategy
-
-
-@torch.no_grad()
-@pytest.mark.parametrize("batch", [1, 4])
-def test_cuda_graphs_replay_the_eager_step(batch):
-    model = tiny_model().cuda()
-    idx = torch.randint(0, 11, (batch, 3), device="cuda")
-    forced = torch.randint(0, 11, (batch, 40), device="cuda")  # two window slides at block 16
-    eager, graphed = (m.generate_static(model, idx, 40, forced=forced, graphs=g) for g in (False, True))
-    assert torch.allclose(eager.logits, graphed.logits, atol=1e-5)
-    reference = m.generate(model, idx, 40, temperature=0.0)
-    assert torch.equal(m.generate_static(model, idx, 40, temperature=0.0, graphs=True).tokens, reference.tokens)

@@ -29,7 +29,7 @@ BAD_VALUES = {
     "weight_decay": "-0.1", "beta1": "1", "beta2": "-0.5", "grad_clip": "-1", "eval_interval": "0",
     "eval_iters": "0", "prompt": "", "max_new_tokens": "0", "temperature": "-1", "top_k": "-3",
     "exit_threshold": "1.5", "exit_layers": "7", "kv_strategy": "magic", "confidence_measure": "vibes",
-    "draft_exit": "5", "num_draft": "0", "cuda_graphs": "maybe", "quality_positions": "0", "bench_prompts": "0",
+    "draft_exit": "5", "num_draft": "0", "quality_positions": "0", "bench_prompts": "0",
     "bench_prompt_len": "0", "bench_tokens": "0", "bench_repeats": "0", "epsilon": "0", "delta": "1",
     "sweep_positions": "0", "compare_recipes": "maybe", "spec_sweep": "maybe",
     "strategies_threshold": "-0.5", "bench_batch": "maybe", "schedule_disagreement": "2",
