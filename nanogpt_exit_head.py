@@ -765,11 +765,6 @@ def prefill_rows(model, cache, tokens, rows, starts, n):
         return 0
     window = torch.arange(m, device=tokens.device)
     idx = tokens[rows[:, None], starts[rows][:, None] + window]  # (R, m)
-    if len(rows) == cache.k.size(1):  # every row (always so at batch 1): straight into this cache
-        cache.layout = cache.lay_out(window.expand(len(rows), m))
-        prefill(model, cache, idx, 0)
-        cache.layout = None
-        return m * model.config.n_layer
     # a plain cache for just these rows (no per-row mask needed: they are level), then copied into place
     level = KVCache(model.config, len(rows), tokens.device)
     prefill(model, level, idx, 0)
@@ -2274,7 +2269,7 @@ def train_with_checkpoints(model, optimizer, splits, config, device, progress, p
     return took, ms
 
 def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, world=1, report=None):
-    """The lab's build_model for run_lesson: a new model or the checkpoint's, trained up to
+    """A new model or the checkpoint's, trained up to
     max_iters with a checkpoint at every evaluation and on Ctrl-C; None on the ranks of a torchrun
     job above 0. The training figures go into report."""
     path = os.path.join(config.out_dir, "ckpt.pt")
@@ -2478,16 +2473,13 @@ def sample_decoder(model, config, threshold):
     label = f"{config.kv_strategy}, {config.confidence_measure} > {threshold:g}"
     return decoder(model, config.kv_strategy, plan, config.confidence_measure), label, checked
 
-def sample_confidences(model, early, T0, threshold, config):
-    """The confidence of the head each character of the sample left from, read in the decoder's windows."""
-    if isinstance(early, SpeculativeGeneration):  # every exit recorded at once
-        records = record_exits(model, early.tokens[0], early.tokens.size(1) - 1)
-        positions = torch.arange(T0 - 1, early.tokens.size(1) - 1, device=early.tokens.device)
-        return records.confidences[config.confidence_measure][early.exited_at[0], positions]
-    plan = {"threshold": threshold, "checked_exits": parse_exit_layers(config.exit_layers, config.n_layer)}
-    decode = decoder(model, config.kv_strategy, plan, config.confidence_measure)
-    logits = decode(early.tokens[:, :T0], config.max_new_tokens, forced=early.tokens[:, T0:]).logits[0]
-    return confidence(logits, config.confidence_measure)
+def sample_confidences(model, early, T0, config):
+    """The confidence of the head each character of the sample left from, every exit recorded at once in
+    the decoder's windows with an exact cache (what backfill and deferred read; state copy and holes, whose
+    caches differ, read a little differently)."""
+    records = record_exits(model, early.tokens[0], early.tokens.size(1) - 1)
+    positions = torch.arange(T0 - 1, early.tokens.size(1) - 1, device=early.tokens.device)
+    return records.confidences[config.confidence_measure][early.exited_at[0], positions]
 
 def generation_report(model, tokenizer, idx, samples, threshold, config):
     """The early-exit sample's exit map (printed) and the report.json entry of both samples."""
@@ -2501,7 +2493,7 @@ def generation_report(model, tokenizer, idx, samples, threshold, config):
             "layers_run_per_token": early.layers_run / config.max_new_tokens, "tokens_per_second": speed,
             "full_depth_tokens_per_second": full_speed, "sample": text, "exited_at": exited_at,
             "full_depth_sample": tokenizer.decode(full.tokens[0, T0:].tolist()),
-            "confidences": sample_confidences(model, early, T0, threshold, config).tolist()}
+            "confidences": sample_confidences(model, early, T0, config).tolist()}
 
 def speculation_map(model, tokenizer, idx, samples, config):
     """The self-speculative sample from the same prompt and seed (the early-exit one, if it was drawn so):

@@ -1,0 +1,98 @@
+"""What a careful reader would break: inline edits take effect, --lesson_only is Part I alone, a strategy's
+name is checked, and full depth has one baseline."""
+
+import importlib.util
+import json
+import re
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, m, tiny_model
+from test_cli import part_one_text
+
+TINY = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--eval_iters=1",
+        "--max_iters=3", "--eval_interval=2", "--max_new_tokens=30", "--device=cpu", "--quality_positions=48",
+        "--bench_tokens=12", "--bench_repeats=1", "--bench_prompts=4", "--bench_prompt_len=8",
+        "--sweep_positions=500"]
+
+
+def load_as_module(text, name, monkeypatch, folder):
+    """text as a module of its own, from a file (dataclasses look their module up, argparse help reads
+    the source)."""
+    path = folder / f"{name}.py"
+    path.write_text(text, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_editing_exit_threshold_inline_takes_effect(tmp_path, monkeypatch):
+    """The script is edited inline: a number written in place of exit_threshold's default is the one used."""
+    source = open(m.__file__, encoding="utf-8").read()
+    edited, n = re.subn(r"(\n    exit_threshold: float = )-?[\d.]+", r"\g<1>0.55", source)
+    assert n >= 1
+    module = load_as_module(edited, "edited_script", monkeypatch, tmp_path)
+    with torch.enable_grad():
+        assert module.main(TINY + [f"--out_dir={tmp_path}"]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["generation"]["exit_threshold"] == 0.55
+
+
+def strip_timings(text):
+    """The lines of a run that depend on the seed alone: losses, samples, exit statistics."""
+    text = re.sub(r"\(\d[\d,]* tok/s\)", "(tok/s)", text)
+    return [line for line in text.splitlines() if not re.search(r"full depth's speed|ms|it/s", line)]
+
+
+def test_lesson_only_is_part_one_alone(tmp_path, capsys, monkeypatch):
+    """--lesson_only runs what the text above the Part II banner runs on its own: Part I's GPT, its
+    training, the threshold of its config and backfill; the same numbers on the same tiny config."""
+    path = f"--input_path={ROOT}/input.txt"
+    with torch.enable_grad():
+        assert m.main(TINY + ["--lesson_only=true", path, f"--out_dir={tmp_path}"]) == 0
+    lab = capsys.readouterr().out
+    part_one = load_as_module(part_one_text()[0], "part_one_alone", monkeypatch, tmp_path)
+    config = part_one.Config(input_path=f"{ROOT}/input.txt", n_layer=3, n_head=2, n_embd=16, block_size=16,
+                             batch_size=4, max_iters=3, eval_interval=2, eval_iters=1, max_new_tokens=30)
+    with torch.enable_grad():
+        part_one.run_lesson(config, "cpu")
+    alone = capsys.readouterr().out
+    assert "--- early-exit sample: backfill, top1 > 0.9" in alone
+    assert strip_timings(lab) == strip_timings(alone)
+    assert not (tmp_path / "report.json").exists(), "Part I writes no report"
+
+
+def test_an_unknown_strategy_name_is_an_error_not_backfill():
+    model = tiny_model()
+    plan = {"threshold": 0.5, "checked_exits": [0, 1, 2]}
+    with pytest.raises(ValueError, match="unknown KV strategy 'defered'"):
+        m.decoder(model, "defered", plan)
+    assert m.decoder(model, "deferred", plan).keywords["strategy"] is m.Deferred
+
+
+def test_predictions_and_speedups_share_one_full_depth_baseline(monkeypatch):
+    """Where full depth could be timed two ways (eager for the cost model, CUDA graphs for the table), the
+    predictions and the measured speed-ups would divide by different baselines: there is one way."""
+    model = tiny_model()
+    config = model.config
+    config.quality_positions, config.bench_tokens, config.bench_repeats = 40, 6, 1
+    config.bench_prompts, config.bench_prompt_len, config.exit_layers = 4, 6, "all"
+    splits = {name: torch.randint(0, 11, (400,), generator=torch.Generator().manual_seed(i))
+              for i, name in enumerate(("train", "val", "test"))}
+    full_depth = []
+    monkeypatch.setattr(m, "graphs_on", lambda *a: True, raising=False)  # as on CUDA
+    monkeypatch.setattr(m, "generate_static", lambda *a, **k: full_depth.append("graphed"), raising=False)
+    real = m.generate
+
+    def generate(*args, **kwargs):
+        if kwargs.get("exit_threshold", 1.0) == 1.0 and "strategy" not in kwargs:
+            full_depth.append("eager")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(m, "generate", generate)
+    rows = m.compare_strategies(model, splits, config, "cpu")[0]
+    assert all(r["predicted_speedup"] > 0 for r in rows if r["name"] != "full")
+    assert set(full_depth) == {"eager"}
