@@ -1816,7 +1816,7 @@ LAYER_COLOURS = (31, 33, 32, 36, 34, 35, 91, 93, 92, 96, 94, 95)  # ANSI foregro
 LAYER_MARKS = "0123456789abcdefghijklmnopqrstuvwxyz"  # the mark of layer l in a plain-text exit map
 
 def colour_text(text, layers, n_layer, tty):
-    """Every character coloured by the layer it left at; without a terminal, the layer's mark under it."""
+    """Each character coloured by the layer it left at; else the layer's mark under it."""
     if tty:
         legend = " ".join(f"\033[{LAYER_COLOURS[l % 12]}mlayer {l}\033[0m" for l in range(n_layer))
         body = "".join(f"\033[{LAYER_COLOURS[l % 12]}m{ch}\033[0m" for ch, l in zip(text, layers))
@@ -1831,29 +1831,30 @@ def colour_text(text, layers, n_layer, tty):
 WIDTH = 100  # console tables and their notes fit this many columns
 
 def table(text):
-    """A table, defined once: its question on the first line, then a line a column, 'report key | header |
-    format | help'. print_table prints it, html_table renders it, both write its legend from the help."""
+    """A table, defined once: its question on the first line, then a line a column, 'report key |
+    header | format | help'. print_table prints it, html_table renders it, and both write its
+    legend from the help."""
     question, *columns = text.strip().split("\n")
     return question, [[part.strip() for part in column.split("|")] for column in columns]
 
 SWEEP_TABLE = table("""Which threshold?
-threshold     | threshold              | {:.2f} | a position leaves at the first checked exit this sure
+threshold     | threshold              | {:.2f} | a position leaves at the first exit this sure
 fractions     | % exiting at layer 0.. | {}     | where the positions leave
 mean_layers   | layers                 | {:.2f} | mean layers run per position
 compute_saved | val saved              | {:.1%} | the share of layer runs skipped
 loss          | val loss               | {:.4f} | the loss of the head each position leaves at
-disagreement  | disagree               | {:.2%} | the share of positions whose top-1 is not full depth's""")
+disagreement  | disagree               | {:.2%} | the share whose top-1 is not full depth's""")
 CALIBRATION_TABLE = table("""Which threshold, with a guarantee?
 measure            | measure      | {}     | how a head's confidence is read
 threshold          | threshold    | {:.2f} | the lowest threshold Learn then Test certifies on val
 test.compute_saved | test saved   | {:.1%} | the share of layer runs it skips on test
-test.disagreement  | disagree     | {:.2%} | the share of test positions whose top-1 is not full depth's
+test.disagreement  | disagree     | {:.2%} | the share whose top-1 is not full depth's
 test.loss          | test loss    | {:.4f} | the loss of the heads the positions leave at
 test.full_loss     | full depth's | {:.4f} | full depth's loss on the same positions
 test.accuracy      | accuracy     | {:.3f} | how often the exit's top-1 is the next character""")
 LENS_TABLE = table("""Does an exit need a trained head?
 layer      | layer         | {}     | the layer read
-readout    | readout       | {}     | its own exit head, or the final one (trained for the last layer only)
+readout    | readout       | {}     | its own exit head, or the final one (untrained there)
 agreement  | top-1 = final | {:.3f} | how often its top-1 is the final prediction
 mean_rank  | mean rank     | {:.2f} | how many characters it ranks above the final top-1
 confidence | confidence    | {:.3f} | its mean top-1 probability""")
@@ -1873,8 +1874,8 @@ threshold         | thr       | {:.2f}  | their threshold
 speedup           | speed-up  | {:.2f}x | tokens per second over full depth's in the same mode
 predicted_speedup | predicted | {:.2f}x | the cost model's speed-up, from measured costs
 mean_layers       | layers    | {:.2f}  | blocks run per token while decoding, catch-up included
-repetition        | repeats   | {:.2f}  | the share of 4-grams repeating an earlier one (loops are easy)
-test_loss         | test loss | {:.4f}  | the loss on test positions teacher-forced through the decoder
+repetition        | repeats   | {:.2f}  | the share of 4-grams repeating an earlier one
+test_loss         | test loss | {:.4f}  | teacher-forced test positions' loss
 agreement         | agree     | {:.3f}  | how often its top-1 there is full depth's""")
 BATCH_TABLE = table("""Does early exit still save in a batch?
 batch_size        | B         | {}      | rows decoded together, a prompt each
@@ -1885,7 +1886,7 @@ speedup           | speed-up  | {:.2f}x | over full depth at the same batch size
 predicted_speedup | predicted | {:.2f}x | the cost model's speed-up
 num_draft         | k         | {}      | drafts a round
 mean_layers       | layers    | {:.2f}  | blocks run per token
-expected_layers   | expected  | {:.2f}  | the layers val's exits predict, a step waiting for its deepest row
+expected_layers   | expected  | {:.2f}  | val's exits' prediction, a step as deep as its deepest row
 agreement         | agree     | {:.3f}  | teacher-forced test positions whose top-1 is full depth's
 identical_to_full | identical | {}      | greedy output equal to full depth's on every row""")
 RECIPE_TABLE = table("""Which training recipe?
@@ -1914,7 +1915,7 @@ def print_title(question):
     print("\n=== " + "\n    ".join(textwrap.wrap(question, WIDTH - 8)) + " ===")
 
 def print_table(table, rows, conditions="", notes=()):
-    """A table under its question and the conditions it was measured in, then its legend and notes."""
+    """A table under its question and the conditions it was measured in, then legend and notes."""
     question, columns = table
     lines = [[header for _, header, _, _ in columns]]
     lines += [[format_cell(row.get(key), fmt) for key, _, fmt, _ in columns] for row in rows]
@@ -1929,76 +1930,72 @@ def print_strategies(entries, quality, config, costs, depths):
     L, b = config.n_layer, costs["block"]
     exact = {True: "identical to full depth on every prompt", False: "NOT identical to full depth",
              None: "exact in distribution (tested)"}
-    notes = [f"self_speculative {e['mode']}: draft_exit={e['draft_exit']}, num_draft={e['num_draft']}, "
-             f"acceptance {e['acceptance_rate']:.3f}, {e['tokens_per_verify']:.2f} tokens per verify pass, "
-             + exact[e["identical_to_full"]] for e in entries if e["name"] == "self_speculative"]
-    prefill = " to ".join(f"{p:.2f}" for p in sorted({round(e["prefill_layers"], 2) for e in entries}))
+    notes = [f"self_speculative {e['mode']}: draft_exit={e['draft_exit']}, num_draft="
+             f"{e['num_draft']}, acceptance {e['acceptance_rate']:.3f}, "
+             f"{e['tokens_per_verify']:.2f} tokens a verify pass, " + exact[e["identical_to_full"]]
+             for e in entries if e["name"] == "self_speculative"]
+    prefill = sorted({round(e["prefill_layers"], 2) for e in entries})
     depth = ", ".join(f"B={B}: {d:.2f}" for B, d in depths.items())
     impossible = ""
     if costs["token"] < L * b:
         impossible = f", IMPOSSIBLE ({L} blocks): so after {costs['attempts']} measurements"
-    notes += [f"Chosen on val: exits and thr (exit_layers={config.exit_layers!r}: the highest threshold "
-              f"sending {EARLY_EXIT_FRACTION:.0%} of val positions out early), and self_speculative's "
-              "prediction, from the per-round cost model. Re-prefilling the window every block_size/2 "
-              f"tokens adds {prefill} per token for every decoder. test loss, agree: "
-              f"{config.quality_positions} test positions teacher-forced; the Learn-then-Test guarantee "
-              f"covers none of these rows. Sampled: temperature {config.temperature:g}, top_k "
-              f"{config.top_k}.",
+    notes += [f"Chosen on val: exits and thr (exit_layers={config.exit_layers!r}: the highest "
+              f"threshold sending {EARLY_EXIT_FRACTION:.0%} of val positions out early), and "
+              "self_speculative's prediction, from the per-round cost model. Re-prefilling the "
+              "window every block_size/2 tokens adds "
+              + " to ".join(f"{p:.2f}" for p in prefill) + " per token for every decoder. test "
+              f"loss, agree: {config.quality_positions} test positions teacher-forced; the "
+              "Learn-then-Test guarantee covers none of these rows. Sampled: temperature "
+              f"{config.temperature:g}, top_k {config.top_k}.",
               f"Measured at batch 1: a block {1e6 * b:.0f} us; in blocks, an exit check "
-              f"{costs['check'] / b:.2f}, a state-copy write {costs['state_copy'] / b:.2f}, the final head "
-              f"{costs['final_head'] / b:.2f}, a full-depth token {costs['token'] / b:.1f}{impossible}.",
+              f"{costs['check'] / b:.2f}, a state-copy write {costs['state_copy'] / b:.2f}, the "
+              f"final head {costs['final_head'] / b:.2f}, a full-depth token "
+              f"{costs['token'] / b:.1f}{impossible}.",
               f"A batch runs as deep as its deepest row; expected layers a step (of {L}): {depth}."]
     print_table(STRATEGY_TABLE, entries, f"{config.bench_prompts} test prompts of "
-                f"{config.bench_prompt_len} characters, {config.bench_tokens} more each, batch 1, median "
-                f"of {config.bench_repeats} interleaved runs", notes)
+                f"{config.bench_prompt_len} characters, {config.bench_tokens} more each, batch 1, "
+                f"median of {config.bench_repeats} interleaved runs", notes)
 
-def spec_grid(grid, mode):
-    """The self-speculative sweep of one mode as a table, a line a draft_exit and a column a num_draft,
-    and key(i, column): where a cell's speed-up is in report.json."""
-    cells = {(g["draft_exit"], f"k={g['num_draft']}"): i for i, g in enumerate(grid) if g["mode"] == mode}
-    exits = sorted({E for E, _ in cells})
-    columns = [("draft_exit", "draft_exit", "{}", "the draft's last layer; k=N: the speed-up over full "
-                "depth with up to N drafts a round (num_draft)")]
-    columns += [(f"k={k}", f"k={k}", "{:.2f}x", "") for k in sorted({g["num_draft"] for g in grid})]
-    rows = [{"draft_exit": str(E), **{k: grid[i]["speedup"] for (e, k), i in cells.items() if e == E}}
-            for E in exits]
-
-    def key(i, k):
-        return f"spec_sweep.{cells[exits[i], k]}.speedup"
-    return (f"Which draft_exit and num_draft, {mode}?", columns), rows, key
+SPEC_SWEEP_TABLE = table("""Which draft_exit and num_draft?
+mode              | mode      | {}      | greedy, or sampled
+draft_exit        | E         | {}      | the draft's last layer
+num_draft         | k         | {}      | the most drafts a round
+speedup           | speed-up  | {:.2f}x | over full depth in the same mode, interleaved
+acceptance_rate   | accept    | {:.3f}  | the share of drafts kept
+tokens_per_verify | tokens    | {:.2f}  | tokens a verify pass
+repetition        | repeats   | {:.2f}  | the share of 4-grams repeating an earlier one
+identical_to_full | identical | {}      | greedy output equal to full depth's on every prompt""")
 
 def print_spec_sweep(grid):
-    for mode in MODES:
-        table, rows, _ = spec_grid(grid, mode)
-        best = max((g for g in grid if g["mode"] == mode), key=lambda g: g["speedup"])
-        print_table(table, rows, "The self-speculative sweep on the val workload, each cell beside full "
-                    f"depth, interleaved", [f"best {mode}: draft_exit={best['draft_exit']}, num_draft="
-                                            f"{best['num_draft']} ({best['speedup']:.2f}x)"])
-    identical = all(g["identical_to_full"] for g in grid if g["mode"] == "greedy")
-    print(f"greedy output identical to full depth in every cell: {identical}")
+    best = [max((g for g in grid if g["mode"] == mode), key=lambda g: g["speedup"]) for mode in MODES]
+    print_table(SPEC_SWEEP_TABLE, grid, "The self-speculative sweep on the val workload",
+                [f"best {b['mode']}: draft_exit={b['draft_exit']}, num_draft={b['num_draft']} "
+                 f"({b['speedup']:.2f}x)" for b in best])
 
 def batch_notes(batched, cfg):
     """The notes under the batch table; cfg: the config as a dict (report.json's)."""
     plan, schedule = batched["plan"], batched["schedule"]
     chose = [f"B={r['batch_size']} {r['mode']} {r['choice']}" for r in batched["entries"]
              if r["name"] == "auto"]
-    return [f"auto chose: {', '.join(chose)} (the cost model's first choice: k drafts a round, or full "
-            f"depth). state_copy: exits {plan['checked_exits']}, {cfg['confidence_measure']} > "
-            f"{plan['threshold']:g}, each row waiting for the deepest. skipdecode: every row exits at layer "
+    drafts = sorted({*BATCH_DRAFTS, cfg["num_draft"]})
+    return [f"auto chose: {', '.join(chose)} (the cost model's first choice: k drafts a round, or "
+            f"full depth). state_copy: exits {plan['checked_exits']}, "
+            f"{cfg['confidence_measure']} > {plan['threshold']:g}, each row waiting for the "
+            "deepest. skipdecode: every row exits at layer "
             f"{schedule.get('exit_layer', cfg['n_layer'] - 1)} from window position "
             f"{schedule.get('from_position', '-')} (val: {schedule['compute_saved']:.1%} saved, "
             f"{schedule['disagreement']:.2%} disagreement). self_speculative: draft_exit="
-            f"{cfg['draft_exit']}, k the fastest on val of {sorted({*BATCH_DRAFTS, cfg['num_draft']})}."]
+            f"{cfg['draft_exit']}, k the fastest on val of {drafts}."]
 
 def print_batches(batched, config):
-    print_table(BATCH_TABLE, batched["entries"], f"The test workload, one prompt per row, batch "
-                f"{', '.join(map(str, BATCH_SIZES))}, median of {config.bench_repeats} interleaved runs",
-                batch_notes(batched, asdict(config)))
+    print_table(BATCH_TABLE, batched["entries"], "The test workload, one prompt per row, batch "
+                f"{', '.join(map(str, BATCH_SIZES))}, median of {config.bench_repeats} interleaved "
+                "runs", batch_notes(batched, asdict(config)))
 
 def calibration_rows(cals):
     """Learn then Test per confidence measure, its test figures flat under their report keys."""
-    return [{"measure": c["measure"], "threshold": c["threshold"], **{f"test.{k}": v for k, v in
-                                                                     c["test"].items()}} for c in cals]
+    return [dict(measure=c["measure"], threshold=c["threshold"],
+                 **{f"test.{k}": v for k, v in c["test"].items()}) for c in cals]
 
 def guarantee(cal, positions):
     return (f"Learn then Test: disagreement <= {cal['epsilon']:.0%} with probability >= "
@@ -2014,27 +2011,27 @@ def print_exit_rule(rule, config):
                 [f"full depth's val loss on these positions: {rule['sweep'][0]['full_loss']:.4f}"])
     best = max(rule["calibration_by_measure"], key=lambda c: c["test"]["compute_saved"])
     print_table(CALIBRATION_TABLE, calibration_rows(rule["calibration_by_measure"]),
-                guarantee(cal, config.sweep_positions), [f"teacher-forced, with an exact cache; the "
-                                                         f"most compute saved: {best['measure']}"])
-    print_table(LENS_TABLE, rule["logit_lens"], "The logit lens on up to 64 val windows: each layer "
-                "through the final head and through its own exit head")
-    print_table(SLICES_TABLE, slices["per_layer"], f"The {n} test positions by the layer they leave "
-                f"at (calibrated threshold {cal['threshold']:g})")
-    print_table(EASY_CHARS_TABLE, slices["earliest_chars"], f"The test positions leaving at layer "
+                guarantee(cal, config.sweep_positions),
+                [f"teacher-forced, with an exact cache; the most compute saved: {best['measure']}"])
+    print_table(LENS_TABLE, rule["logit_lens"], "The logit lens on up to 64 val windows: each "
+                "layer through the final head and through its own exit head")
+    print_table(SLICES_TABLE, slices["per_layer"], f"The {n} test positions by the layer they "
+                f"leave at (calibrated threshold {cal['threshold']:g})")
+    print_table(EASY_CHARS_TABLE, slices["earliest_chars"], "The test positions leaving at layer "
                 f"{slices['first_exit_layer']}")
 
 def print_recipes(entries, config):
-    print_table(RECIPE_TABLE, entries, f"Every recipe at the same budget ({config.max_iters} steps, "
-                f"seed {config.seed})", [f"val loss on {config.eval_iters} val batches; thr: "
-                                         f"{config.confidence_measure}, epsilon {config.epsilon:g}, delta "
-                                         f"{config.delta:g}; test figures on {config.sweep_positions:,} "
-                                         f"test positions; self-speculation at draft_exit="
-                                         f"{config.draft_exit}, num_draft={config.num_draft}."])
+    print_table(RECIPE_TABLE, entries, f"Every recipe at the same budget ({config.max_iters} "
+                f"steps, seed {config.seed})",
+                [f"val loss on {config.eval_iters} val batches; thr: {config.confidence_measure}, "
+                 f"epsilon {config.epsilon:g}, delta {config.delta:g}; test figures on "
+                 f"{config.sweep_positions:,} test positions; self-speculation at draft_exit="
+                 f"{config.draft_exit}, num_draft={config.num_draft}."])
 
 # -----------------------------------------------------------------------------
-# Reports, 2: out_dir/report.html, one self-contained page (inline CSS and SVG, no script, light and dark)
+# Reports, 2: out_dir/report.html, one self-contained page (inline CSS and SVG, no script)
 
-# viridis, dark to light: layers read in order without hue (colour-blind safe); text on the last 5 is black
+# viridis, dark to light: the layers' order reads without hue (colour-blind safe); the last 5 are light
 VIRIDIS = ("#440154", "#411c66", "#3e3779", "#3b528b", "#32678b", "#2a7c8c", "#21918c", "#35a47e",
            "#4ab670", "#5ec962", "#93d34e", "#c8dd39", "#fde725")
 
@@ -2054,7 +2051,7 @@ def esc(text):
     return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
 
 def datum(key, value):
-    """The attributes that tie a number on the page to its place in report.json (checked by a test)."""
+    """The attributes that tie a number on the page to its place in report.json (a test checks)."""
     return f'data-key="{esc(key)}" data-value="{value!r}"'
 
 HTML_STYLE = """
@@ -2067,75 +2064,79 @@ h2 { border-bottom: 1px solid var(--grid); padding-bottom: .2em; margin-top: 2em
 .muted { color: var(--muted); } a { color: var(--a); }
 .row { display: flex; gap: 2em; flex-wrap: wrap; } .row > div { flex: 1 1 20em; }
 pre.sample { white-space: pre-wrap; font: 14px/1.7 ui-monospace, monospace; }
-pre.sample span, .legend span { border-radius: 2px; } .legend span { padding: 0 .5em; margin-right: .3em; }
-.scroll { overflow-x: auto; } table { border-collapse: collapse; font-variant-numeric: tabular-nums; }
-td, th { padding: .2em .6em; border-bottom: 1px solid var(--grid); text-align: right; white-space: nowrap; }
+pre.sample span, .legend span { border-radius: 2px; }
+.legend span { padding: 0 .5em; margin-right: .3em; }
+.scroll { overflow-x: auto; }
+table { border-collapse: collapse; font-variant-numeric: tabular-nums; }
+td, th { padding: .2em .6em; border-bottom: 1px solid var(--grid); text-align: right;
+  white-space: nowrap; }
 th { color: var(--muted); font-weight: 500; }
 svg text { fill: var(--fg); font: 12px system-ui, sans-serif; } svg .grid { stroke: var(--grid); }
 svg .a { fill: var(--a); stroke: var(--a); } svg .b { fill: var(--b); stroke: var(--b); }
 svg .line { fill: none; stroke-width: 2; } svg .mark { stroke: var(--fg); stroke-dasharray: 4 3; }
-.drafted1 { background: var(--a); color: var(--bg); } .drafted0 { background: var(--b); color: #000; }
+.drafted1 { background: var(--a); color: var(--bg); }
+.drafted0 { background: var(--b); color: #000; }
 #summary { border: 1px solid var(--grid); border-radius: 6px; padding: 0 1em; }
 """
 
 def nice_ticks(top, n=5):
-    """Round ticks from 0 up to top or just past it: steps of 1, 2 or 5 times a power of ten, about n."""
+    """Round ticks from 0 up to top or just past it: steps of 1, 2 or 5 times a power of ten."""
     power = 10 ** math.floor(math.log10(max(top, 1e-9) / n))
     step = next(m * power for m in (1, 2, 5, 10) if m * power * n >= top)
     return [i * step for i in range(math.ceil(top / step - 1e-9) + 1)]
 
-CHART_WIDTH = 1100  # a chart's size in SVG units; it scales to the width of the page
-CHART_HEIGHT = 240  # the plot's height; the axis labels and the legend go below it
+PLOT_WIDTH = 1010  # SVG units from the y axis to the right edge; a chart scales to the page's width
+PLOT_HEIGHT = 240  # SVG units from the top to the x axis; the labels and the legend go below it
 
-def chart_x(x):
-    """Where x in [0, 1] sits across the plot."""
-    return 70 + (CHART_WIDTH - 90) * x
+def plot_x(x):
+    """Where x in [0, 1] sits across a chart, right of the y axis's labels."""
+    return 70 + PLOT_WIDTH * x
 
-def chart_y(y, top):
-    """Where y in [0, top] sits up the plot."""
-    return CHART_HEIGHT - (CHART_HEIGHT - 24) * y / top
+def plot_y(y, top):
+    """Where y in [0, top] sits up a chart: the top tick a tenth under its top edge."""
+    return PLOT_HEIGHT * (1 - 0.9 * y / top)
 
 def svg_point(cls, x, y, top, key, tip, width):
-    """One figure with its report key: a bar `width` wide (a share of the x axis), its left edge at x;
-    or, where width is 0, a dot at x."""
+    """One figure with its report key: a bar `width` wide (a share of the x axis) from x, or a dot."""
+    Y = plot_y(y, top)
     data = f'class="{cls}" {datum(key, y)}><title>{esc(tip)}</title>'
     if width:
-        return (f'<rect x="{chart_x(x):.1f}" y="{chart_y(y, top):.1f}" width="{(CHART_WIDTH - 90) * width:.1f}"'
-                f' height="{CHART_HEIGHT - chart_y(y, top):.1f}" {data}</rect>')
-    return f'<circle cx="{chart_x(x):.1f}" cy="{chart_y(y, top):.1f}" r="3" {data}</circle>'
+        return (f'<rect x="{plot_x(x):.1f}" y="{Y:.1f}" width="{PLOT_WIDTH * width:.1f}" '
+                f'height="{PLOT_HEIGHT - Y:.1f}" {data}</rect>')
+    return f'<circle cx="{plot_x(x):.1f}" cy="{Y:.1f}" r="3" {data}</circle>'
 
 def svg_chart(series, x_ticks, titles, y_fmt, bars=False, mark=None):
-    """Lines, or bars side by side, across the page. series: (name, class, points), a point (x in [0, 1],
-    y, report key, hover text); x_ticks: (x, label); titles: the x and the y axis's; bars: with full
-    depth's 1.0x as a dashed line; mark: (x, report key, label), a dashed vertical line."""
+    """Lines, or bars side by side. series: (name, class, points), a point (x in [0, 1], y, report key,
+    hover text); x_ticks: (x, label); titles: the axes'; bars: with full depth's 1.0x dashed across;
+    mark: (x, report key, label), a dashed line up the chart."""
     ticks = nice_ticks(max([p[1] for _, _, points in series for p in points] + [int(bars)]))
-    top = ticks[-1]
-    parts = [f'<svg viewBox="0 0 {CHART_WIDTH} {CHART_HEIGHT + 72}" width="100%" role="img"><text '
-             f'transform="translate(14 {CHART_HEIGHT / 2}) rotate(-90)" text-anchor="middle">{esc(titles[1])}'
-             f'</text><text x="{chart_x(0.5)}" y="{CHART_HEIGHT + 38}" text-anchor="middle">{esc(titles[0])}</text>']
-    for t in ticks:
-        y = chart_y(t, top)
-        parts.append(f'<line class="grid" x1="64" x2="{CHART_WIDTH - 10}" y1="{y:.1f}" y2="{y:.1f}"/>'
-                     f'<text x="58" y="{y + 4:.1f}" text-anchor="end">{y_fmt.format(t)}</text>')
-    parts += [f'<text x="{chart_x(x):.1f}" y="{CHART_HEIGHT + 16}" text-anchor="middle">{esc(label)}</text>'
-              for x, label in x_ticks]
-    width = 0  # lines: a dot on the line at each point
+    H = PLOT_HEIGHT
+    parts = [f'<svg viewBox="0 0 1100 {H + 72}" width="100%" role="img"><text transform="translate(14 '
+             f'{H / 2}) rotate(-90)" text-anchor="middle">{esc(titles[1])}</text><text x="575" '
+             f'y="{H + 38}" text-anchor="middle">{esc(titles[0])}</text>']
+    for t in ticks:  # a grid line up the y axis at every tick
+        y = plot_y(t, ticks[-1])
+        parts.append(f'<line class="grid" x1="64" x2="1090" y1="{y:.1f}" y2="{y:.1f}"/><text x="58" '
+                     f'y="{y + 4:.1f}" text-anchor="end">{y_fmt.format(t)}</text>')
+    width = 0  # lines: a dot at each point
     if bars:  # a group, a bar a series, fills 80% of its share of the axis
         width = 0.8 / len(x_ticks) / len(series)
-        y = chart_y(1.0, top)
-        parts.append(f'<line class="mark" x1="64" x2="{CHART_WIDTH - 10}" y1="{y:.1f}" y2="{y:.1f}"/><text '
-                     f'x="{CHART_WIDTH - 10}" y="{y - 4:.1f}" text-anchor="end">1.0x: full depth</text>')
+        y = plot_y(1.0, ticks[-1])
+        parts.append(f'<line class="mark" x1="64" x2="1090" y1="{y:.1f}" y2="{y:.1f}"/><text x="1090" '
+                     f'y="{y - 4:.1f}" text-anchor="end">1.0x: full depth</text>')
     for s, (name, cls, points) in enumerate(series):
         if not bars:
-            line = " ".join(f"{chart_x(x):.1f},{chart_y(y, top):.1f}" for x, y, _, _ in points)
+            line = " ".join(f"{plot_x(x):.1f},{plot_y(y, ticks[-1]):.1f}" for x, y, _, _ in points)
             parts.append(f'<polyline class="{cls} line" points="{line}"/>')
-        parts += [svg_point(cls, x + (s - len(series) / 2) * width, y, top, key, tip, width)
+        parts += [svg_point(cls, x + (s - len(series) / 2) * width, y, ticks[-1], key, tip, width)
                   for x, y, key, tip in points]
-        parts.append(f'<rect class="{cls}" x="{70 + 500 * s}" y="{CHART_HEIGHT + 52}" width="12" height="12"/>'
-                     f'<text x="{88 + 500 * s}" y="{CHART_HEIGHT + 62}">{esc(name)}</text>')
+        parts.append(f'<rect class="{cls}" x="{70 + 500 * s}" y="{H + 52}" width="12" height="12"/>'
+                     f'<text x="{88 + 500 * s}" y="{H + 62}">{esc(name)}</text>')
+    parts += [f'<text x="{plot_x(x):.1f}" y="{H + 16}" text-anchor="middle">{esc(label)}</text>'
+              for x, label in x_ticks]
     if mark:
-        x = chart_x(mark[0])
-        parts.append(f'<line class="mark" x1="{x:.1f}" x2="{x:.1f}" y1="0" y2="{CHART_HEIGHT}" '
+        x = plot_x(mark[0])
+        parts.append(f'<line class="mark" x1="{x:.1f}" x2="{x:.1f}" y1="0" y2="{H}" '
                      f'{datum(mark[1], mark[0])}/><text x="{x + 4:.1f}" y="12">{esc(mark[2])}</text>')
     return "".join(parts) + "</svg>"
 
@@ -2143,7 +2144,8 @@ def html_table(table, rows, key, notes=()):
     """A table in a box that scrolls sideways on a narrow screen, then its legend and notes;
     key(i, column key): where row i's number in that column is in report.json."""
     columns = table[1]
-    out = ["<div class='scroll'><table><tr>"] + [f"<th>{esc(header)}</th>" for _, header, _, _ in columns]
+    out = ["<div class='scroll'><table><tr>"]
+    out += [f"<th>{esc(header)}</th>" for _, header, _, _ in columns]
     for i, row in enumerate(rows):
         out.append("</tr><tr>")
         for k, _, fmt, _ in columns:
@@ -2152,51 +2154,47 @@ def html_table(table, rows, key, notes=()):
                 out.append(f"<td {datum(key(i, k), value)}>{esc(fmt.format(value))}</td>")
             else:
                 out.append(f"<td>{esc(format_cell(value, fmt))}</td>")
-    out += ["</tr></table></div>"] + [f"<p class='muted'>{esc(n)}</p>" for n in (legend(columns), *notes)]
+    out.append("</tr></table></div>")
+    out += [f"<p class='muted'>{esc(note)}</p>" for note in (legend(columns), *notes)]
     return "".join(out)
 
 def section(anchor, question, *body):
     """One section of the page under its question; the summary links to it by its anchor."""
     return f"<section id='{anchor}'><h2>{esc(question)}</h2>{''.join(body)}</section>"
 
-def headlines(report):
-    """The summary's figures with their conditions: (text before, report key, value, format, after)."""
-    out = []
-    if report.get("calibration"):
-        c = report["calibration"]
-        out.append((f"Early exit calibrated on val ({c['measure']} > {c['threshold']:g}) skips ",
-                    "calibration.test.compute_saved", c["test"]["compute_saved"], "{:.1%}",
-                    f" of the layer runs on test, at most {c['epsilon']:.0%} disagreeing with full depth, "
-                    f"with probability {1 - c['delta']:.0%}."))
-    for j, e in enumerate(report.get("strategies", [])):
-        if e["name"] == "self_speculative":
-            out.append((f"Self-speculative decoding, exact ({e['mode']}), runs at ",
-                        f"strategies.{j}.speedup", e["speedup"], "{:.2f}x",
-                        " full depth's speed on the test workload at batch 1."))
-    return out
-
 def html_summary(report, sections):
     """What was trained on what, the headline figures with their conditions, links to every section."""
     cfg = report["config"]
-    out = [f"<div id='summary'><p>A {cfg['n_layer']}-layer GPT ({cfg['n_head']} heads, {cfg['n_embd']} "
-           f"wide, context {cfg['block_size']} characters) with an exit head after every layer but the last, "
-           f"trained on {esc(cfg['input_path'])}"]
+    out = [f"<div id='summary'><p>A {cfg['n_layer']}-layer GPT ({cfg['n_head']} heads, "
+           f"{cfg['n_embd']} wide, context {cfg['block_size']} characters) with an exit head after "
+           f"every layer but the last, trained on {esc(cfg['input_path'])}"]
     if report.get("val_loss"):
         val = report["val_loss"]["final"]
         out.append(f"; full-depth val loss <span {datum('val_loss.final', val)}>{val:.4f}</span>")
     out.append(".</p><ul>")
-    out += [f"<li>{esc(a)}<b {datum(k, v)}>{fmt.format(v)}</b>{esc(b)}</li>"
-            for a, k, v, fmt, b in headlines(report)]
+    if report.get("calibration"):
+        c = report["calibration"]
+        saved = c["test"]["compute_saved"]
+        out.append(f"<li>Early exit calibrated on val ({c['measure']} > {c['threshold']:g}) skips <b "
+                   f"{datum('calibration.test.compute_saved', saved)}>{saved:.1%}</b> of the layer runs "
+                   f"on test, at most {c['epsilon']:.0%} disagreeing with full depth, with probability "
+                   f"{1 - c['delta']:.0%}.</li>")
+    for j, e in enumerate(report.get("strategies", [])):
+        if e["name"] == "self_speculative":
+            out.append(f"<li>Self-speculative decoding, exact ({e['mode']}), runs at <b "
+                       f"{datum(f'strategies.{j}.speedup', e['speedup'])}>{e['speedup']:.2f}x</b> "
+                       "full depth's speed on the test workload at batch 1.</li>")
     links = " · ".join(f"<a href='#{a}'>{q}</a>" for a, q in sections)  # q: escaped already
-    out.append("</ul><p class='muted'>Speeds are medians of interleaved runs on the machine that wrote "
-               f"this page and move with its load; every number here is in report.json.</p><p>{links}</p>")
-    return "".join(out) + "</div>"
+    out.append("</ul><p class='muted'>Speeds are medians of interleaved runs on the machine that "
+               "wrote this page and move with its load; every number here is in report.json.</p>"
+               f"<p>{links}</p></div>")
+    return "".join(out)
 
 def sample_spans(text, marks):
     """A sample as spans, a character each with its (attributes, title); a newline shows as a mark."""
     spans = "".join(f'<span {attrs} title="{esc(title)}">{esc(ch)}</span>'
                     for ch, (attrs, title) in zip(text, marks))
-    return spans.replace("\n</span>", "&#8629;</span>\n")  # the line breaks after the span, not in it
+    return spans.replace("\n</span>", "&#8629;</span>\n")  # the line breaks after the span
 
 EXIT_COUNTS_TABLE = table("""Where do the tokens leave?
 layer  | layer      | {} | where a character of the early-exit sample left the network
@@ -2209,108 +2207,117 @@ def html_generation(report):
     marks = [(f'{swatch(l, L)} data-layer="{l}"', f"layer {l}, confidence {c:.2f}")
              for l, c in zip(g["exited_at"], g["confidences"])]
     counts = [{"layer": str(l), "tokens": c} for l, c in enumerate(g["exit_counts"])]
-    return section("sample", "What does early exit look like?", f"<p class='legend'>{legend}</p><p "
-                   f"class='muted'>Each character of the early-exit sample ({esc(g['kv_strategy'])}, "
-                   f"threshold {g['exit_threshold']:g}) sits on the colour of the layer it left at, dark "
-                   f"(layer 0) to light (layer {L - 1}, full depth); hover for its layer and the head's "
-                   "confidence.</p><div class='row'><div><h3>early exit</h3><pre class='sample'>\n"
-                   f"{sample_spans(g['sample'], marks)}</pre></div><div><h3>full depth</h3><pre "
-                   f"class='sample'>\n{esc(g['full_depth_sample'])}</pre></div></div>") + section(
-        "exits", EXIT_COUNTS_TABLE[0], html_table(EXIT_COUNTS_TABLE, counts, "generation.exit_counts.{}".format))
+    sample = section(
+        "sample", "What does early exit look like?", f"<p class='legend'>{legend}</p><p "
+        f"class='muted'>Each character of the early-exit sample ({esc(g['kv_strategy'])}, threshold "
+        f"{g['exit_threshold']:g}) sits on the colour of the layer it left at, dark (layer 0) to "
+        f"light (layer {L - 1}, full depth); hover for its layer and the head's confidence.</p><div "
+        "class='row'><div><h3>early exit</h3><pre class='sample'>\n"
+        f"{sample_spans(g['sample'], marks)}</pre></div><div><h3>full depth</h3><pre "
+        f"class='sample'>\n{esc(g['full_depth_sample'])}</pre></div></div>")
+    key = "generation.exit_counts.{}".format
+    return sample + section("exits", EXIT_COUNTS_TABLE[0], html_table(EXIT_COUNTS_TABLE, counts, key))
 
-SPECULATION_MARKS = ("the full model's token, where it rejected a draft", "a draft the full model accepted")
+SPECULATION_MARKS = ("the full model's token, where it rejected a draft",
+                     "a draft the full model accepted")  # by whether the character was drafted
 
 def html_speculation(report):
-    """The self-speculative sample: which characters were drafts the full model kept, which its own."""
+    """The self-speculative sample: which characters were drafts the full model kept."""
     s = report["speculation"]
-    marks = [(f'class="drafted{d:d}" data-drafted="{d:d}"', SPECULATION_MARKS[d]) for d in s["drafted"]]
-    return section("speculation", "What does the verifier do?", "<p class='legend'><span "
-                   "class='drafted1'>accepted draft</span><span class='drafted0'>the full model's token"
-                   "</span></p><p class='muted'>The same prompt and seed, drafted by the layers up to "
-                   f"{s['draft_exit']} (up to {s['num_draft']} a round) and verified by the rest in one pass a "
-                   f"round: <b {datum('speculation.acceptance_rate', s['acceptance_rate'])}>"
-                   f"{s['acceptance_rate']:.0%}</b> of the drafts were accepted, in <span "
-                   f"{datum('speculation.rounds', s['rounds'])}>{s['rounds']}</span> verify passes for "
-                   f"{len(s['sample'])} characters. A rejected draft is replaced by the full model's token, "
-                   f"which ends its round.</p><pre class='sample'>\n{sample_spans(s['sample'], marks)}</pre>")
+    marks = [(f'class="drafted{d:d}" data-drafted="{d:d}"', SPECULATION_MARKS[d])
+             for d in s["drafted"]]
+    return section(
+        "speculation", "What does the verifier do?", "<p class='legend'><span class='drafted1'>"
+        "accepted draft</span><span class='drafted0'>the full model's token</span></p><p "
+        "class='muted'>The same prompt and seed, drafted by the layers up to "
+        f"{s['draft_exit']} (up to {s['num_draft']} a round) and verified by the rest in one pass a "
+        f"round: <b {datum('speculation.acceptance_rate', s['acceptance_rate'])}>"
+        f"{s['acceptance_rate']:.0%}</b> of the drafts were accepted, in <span "
+        f"{datum('speculation.rounds', s['rounds'])}>{s['rounds']}</span> verify passes for "
+        f"{len(s['sample'])} characters. A rejected draft is replaced by the full model's token, "
+        f"which ends its round.</p><pre class='sample'>\n{sample_spans(s['sample'], marks)}</pre>")
 
 def html_sweep(report):
-    """What each threshold trades on val, compute saved against disagreement, the calibrated one marked."""
+    """What each threshold trades on val, compute saved for disagreement, the calibrated one marked."""
     cal = report["calibration"]
     series = []
     for name, cls, key in (("compute saved (share of layer runs)", "a", "compute_saved"),
                            ("disagreement with full depth (share of positions)", "b", "disagreement")):
-        points = [(e["threshold"], e[key], f"sweep.{j}.{key}", f"threshold {e['threshold']:.2f}: "
-                   f"{e[key]:.2%}") for j, e in enumerate(report["sweep"])]
+        points = [(e["threshold"], e[key], f"sweep.{j}.{key}",
+                   f"threshold {e['threshold']:.2f}: {e[key]:.2%}") for j, e in enumerate(report["sweep"])]
         series.append((name, cls, points))
     ticks = [(t / 10, f"{t / 10:.1f}") for t in range(11)]
     mark = (cal["threshold"], "calibration.threshold", f"calibrated: {cal['threshold']:g}")
-    return section("threshold", f"Which threshold? ({cal['measure']}, val)", svg_chart(
-        series, ticks, (f"exit threshold ({cal['measure']} confidence)", "share"), "{:.0%}", mark=mark))
+    chart = svg_chart(series, ticks, (f"exit threshold ({cal['measure']} confidence)", "share"),
+                      "{:.0%}", mark=mark)
+    return section("threshold", f"Which threshold? ({cal['measure']}, val)", chart)
 
-def html_speedups(indexed, prefix, batch):
-    """Each decoder's measured speed-up, greedy and sampled side by side; indexed: (row index, row)."""
-    names = list(dict.fromkeys(row["name"] for _, row in indexed))  # each decoder once, in order
+def html_speedups(rows, prefix, batch_size):
+    """The measured speed-up of each decoder at one batch size, greedy and sampled side by side."""
+    names = list(dict.fromkeys(r["name"] for r in rows if r["batch_size"] == batch_size))
     series = []
     for cls, mode in zip("ab", MODES):
         points = [((names.index(r["name"]) + 0.5) / len(names), r["speedup"], f"{prefix}.{i}.speedup",
-                   f"{r['name']}, {mode}: {r['speedup']:.2f}x") for i, r in indexed if r["mode"] == mode]
+                   f"{r['name']}, {mode}: {r['speedup']:.2f}x") for i, r in enumerate(rows)
+                  if r["mode"] == mode and r["batch_size"] == batch_size]
         series.append((mode, cls, points))
     ticks = [((n + 0.5) / len(names), name) for n, name in enumerate(names)]
-    return svg_chart(series, ticks, (f"decoder, {batch}", "speed-up over full depth, measured"), "{:.1f}x",
-                     bars=True)
+    return svg_chart(series, ticks, (f"decoder, batch {batch_size}", "speed-up over full depth, measured"),
+                     "{:.1f}x", bars=True)
 
 def html_calibration(report):
     cals = report["calibration_by_measure"]
-    return section("calibration", CALIBRATION_TABLE[0], f"<p>{guarantee(cals[0], report['config']['sweep_positions'])}"
-                   ", teacher-forced, with an exact cache.</p>", html_table(
-                       CALIBRATION_TABLE, calibration_rows(cals), "calibration_by_measure.{}.{}".format))
+    rows = calibration_rows(cals)
+    return section("calibration", CALIBRATION_TABLE[0], f"<p>{guarantee(cals[0], report['config']['sweep_positions'])}, "
+                   "teacher-forced, with an exact cache.</p>",
+                   html_table(CALIBRATION_TABLE, rows, "calibration_by_measure.{}.{}".format))
 
 def html_lens(report):
-    return section("lens", LENS_TABLE[0], html_table(LENS_TABLE, report["logit_lens"], "logit_lens.{}.{}".format))
+    lens = html_table(LENS_TABLE, report["logit_lens"], "logit_lens.{}.{}".format)
+    return section("lens", LENS_TABLE[0], lens)
 
 def html_slices(report):
     sl = report["slices"]
-    return section("easy", SLICES_TABLE[0], html_table(SLICES_TABLE, sl["per_layer"], "slices.per_layer.{}.{}".format),
-                   f"<h3>{EASY_CHARS_TABLE[0]} (layer {sl['first_exit_layer']})</h3>", html_table(
-                       EASY_CHARS_TABLE, sl["earliest_chars"], "slices.earliest_chars.{}.{}".format))
+    return section("easy", SLICES_TABLE[0],
+                   html_table(SLICES_TABLE, sl["per_layer"], "slices.per_layer.{}.{}".format),
+                   f"<h3>{EASY_CHARS_TABLE[0]} (layer {sl['first_exit_layer']})</h3>",
+                   html_table(EASY_CHARS_TABLE, sl["earliest_chars"], "slices.earliest_chars.{}.{}".format))
 
 def html_strategies(report):
     rows = report["strategies"]
-    return section("strategies", STRATEGY_TABLE[0], html_speedups(list(enumerate(rows)), "strategies", "batch 1"),
+    return section("strategies", STRATEGY_TABLE[0], html_speedups(rows, "strategies", 1),
                    html_table(STRATEGY_TABLE, rows, "strategies.{}.{}".format))
 
 def html_batches(report):
     rows = report["batched"]["entries"]
-    charts = [html_speedups([(i, r) for i, r in enumerate(rows) if r["batch_size"] == B], "batched.entries",
-                            f"batch {B}") for B in sorted({r["batch_size"] for r in rows})]
-    return section("batches", BATCH_TABLE[0], *charts, html_table(
-        BATCH_TABLE, rows, "batched.entries.{}.{}".format, batch_notes(report["batched"], report["config"])))
+    charts = [html_speedups(rows, "batched.entries", B) for B in sorted({r["batch_size"] for r in rows})]
+    notes = batch_notes(report["batched"], report["config"])
+    return section("batches", BATCH_TABLE[0], *charts,
+                   html_table(BATCH_TABLE, rows, "batched.entries.{}.{}".format, notes))
 
 def html_spec_sweep(report):
-    parts = []
-    for mode in MODES:
-        table, rows, key = spec_grid(report["spec_sweep"], mode)
-        parts += [f"<h3>{esc(table[0])}</h3>", html_table(table, rows, key)]
-    return section("spec-sweep", "Which draft_exit and num_draft?", *parts)
+    grid = html_table(SPEC_SWEEP_TABLE, report["spec_sweep"], "spec_sweep.{}.{}".format)
+    return section("spec-sweep", SPEC_SWEEP_TABLE[0], grid)
 
 def html_recipes(report):
-    return section("recipes", RECIPE_TABLE[0], html_table(RECIPE_TABLE, report["recipes"], "recipes.{}.{}".format))
+    recipes = html_table(RECIPE_TABLE, report["recipes"], "recipes.{}.{}".format)
+    return section("recipes", RECIPE_TABLE[0], recipes)
 
 # the page's sections in reading order, each drawn where its part of the report is there
-HTML_SECTIONS = (("generation", html_generation), ("speculation", html_speculation), ("sweep", html_sweep),
-                 ("calibration_by_measure", html_calibration), ("logit_lens", html_lens), ("slices", html_slices),
-                 ("strategies", html_strategies), ("batched", html_batches), ("spec_sweep", html_spec_sweep),
-                 ("recipes", html_recipes))
+HTML_SECTIONS = (("generation", html_generation), ("speculation", html_speculation),
+                 ("sweep", html_sweep), ("calibration_by_measure", html_calibration),
+                 ("logit_lens", html_lens), ("slices", html_slices), ("strategies", html_strategies),
+                 ("batched", html_batches), ("spec_sweep", html_spec_sweep), ("recipes", html_recipes))
 
 def write_html_report(report, path):
-    """out_dir/report.html: report.json's numbers on a page that reads on a phone, each under its question."""
+    """out_dir/report.html: report.json's numbers on a page that reads on a phone."""
     body = "".join(draw(report) for part, draw in HTML_SECTIONS if report.get(part))
     found = re.findall(r"<section id='([^']+)'><h2>([^<]+)</h2>", body)
     write_text('<!doctype html><html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
-               'content="width=device-width, initial-scale=1"><meta name="color-scheme" content="light dark">'
-               f"<title>nanogpt_exit_head report</title><style>{HTML_STYLE}</style></head><body><h1>Early exit "
-               f"in a character-level GPT</h1>{html_summary(report, found)}{body}</body></html>", path)
+               'content="width=device-width, initial-scale=1"><meta name="color-scheme" '
+               f'content="light dark"><title>nanogpt_exit_head report</title><style>{HTML_STYLE}</style>'
+               "</head><body><h1>Early exit in a character-level GPT</h1>"
+               f"{html_summary(report, found)}{body}</body></html>", path)
 
 # -----------------------------------------------------------------------------
 # Checkpoints: written to a temporary file, then renamed, so none is ever half-written; resume, Ctrl-C, torchrun
