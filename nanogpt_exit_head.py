@@ -1812,7 +1812,7 @@ def benchmark_training(config, splits, device, rounds=5, steps=40):
 # -----------------------------------------------------------------------------
 # Reports: the exit map, tables for people, JSON for programs
 
-LAYER_COLOURS = (31, 33, 32, 36, 34, 35, 91, 93, 92, 96, 94, 95)  # ANSI foreground, shallow to deep
+LAYER_COLOURS = "31 33 32 36 34 35 91 93 92 96 94 95".split()  # ANSI foreground, shallow to deep
 LAYER_MARKS = "0123456789abcdefghijklmnopqrstuvwxyz"  # the mark of layer l in a plain-text exit map
 
 def colour_text(text, layers, n_layer, tty):
@@ -1904,6 +1904,12 @@ def legend(columns):
     """A table's legend: each column's header and help."""
     return "; ".join(f"{header}: {text}" for _, header, _, text in columns if text) + "."
 
+def field(row, key):
+    """A row's figure under its report key, dotted where nested ('test.loss'); None if absent."""
+    for part in key.split("."):
+        row = (row or {}).get(part)
+    return row
+
 def format_cell(value, fmt):
     """A table cell as text: '-' where a row has no such figure."""
     if value is None:
@@ -1918,7 +1924,7 @@ def print_table(table, rows, conditions="", notes=()):
     """A table under its question and the conditions it was measured in, then legend and notes."""
     question, columns = table
     lines = [[header for _, header, _, _ in columns]]
-    lines += [[format_cell(row.get(key), fmt) for key, _, fmt, _ in columns] for row in rows]
+    lines += [[format_cell(field(row, key), fmt) for key, _, fmt, _ in columns] for row in rows]
     widths = [max(map(len, column)) for column in zip(*lines)]
     print_title(f"{question} {conditions}")
     for line in lines:
@@ -1967,7 +1973,8 @@ repetition        | repeats   | {:.2f}  | the share of 4-grams repeating an earl
 identical_to_full | identical | {}      | greedy output equal to full depth's on every prompt""")
 
 def print_spec_sweep(grid):
-    best = [max((g for g in grid if g["mode"] == mode), key=lambda g: g["speedup"]) for mode in MODES]
+    best = [max((g for g in grid if g["mode"] == mode), key=lambda g: g["speedup"])
+            for mode in MODES]
     print_table(SPEC_SWEEP_TABLE, grid, "The self-speculative sweep on the val workload",
                 [f"best {b['mode']}: draft_exit={b['draft_exit']}, num_draft={b['num_draft']} "
                  f"({b['speedup']:.2f}x)" for b in best])
@@ -1992,11 +1999,6 @@ def print_batches(batched, config):
                 f"{', '.join(map(str, BATCH_SIZES))}, median of {config.bench_repeats} interleaved "
                 "runs", batch_notes(batched, asdict(config)))
 
-def calibration_rows(cals):
-    """Learn then Test per confidence measure, its test figures flat under their report keys."""
-    return [dict(measure=c["measure"], threshold=c["threshold"],
-                 **{f"test.{k}": v for k, v in c["test"].items()}) for c in cals]
-
 def guarantee(cal, positions):
     return (f"Learn then Test: disagreement <= {cal['epsilon']:.0%} with probability >= "
             f"{1 - cal['delta']:.0%}, chosen on val, reported on {positions:,} test positions")
@@ -2009,10 +2011,8 @@ def print_exit_rule(rule, config):
     print_table(SWEEP_TABLE, shown, f"The sweep on {n} val positions, teacher-forced "
                 f"({config.confidence_measure}): compute saved against quality",
                 [f"full depth's val loss on these positions: {rule['sweep'][0]['full_loss']:.4f}"])
-    best = max(rule["calibration_by_measure"], key=lambda c: c["test"]["compute_saved"])
-    print_table(CALIBRATION_TABLE, calibration_rows(rule["calibration_by_measure"]),
-                guarantee(cal, config.sweep_positions),
-                [f"teacher-forced, with an exact cache; the most compute saved: {best['measure']}"])
+    print_table(CALIBRATION_TABLE, rule["calibration_by_measure"],
+                guarantee(cal, config.sweep_positions), ["teacher-forced, with an exact cache"])
     print_table(LENS_TABLE, rule["logit_lens"], "The logit lens on up to 64 val windows: each "
                 "layer through the final head and through its own exit head")
     print_table(SLICES_TABLE, slices["per_layer"], f"The {n} test positions by the layer they "
@@ -2031,9 +2031,9 @@ def print_recipes(entries, config):
 # -----------------------------------------------------------------------------
 # Reports, 2: out_dir/report.html, one self-contained page (inline CSS and SVG, no script)
 
-# viridis, dark to light: the layers' order reads without hue (colour-blind safe); the last 5 are light
-VIRIDIS = ("#440154", "#411c66", "#3e3779", "#3b528b", "#32678b", "#2a7c8c", "#21918c", "#35a47e",
-           "#4ab670", "#5ec962", "#93d34e", "#c8dd39", "#fde725")
+# viridis, dark to light: the layers' order reads without hue (colour-blind safe)
+VIRIDIS = ("#440154 #411c66 #3e3779 #3b528b #32678b #2a7c8c #21918c #35a47e #4ab670 #5ec962 "
+           "#93d34e #c8dd39 #fde725").split()
 
 def layer_colour(layer, n_layer):
     """The first layer's colour is viridis' darkest, the last one's its lightest."""
@@ -2048,7 +2048,9 @@ def swatch(layer, n_layer):
     return f'style="background:{colour};color:{ink}"'
 
 def esc(text):
-    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+    """Text made safe inside HTML and its attributes."""
+    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace(
+        '"', "&quot;")
 
 def datum(key, value):
     """The attributes that tie a number on the page to its place in report.json (a test checks)."""
@@ -2097,47 +2099,46 @@ def plot_y(y, top):
     return PLOT_HEIGHT * (1 - 0.9 * y / top)
 
 def svg_point(cls, x, y, top, key, tip, width):
-    """One figure with its report key: a bar `width` wide (a share of the x axis) from x, or a dot."""
-    Y = plot_y(y, top)
+    """One figure with its report key: a bar `width` wide (a share of the x axis), or a dot."""
     data = f'class="{cls}" {datum(key, y)}><title>{esc(tip)}</title>'
     if width:
-        return (f'<rect x="{plot_x(x):.1f}" y="{Y:.1f}" width="{PLOT_WIDTH * width:.1f}" '
-                f'height="{PLOT_HEIGHT - Y:.1f}" {data}</rect>')
-    return f'<circle cx="{plot_x(x):.1f}" cy="{Y:.1f}" r="3" {data}</circle>'
+        return (f'<rect x="{plot_x(x):.1f}" y="{plot_y(y, top):.1f}" '
+                f'width="{PLOT_WIDTH * width:.1f}" '
+                f'height="{PLOT_HEIGHT - plot_y(y, top):.1f}" {data}</rect>')
+    return f'<circle cx="{plot_x(x):.1f}" cy="{plot_y(y, top):.1f}" r="3" {data}</circle>'
 
 def svg_chart(series, x_ticks, titles, y_fmt, bars=False, mark=None):
-    """Lines, or bars side by side. series: (name, class, points), a point (x in [0, 1], y, report key,
-    hover text); x_ticks: (x, label); titles: the axes'; bars: with full depth's 1.0x dashed across;
-    mark: (x, report key, label), a dashed line up the chart."""
+    """Lines, or bars side by side. series: (name, class, points), a point (x in [0, 1], y,
+    report key, hover text); x_ticks: {label: x}; titles: the axes'; bars: with full depth's
+    1.0x dashed across; mark: (x, report key, label), a dashed line up the chart."""
     ticks = nice_ticks(max([p[1] for _, _, points in series for p in points] + [int(bars)]))
-    H = PLOT_HEIGHT
-    parts = [f'<svg viewBox="0 0 1100 {H + 72}" width="100%" role="img"><text transform="translate(14 '
-             f'{H / 2}) rotate(-90)" text-anchor="middle">{esc(titles[1])}</text><text x="575" '
-             f'y="{H + 38}" text-anchor="middle">{esc(titles[0])}</text>']
-    for t in ticks:  # a grid line up the y axis at every tick
-        y = plot_y(t, ticks[-1])
-        parts.append(f'<line class="grid" x1="64" x2="1090" y1="{y:.1f}" y2="{y:.1f}"/><text x="58" '
-                     f'y="{y + 4:.1f}" text-anchor="end">{y_fmt.format(t)}</text>')
+    top, H = ticks[-1], PLOT_HEIGHT
+    parts = [f'<svg viewBox="0 0 1100 {H + 72}" width="100%" role="img"><text '
+             f'transform="translate(14 {H / 2}) rotate(-90)" text-anchor="middle">{esc(titles[1])}'
+             f'</text><text x="575" y="{H + 38}" text-anchor="middle">{esc(titles[0])}</text>']
+    parts += [f'<line class="grid" x1="64" x2="1090" y1="{plot_y(t, top):.1f}" '
+              f'y2="{plot_y(t, top):.1f}"/><text x="58" y="{plot_y(t, top) + 4:.1f}" '
+              f'text-anchor="end">{y_fmt.format(t)}</text>' for t in ticks]
+    parts += [f'<text x="{plot_x(x):.1f}" y="{H + 16}" text-anchor="middle">{esc(label)}</text>'
+              for label, x in x_ticks.items()]
     width = 0  # lines: a dot at each point
     if bars:  # a group, a bar a series, fills 80% of its share of the axis
         width = 0.8 / len(x_ticks) / len(series)
-        y = plot_y(1.0, ticks[-1])
-        parts.append(f'<line class="mark" x1="64" x2="1090" y1="{y:.1f}" y2="{y:.1f}"/><text x="1090" '
-                     f'y="{y - 4:.1f}" text-anchor="end">1.0x: full depth</text>')
+        parts.append(f'<line class="mark" x1="64" x2="1090" y1="{plot_y(1, top):.1f}" '
+                     f'y2="{plot_y(1, top):.1f}"/><text x="1090" y="{plot_y(1, top) - 4:.1f}" '
+                     'text-anchor="end">1.0x: full depth</text>')
+    if mark:
+        parts.append(f'<line class="mark" x1="{plot_x(mark[0]):.1f}" x2="{plot_x(mark[0]):.1f}" '
+                     f'y1="0" y2="{H}" {datum(mark[1], mark[0])}/><text '
+                     f'x="{plot_x(mark[0]) + 4:.1f}" y="12">{esc(mark[2])}</text>')
     for s, (name, cls, points) in enumerate(series):
         if not bars:
-            line = " ".join(f"{plot_x(x):.1f},{plot_y(y, ticks[-1]):.1f}" for x, y, _, _ in points)
+            line = " ".join(f"{plot_x(x):.1f},{plot_y(y, top):.1f}" for x, y, _, _ in points)
             parts.append(f'<polyline class="{cls} line" points="{line}"/>')
-        parts += [svg_point(cls, x + (s - len(series) / 2) * width, y, ticks[-1], key, tip, width)
+        parts += [svg_point(cls, x + (s - len(series) / 2) * width, y, top, key, tip, width)
                   for x, y, key, tip in points]
         parts.append(f'<rect class="{cls}" x="{70 + 500 * s}" y="{H + 52}" width="12" height="12"/>'
                      f'<text x="{88 + 500 * s}" y="{H + 62}">{esc(name)}</text>')
-    parts += [f'<text x="{plot_x(x):.1f}" y="{H + 16}" text-anchor="middle">{esc(label)}</text>'
-              for x, label in x_ticks]
-    if mark:
-        x = plot_x(mark[0])
-        parts.append(f'<line class="mark" x1="{x:.1f}" x2="{x:.1f}" y1="0" y2="{H}" '
-                     f'{datum(mark[1], mark[0])}/><text x="{x + 4:.1f}" y="12">{esc(mark[2])}</text>')
     return "".join(parts) + "</svg>"
 
 def html_table(table, rows, key, notes=()):
@@ -2149,8 +2150,8 @@ def html_table(table, rows, key, notes=()):
     for i, row in enumerate(rows):
         out.append("</tr><tr>")
         for k, _, fmt, _ in columns:
-            value = row.get(k)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = field(row, k)
+            if type(value) in (int, float):  # a number (not a bool): tie it to report.json
                 out.append(f"<td {datum(key(i, k), value)}>{esc(fmt.format(value))}</td>")
             else:
                 out.append(f"<td>{esc(format_cell(value, fmt))}</td>")
@@ -2163,7 +2164,7 @@ def section(anchor, question, *body):
     return f"<section id='{anchor}'><h2>{esc(question)}</h2>{''.join(body)}</section>"
 
 def html_summary(report, sections):
-    """What was trained on what, the headline figures with their conditions, links to every section."""
+    """What was trained on what, the headline figures with their conditions, links to the rest."""
     cfg = report["config"]
     out = [f"<div id='summary'><p>A {cfg['n_layer']}-layer GPT ({cfg['n_head']} heads, "
            f"{cfg['n_embd']} wide, context {cfg['block_size']} characters) with an exit head after "
@@ -2175,15 +2176,14 @@ def html_summary(report, sections):
     if report.get("calibration"):
         c = report["calibration"]
         saved = c["test"]["compute_saved"]
-        out.append(f"<li>Early exit calibrated on val ({c['measure']} > {c['threshold']:g}) skips <b "
-                   f"{datum('calibration.test.compute_saved', saved)}>{saved:.1%}</b> of the layer runs "
-                   f"on test, at most {c['epsilon']:.0%} disagreeing with full depth, with probability "
-                   f"{1 - c['delta']:.0%}.</li>")
-    for j, e in enumerate(report.get("strategies", [])):
-        if e["name"] == "self_speculative":
-            out.append(f"<li>Self-speculative decoding, exact ({e['mode']}), runs at <b "
-                       f"{datum(f'strategies.{j}.speedup', e['speedup'])}>{e['speedup']:.2f}x</b> "
-                       "full depth's speed on the test workload at batch 1.</li>")
+        out.append(f"<li>Early exit calibrated on val ({c['measure']} > {c['threshold']:g}) "
+                   f"skips <b {datum('calibration.test.compute_saved', saved)}>{saved:.1%}</b> of "
+                   f"the layer runs on test, at most {c['epsilon']:.0%} disagreeing with full "
+                   f"depth, with probability {1 - c['delta']:.0%}.</li>")
+    out += [f"<li>Self-speculative decoding, exact ({e['mode']}), runs at <b "
+            f"{datum(f'strategies.{j}.speedup', e['speedup'])}>{e['speedup']:.2f}x</b> full "
+            "depth's speed on the test workload at batch 1.</li>"
+            for j, e in enumerate(report.get("strategies", [])) if e["name"] == "self_speculative"]
     links = " · ".join(f"<a href='#{a}'>{q}</a>" for a, q in sections)  # q: escaped already
     out.append("</ul><p class='muted'>Speeds are medians of interleaved runs on the machine that "
                "wrote this page and move with its load; every number here is in report.json.</p>"
@@ -2191,7 +2191,7 @@ def html_summary(report, sections):
     return "".join(out)
 
 def sample_spans(text, marks):
-    """A sample as spans, a character each with its (attributes, title); a newline shows as a mark."""
+    """A sample as spans, a character each with its (attributes, title); newlines show a mark."""
     spans = "".join(f'<span {attrs} title="{esc(title)}">{esc(ch)}</span>'
                     for ch, (attrs, title) in zip(text, marks))
     return spans.replace("\n</span>", "&#8629;</span>\n")  # the line breaks after the span
@@ -2201,7 +2201,7 @@ layer  | layer      | {} | where a character of the early-exit sample left the n
 tokens | characters | {} | how many left there""")
 
 def html_generation(report):
-    """The early-exit sample on the colours of its exit layers, full depth's beside it, the counts."""
+    """The early-exit sample on the colours of its exit layers, full depth's beside it."""
     g, L = report["generation"], report["config"]["n_layer"]
     legend = "".join(f"<span {swatch(l, L)}>layer {l}</span>" for l in range(L))
     marks = [(f'{swatch(l, L)} data-layer="{l}"', f"layer {l}, confidence {c:.2f}")
@@ -2209,14 +2209,15 @@ def html_generation(report):
     counts = [{"layer": str(l), "tokens": c} for l, c in enumerate(g["exit_counts"])]
     sample = section(
         "sample", "What does early exit look like?", f"<p class='legend'>{legend}</p><p "
-        f"class='muted'>Each character of the early-exit sample ({esc(g['kv_strategy'])}, threshold "
-        f"{g['exit_threshold']:g}) sits on the colour of the layer it left at, dark (layer 0) to "
-        f"light (layer {L - 1}, full depth); hover for its layer and the head's confidence.</p><div "
-        "class='row'><div><h3>early exit</h3><pre class='sample'>\n"
+        f"class='muted'>Each character of the early-exit sample ({esc(g['kv_strategy'])}, "
+        f"threshold {g['exit_threshold']:g}) sits on the colour of the layer it left at, dark "
+        f"(layer 0) to light (layer {L - 1}, full depth); hover for its layer and the head's "
+        "confidence.</p><div class='row'><div><h3>early exit</h3><pre class='sample'>\n"
         f"{sample_spans(g['sample'], marks)}</pre></div><div><h3>full depth</h3><pre "
         f"class='sample'>\n{esc(g['full_depth_sample'])}</pre></div></div>")
     key = "generation.exit_counts.{}".format
-    return sample + section("exits", EXIT_COUNTS_TABLE[0], html_table(EXIT_COUNTS_TABLE, counts, key))
+    counts_table = html_table(EXIT_COUNTS_TABLE, counts, key)
+    return sample + section("exits", EXIT_COUNTS_TABLE[0], counts_table)
 
 SPECULATION_MARKS = ("the full model's token, where it rejected a draft",
                      "a draft the full model accepted")  # by whether the character was drafted
@@ -2230,23 +2231,24 @@ def html_speculation(report):
         "speculation", "What does the verifier do?", "<p class='legend'><span class='drafted1'>"
         "accepted draft</span><span class='drafted0'>the full model's token</span></p><p "
         "class='muted'>The same prompt and seed, drafted by the layers up to "
-        f"{s['draft_exit']} (up to {s['num_draft']} a round) and verified by the rest in one pass a "
-        f"round: <b {datum('speculation.acceptance_rate', s['acceptance_rate'])}>"
+        f"{s['draft_exit']} (up to {s['num_draft']} a round) and verified by the rest in one pass "
+        f"a round: <b {datum('speculation.acceptance_rate', s['acceptance_rate'])}>"
         f"{s['acceptance_rate']:.0%}</b> of the drafts were accepted, in <span "
         f"{datum('speculation.rounds', s['rounds'])}>{s['rounds']}</span> verify passes for "
         f"{len(s['sample'])} characters. A rejected draft is replaced by the full model's token, "
         f"which ends its round.</p><pre class='sample'>\n{sample_spans(s['sample'], marks)}</pre>")
 
 def html_sweep(report):
-    """What each threshold trades on val, compute saved for disagreement, the calibrated one marked."""
+    """What each threshold trades on val, compute for disagreement; the calibrated one marked."""
     cal = report["calibration"]
     series = []
     for name, cls, key in (("compute saved (share of layer runs)", "a", "compute_saved"),
-                           ("disagreement with full depth (share of positions)", "b", "disagreement")):
-        points = [(e["threshold"], e[key], f"sweep.{j}.{key}",
-                   f"threshold {e['threshold']:.2f}: {e[key]:.2%}") for j, e in enumerate(report["sweep"])]
+                           ("disagreement with full depth (share of positions)", "b",
+                            "disagreement")):
+        points = [(e["threshold"], e[key], f"sweep.{j}.{key}", f"threshold {e['threshold']:.2f}: "
+                   f"{e[key]:.2%}") for j, e in enumerate(report["sweep"])]
         series.append((name, cls, points))
-    ticks = [(t / 10, f"{t / 10:.1f}") for t in range(11)]
+    ticks = {f"{t / 10:.1f}": t / 10 for t in range(11)}
     mark = (cal["threshold"], "calibration.threshold", f"calibrated: {cal['threshold']:g}")
     chart = svg_chart(series, ticks, (f"exit threshold ({cal['measure']} confidence)", "share"),
                       "{:.0%}", mark=mark)
@@ -2255,22 +2257,22 @@ def html_sweep(report):
 def html_speedups(rows, prefix, batch_size):
     """The measured speed-up of each decoder at one batch size, greedy and sampled side by side."""
     names = list(dict.fromkeys(r["name"] for r in rows if r["batch_size"] == batch_size))
+    at = {name: (n + 0.5) / len(names) for n, name in enumerate(names)}  # the middle of its group
     series = []
     for cls, mode in zip("ab", MODES):
-        points = [((names.index(r["name"]) + 0.5) / len(names), r["speedup"], f"{prefix}.{i}.speedup",
-                   f"{r['name']}, {mode}: {r['speedup']:.2f}x") for i, r in enumerate(rows)
+        points = [(at[r["name"]], r["speedup"], f"{prefix}.{i}.speedup", f"{r['name']}, {mode}: "
+                   f"{r['speedup']:.2f}x") for i, r in enumerate(rows)
                   if r["mode"] == mode and r["batch_size"] == batch_size]
         series.append((mode, cls, points))
-    ticks = [((n + 0.5) / len(names), name) for n, name in enumerate(names)]
-    return svg_chart(series, ticks, (f"decoder, batch {batch_size}", "speed-up over full depth, measured"),
-                     "{:.1f}x", bars=True)
+    titles = (f"decoder, batch {batch_size}", "speed-up over full depth, measured")
+    return svg_chart(series, at, titles, "{:.1f}x", bars=True)
 
 def html_calibration(report):
     cals = report["calibration_by_measure"]
-    rows = calibration_rows(cals)
-    return section("calibration", CALIBRATION_TABLE[0], f"<p>{guarantee(cals[0], report['config']['sweep_positions'])}, "
-                   "teacher-forced, with an exact cache.</p>",
-                   html_table(CALIBRATION_TABLE, rows, "calibration_by_measure.{}.{}".format))
+    conditions = guarantee(cals[0], report["config"]["sweep_positions"])
+    table = html_table(CALIBRATION_TABLE, cals, "calibration_by_measure.{}.{}".format)
+    return section("calibration", CALIBRATION_TABLE[0],
+                   f"<p>{conditions}, teacher-forced, with an exact cache.</p>", table)
 
 def html_lens(report):
     lens = html_table(LENS_TABLE, report["logit_lens"], "logit_lens.{}.{}".format)
@@ -2281,7 +2283,8 @@ def html_slices(report):
     return section("easy", SLICES_TABLE[0],
                    html_table(SLICES_TABLE, sl["per_layer"], "slices.per_layer.{}.{}".format),
                    f"<h3>{EASY_CHARS_TABLE[0]} (layer {sl['first_exit_layer']})</h3>",
-                   html_table(EASY_CHARS_TABLE, sl["earliest_chars"], "slices.earliest_chars.{}.{}".format))
+                   html_table(EASY_CHARS_TABLE, sl["earliest_chars"],
+                              "slices.earliest_chars.{}.{}".format))
 
 def html_strategies(report):
     rows = report["strategies"]
@@ -2290,7 +2293,8 @@ def html_strategies(report):
 
 def html_batches(report):
     rows = report["batched"]["entries"]
-    charts = [html_speedups(rows, "batched.entries", B) for B in sorted({r["batch_size"] for r in rows})]
+    charts = [html_speedups(rows, "batched.entries", B)
+              for B in sorted({r["batch_size"] for r in rows})]
     notes = batch_notes(report["batched"], report["config"])
     return section("batches", BATCH_TABLE[0], *charts,
                    html_table(BATCH_TABLE, rows, "batched.entries.{}.{}".format, notes))
@@ -2306,8 +2310,9 @@ def html_recipes(report):
 # the page's sections in reading order, each drawn where its part of the report is there
 HTML_SECTIONS = (("generation", html_generation), ("speculation", html_speculation),
                  ("sweep", html_sweep), ("calibration_by_measure", html_calibration),
-                 ("logit_lens", html_lens), ("slices", html_slices), ("strategies", html_strategies),
-                 ("batched", html_batches), ("spec_sweep", html_spec_sweep), ("recipes", html_recipes))
+                 ("logit_lens", html_lens), ("slices", html_slices),
+                 ("strategies", html_strategies), ("batched", html_batches),
+                 ("spec_sweep", html_spec_sweep), ("recipes", html_recipes))
 
 def write_html_report(report, path):
     """out_dir/report.html: report.json's numbers on a page that reads on a phone."""
@@ -2315,8 +2320,9 @@ def write_html_report(report, path):
     found = re.findall(r"<section id='([^']+)'><h2>([^<]+)</h2>", body)
     write_text('<!doctype html><html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
                'content="width=device-width, initial-scale=1"><meta name="color-scheme" '
-               f'content="light dark"><title>nanogpt_exit_head report</title><style>{HTML_STYLE}</style>'
-               "</head><body><h1>Early exit in a character-level GPT</h1>"
+               'content="light dark"><title>nanogpt_exit_head report</title>'
+               f"<style>{HTML_STYLE}</style></head><body><h1>Early exit in a character-level GPT"
+               "</h1>"
                f"{html_summary(report, found)}{body}</body></html>", path)
 
 # -----------------------------------------------------------------------------

@@ -198,7 +198,7 @@ def test_a_console_table_and_the_page_table_come_from_one_definition(page, capsy
     """The headers and the legend the console prints are the page's: one definition, no drift."""
     html, report = page[0].read_text(), page[1]
     for table, rows in ((m.STRATEGY_TABLE, report["strategies"]), (m.LENS_TABLE, report["logit_lens"]),
-                        (m.CALIBRATION_TABLE, m.calibration_rows(report["calibration_by_measure"]))):
+                        (m.CALIBRATION_TABLE, report["calibration_by_measure"])):
         headers, legend = console_table(capsys, table, rows)
         page_table = html.split(f"<h2>{m.esc(table[0])}</h2>")[1].split("</section>")[0]
         assert [m.esc(h.strip()) for h in headers if h.strip()] == re.findall(r"<th>([^<]*)</th>", page_table)
