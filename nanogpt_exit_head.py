@@ -1930,7 +1930,7 @@ def print_table(table, rows, conditions="", notes=()):
     for line in lines:
         print("  ".join(v.rjust(w) for v, w in zip(line, widths)))
     for note in (legend(columns), *notes):
-        print(textwrap.fill(note, WIDTH, subsequent_indent="  "))
+        print(textwrap.fill(note, WIDTH, subsequent_indent="  ", break_on_hyphens=False))
 
 def print_strategies(entries, quality, config, costs, depths):
     L, b = config.n_layer, costs["block"]
@@ -1949,10 +1949,10 @@ def print_strategies(entries, quality, config, costs, depths):
               f"threshold sending {EARLY_EXIT_FRACTION:.0%} of val positions out early), and "
               "self_speculative's prediction, from the per-round cost model. Re-prefilling the "
               "window every block_size/2 tokens adds "
-              + " to ".join(f"{p:.2f}" for p in prefill) + " per token for every decoder. test "
-              f"loss, agree: {config.quality_positions} test positions teacher-forced; the "
-              "Learn-then-Test guarantee covers none of these rows. Sampled: temperature "
-              f"{config.temperature:g}, top_k {config.top_k}.",
+              + " to ".join(f"{p:.2f}" for p in prefill) + " per token for every decoder. Sampled: "
+              f"temperature {config.temperature:g}, top_k {config.top_k}.",
+              f"test loss, agree: {config.quality_positions} test positions teacher-forced; the "
+              "Learn-then-Test guarantee covers none of these rows.",
               f"Measured at batch 1: a block {1e6 * b:.0f} us; in blocks, an exit check "
               f"{costs['check'] / b:.2f}, a state-copy write {costs['state_copy'] / b:.2f}, the "
               f"final head {costs['final_head'] / b:.2f}, a full-depth token "
