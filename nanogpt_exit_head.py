@@ -2125,8 +2125,8 @@ def svg_chart(series, x_ticks, titles, y_fmt, bars=False, mark=None):
     if bars:  # a group, a bar a series, fills 80% of its share of the axis
         width = 0.8 / len(x_ticks) / len(series)
         parts.append(f'<line class="mark" x1="64" x2="1090" y1="{plot_y(1, top):.1f}" '
-                     f'y2="{plot_y(1, top):.1f}"/><text x="1090" y="{plot_y(1, top) - 4:.1f}" '
-                     'text-anchor="end">1.0x: full depth</text>')
+                     f'y2="{plot_y(1, top):.1f}"/><text x="72" y="{plot_y(1, top) - 4:.1f}">1.0x: '
+                     "full depth</text>")  # over the first group, full depth's own bars
     if mark:
         parts.append(f'<line class="mark" x1="{plot_x(mark[0]):.1f}" x2="{plot_x(mark[0]):.1f}" '
                      f'y1="0" y2="{H}" {datum(mark[1], mark[0])}/><text '
