@@ -2238,16 +2238,15 @@ def html_speculation(report):
         f"{len(s['sample'])} characters. A rejected draft is replaced by the full model's token, "
         f"which ends its round.</p><pre class='sample'>\n{sample_spans(s['sample'], marks)}</pre>")
 
+SWEEP_LINES = (("compute saved (share of layer runs)", "a", "compute_saved"),
+               ("disagreement with full depth (share of positions)", "b", "disagreement"))
+
 def html_sweep(report):
     """What each threshold trades on val, compute for disagreement; the calibrated one marked."""
     cal = report["calibration"]
-    series = []
-    for name, cls, key in (("compute saved (share of layer runs)", "a", "compute_saved"),
-                           ("disagreement with full depth (share of positions)", "b",
-                            "disagreement")):
-        points = [(e["threshold"], e[key], f"sweep.{j}.{key}", f"threshold {e['threshold']:.2f}: "
-                   f"{e[key]:.2%}") for j, e in enumerate(report["sweep"])]
-        series.append((name, cls, points))
+    series = [(name, cls, [(e["threshold"], e[key], f"sweep.{j}.{key}",
+                            f"threshold {e['threshold']:.2f}: {e[key]:.2%}")
+                           for j, e in enumerate(report["sweep"])]) for name, cls, key in SWEEP_LINES]
     ticks = {f"{t / 10:.1f}": t / 10 for t in range(11)}
     mark = (cal["threshold"], "calibration.threshold", f"calibrated: {cal['threshold']:g}")
     chart = svg_chart(series, ticks, (f"exit threshold ({cal['measure']} confidence)", "share"),
@@ -2256,27 +2255,27 @@ def html_sweep(report):
 
 def html_speedups(rows, prefix, batch_size):
     """The measured speed-up of each decoder at one batch size, greedy and sampled side by side."""
-    names = list(dict.fromkeys(r["name"] for r in rows if r["batch_size"] == batch_size))
+    shown = [(i, r) for i, r in enumerate(rows) if r["batch_size"] == batch_size]
+    names = list(dict.fromkeys(r["name"] for _, r in shown))
     at = {name: (n + 0.5) / len(names) for n, name in enumerate(names)}  # the middle of its group
-    series = []
-    for cls, mode in zip("ab", MODES):
-        points = [(at[r["name"]], r["speedup"], f"{prefix}.{i}.speedup", f"{r['name']}, {mode}: "
-                   f"{r['speedup']:.2f}x") for i, r in enumerate(rows)
-                  if r["mode"] == mode and r["batch_size"] == batch_size]
-        series.append((mode, cls, points))
+    series = [(mode, cls, [(at[r["name"]], r["speedup"], f"{prefix}.{i}.speedup", f"{r['name']}, "
+                            f"{mode}: {r['speedup']:.2f}x") for i, r in shown if r["mode"] == mode])
+              for cls, mode in zip("ab", MODES)]
     titles = (f"decoder, batch {batch_size}", "speed-up over full depth, measured")
     return svg_chart(series, at, titles, "{:.1f}x", bars=True)
 
+def rows_section(report, part, table, *before):
+    """A section that shows report[part]'s rows as a table, after any charts or words."""
+    rows = html_table(table, report[part], f"{part}.{{}}.{{}}".format)
+    return section(part, table[0], *before, rows)
+
 def html_calibration(report):
-    cals = report["calibration_by_measure"]
-    conditions = guarantee(cals[0], report["config"]["sweep_positions"])
-    table = html_table(CALIBRATION_TABLE, cals, "calibration_by_measure.{}.{}".format)
-    return section("calibration", CALIBRATION_TABLE[0],
-                   f"<p>{conditions}, teacher-forced, with an exact cache.</p>", table)
+    conditions = guarantee(report["calibration"], report["config"]["sweep_positions"])
+    return rows_section(report, "calibration_by_measure", CALIBRATION_TABLE,
+                        f"<p>{conditions}, teacher-forced, with an exact cache.</p>")
 
 def html_lens(report):
-    lens = html_table(LENS_TABLE, report["logit_lens"], "logit_lens.{}.{}".format)
-    return section("lens", LENS_TABLE[0], lens)
+    return rows_section(report, "logit_lens", LENS_TABLE)
 
 def html_slices(report):
     sl = report["slices"]
@@ -2287,9 +2286,8 @@ def html_slices(report):
                               "slices.earliest_chars.{}.{}".format))
 
 def html_strategies(report):
-    rows = report["strategies"]
-    return section("strategies", STRATEGY_TABLE[0], html_speedups(rows, "strategies", 1),
-                   html_table(STRATEGY_TABLE, rows, "strategies.{}.{}".format))
+    chart = html_speedups(report["strategies"], "strategies", 1)
+    return rows_section(report, "strategies", STRATEGY_TABLE, chart)
 
 def html_batches(report):
     rows = report["batched"]["entries"]
@@ -2300,12 +2298,10 @@ def html_batches(report):
                    html_table(BATCH_TABLE, rows, "batched.entries.{}.{}".format, notes))
 
 def html_spec_sweep(report):
-    grid = html_table(SPEC_SWEEP_TABLE, report["spec_sweep"], "spec_sweep.{}.{}".format)
-    return section("spec-sweep", SPEC_SWEEP_TABLE[0], grid)
+    return rows_section(report, "spec_sweep", SPEC_SWEEP_TABLE)
 
 def html_recipes(report):
-    recipes = html_table(RECIPE_TABLE, report["recipes"], "recipes.{}.{}".format)
-    return section("recipes", RECIPE_TABLE[0], recipes)
+    return rows_section(report, "recipes", RECIPE_TABLE)
 
 # the page's sections in reading order, each drawn where its part of the report is there
 HTML_SECTIONS = (("generation", html_generation), ("speculation", html_speculation),
