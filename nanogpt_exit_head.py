@@ -2246,7 +2246,8 @@ def html_sweep(report):
     cal = report["calibration"]
     series = [(name, cls, [(e["threshold"], e[key], f"sweep.{j}.{key}",
                             f"threshold {e['threshold']:.2f}: {e[key]:.2%}")
-                           for j, e in enumerate(report["sweep"])]) for name, cls, key in SWEEP_LINES]
+                           for j, e in enumerate(report["sweep"])])
+              for name, cls, key in SWEEP_LINES]
     ticks = {f"{t / 10:.1f}": t / 10 for t in range(11)}
     mark = (cal["threshold"], "calibration.threshold", f"calibrated: {cal['threshold']:g}")
     chart = svg_chart(series, ticks, (f"exit threshold ({cal['measure']} confidence)", "share"),
