@@ -1846,7 +1846,7 @@ loss          | val loss               | {:.4f} | the loss of the head each posi
 disagreement  | disagree               | {:.2%} | the share whose top-1 is not full depth's""")
 CALIBRATION_TABLE = table("""Which threshold, with a guarantee?
 measure            | measure      | {}     | how a head's confidence is read
-threshold          | threshold    | {:.2f} | the lowest threshold Learn then Test certifies on val
+threshold          | threshold    | {:.2f} | the threshold Learn then Test chooses on val
 test.compute_saved | test saved   | {:.1%} | the share of layer runs it skips on test
 test.disagreement  | disagree     | {:.2%} | the share whose top-1 is not full depth's
 test.loss          | test loss    | {:.4f} | the loss of the heads the positions leave at
@@ -1933,6 +1933,8 @@ def print_table(table, rows, conditions="", notes=()):
         print(textwrap.fill(note, WIDTH, subsequent_indent="  ", break_on_hyphens=False))
 
 def print_strategies(entries, quality, config, costs, depths):
+    """The strategies table, then what it rests on: the drafts, where the test tokens exit
+    (quality: each decoder's teacher-forced pass), the measured costs and a batch's depth."""
     L, b = config.n_layer, costs["block"]
     exact = {True: "identical to full depth on every prompt", False: "NOT identical to full depth",
              None: "exact in distribution (tested)"}
@@ -1942,6 +1944,8 @@ def print_strategies(entries, quality, config, costs, depths):
              for e in entries if e["name"] == "self_speculative"]
     prefill = sorted({round(e["prefill_layers"], 2) for e in entries})
     depth = ", ".join(f"B={B}: {d:.2f}" for B, d in depths.items())
+    exits = "; ".join(f"{name} {' '.join(f'{f:.0%}' for f in q['exit_fractions'])}"
+                      for name, q in quality.items())
     impossible = ""
     if costs["token"] < L * b:
         impossible = f", IMPOSSIBLE ({L} blocks): so after {costs['attempts']} measurements"
@@ -1953,6 +1957,7 @@ def print_strategies(entries, quality, config, costs, depths):
               f"temperature {config.temperature:g}, top_k {config.top_k}.",
               f"test loss, agree: {config.quality_positions} test positions teacher-forced; the "
               "Learn-then-Test guarantee covers none of these rows.",
+              f"Where test tokens exit, layer 0 first (teacher-forced): {exits}.",
               f"Measured at batch 1: a block {1e6 * b:.0f} us; in blocks, an exit check "
               f"{costs['check'] / b:.2f}, a state-copy write {costs['state_copy'] / b:.2f}, the "
               f"final head {costs['final_head'] / b:.2f}, a full-depth token "
