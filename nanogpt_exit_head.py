@@ -1611,515 +1611,520 @@ def compare_recipes(config, splits, device, prompts):
 # -----------------------------------------------------------------------------
 # Reports: the exit map, tables for people, JSON for programs
 
-LAYER_COLOURS = (31, 33, 32, 36, 34, 35, 91, 93, 92, 96, 94, 95)  # ANSI foreground codes, shallow to deep
+LAYER_COLOURS = "31 33 32 36 34 35 91 93 92 96 94 95".split()  # ANSI foreground, shallow to deep
 LAYER_MARKS = "0123456789abcdefghijklmnopqrstuvwxyz"  # the mark of layer l in a plain-text exit map
 
 def colour_text(text, layers, n_layer, tty):
-    """Every character coloured by the layer it left at; without a terminal, the layer's mark underneath."""
+    """Each character coloured by the layer it left at; else the layer's mark under it."""
     if tty:
         legend = " ".join(f"\033[{LAYER_COLOURS[l % 12]}mlayer {l}\033[0m" for l in range(n_layer))
         body = "".join(f"\033[{LAYER_COLOURS[l % 12]}m{ch}\033[0m" for ch, l in zip(text, layers))
         return f"legend: {legend}\n{body}"
-    out, i = ["(under each character, the layer it exited at: 0-9, then a for 10, b for 11, ...)"], 0
+    out = ["(under each character, the layer it exited at: 0-9, then a for 10, b for 11, ...)"]
+    i = 0
     for line in text.split("\n"):
         out += [line, "".join(LAYER_MARKS[l] for l in layers[i : i + len(line)])]
         i += len(line) + 1
     return "\n".join(out)
 
-WIDTH = 120  # console tables and their notes fit this many columns
+WIDTH = 100  # console tables and their notes fit this many columns
+
+def table(text):
+    """A table, defined once: its question on the first line, then a line a column, 'report key |
+    header | format | help'. print_table prints it, html_table renders it, and both write its
+    legend from the help."""
+    question, *columns = text.strip().split("\n")
+    return question, [[part.strip() for part in column.split("|")] for column in columns]
+
+SWEEP_TABLE = table("""Which threshold?
+threshold     | threshold              | {:.2f} | a position leaves at the first exit this sure
+fractions     | % exiting at layer 0.. | {}     | where the positions leave
+mean_layers   | layers                 | {:.2f} | mean layers run per position
+compute_saved | val saved              | {:.1%} | the share of layer runs skipped
+loss          | val loss               | {:.4f} | the loss of the head each position leaves at
+disagreement  | disagree               | {:.2%} | the share whose top-1 is not full depth's""")
+CALIBRATION_TABLE = table("""Which threshold, with a guarantee?
+measure            | measure      | {}     | how a head's confidence is read
+threshold          | threshold    | {:.2f} | the threshold Learn then Test chooses on val
+test.compute_saved | test saved   | {:.1%} | the share of layer runs it skips on test
+test.disagreement  | disagree     | {:.2%} | the share whose top-1 is not full depth's
+test.loss          | test loss    | {:.4f} | the loss of the heads the positions leave at
+test.full_loss     | full depth's | {:.4f} | full depth's loss on the same positions
+test.accuracy      | accuracy     | {:.3f} | how often the exit's top-1 is the next character""")
+LENS_TABLE = table("""Does an exit need a trained head?
+layer      | layer         | {}     | the layer read
+readout    | readout       | {}     | its own exit head, or the final one (untrained there)
+agreement  | top-1 = final | {:.3f} | how often its top-1 is the final prediction
+mean_rank  | mean rank     | {:.2f} | how many characters it ranks above the final top-1
+confidence | confidence    | {:.3f} | its mean top-1 probability""")
+SLICES_TABLE = table("""What does 'easy' mean for this model?
+layer    | layer    | {}     | where a test position leaves
+tokens   | tokens   | {}     | how many leave there
+accuracy | accuracy | {:.3f} | how often their exit's top-1 is the next character""")
+EASY_CHARS_TABLE = table("""Which characters leave first?
+char            | character       | {!r} | a character that leaves at the shallowest exit used
+exits           | times           | {}   | how often it left there
+example_context | typically after | {!r} | the context it most often follows""")
+STRATEGY_TABLE = table("""What does each KV strategy buy?
+mode              | mode      | {}      | greedy, or sampled
+name              | decoder   | {}      | how the skipped layers' cache is filled
+checked_exits     | exits     | {}      | the exits checked
+threshold         | thr       | {:.2f}  | their threshold
+speedup           | speed-up  | {:.2f}x | tokens per second over full depth's in the same mode
+predicted_speedup | predicted | {:.2f}x | the cost model's speed-up, from measured costs
+mean_layers       | layers    | {:.2f}  | blocks run per token while decoding, catch-up included
+repetition        | repeats   | {:.2f}  | the share of 4-grams repeating an earlier one
+test_loss         | test loss | {:.4f}  | teacher-forced test positions' loss
+agreement         | agree     | {:.3f}  | how often its top-1 there is full depth's""")
+BATCH_TABLE = table("""Does early exit still save in a batch?
+batch_size        | B         | {}      | rows decoded together, a prompt each
+mode              | mode      | {}      | greedy, or sampled
+name              | design    | {}      | the decoder
+tokens_per_second | tok/s     | {:,.0f} | characters per second of the whole batch
+speedup           | speed-up  | {:.2f}x | over full depth at the same batch size and mode
+predicted_speedup | predicted | {:.2f}x | the cost model's speed-up
+num_draft         | k         | {}      | drafts a round
+mean_layers       | layers    | {:.2f}  | blocks run per token
+expected_layers   | expected  | {:.2f}  | val's exits' prediction, a step as deep as its deepest row
+agreement         | agree     | {:.3f}  | teacher-forced test positions whose top-1 is full depth's
+identical_to_full | identical | {}      | greedy output equal to full depth's on every row""")
+RECIPE_TABLE = table("""Which training recipe?
+recipe               | recipe    | {}      | the training recipe (RECIPES)
+val_loss_final       | val loss  | {:.4f}  | full depth's
+calibrated_threshold | thr       | {:.2f}  | the threshold Learn then Test certifies on val
+compute_saved        | saved     | {:.1%}  | the share of layer runs it skips on test
+test_loss            | test loss | {:.4f}  | its loss there
+test_full_loss       | full      | {:.4f}  | full depth's loss there
+spec_acceptance_rate | accept    | {:.3f}  | the greedy drafts self-speculation keeps on val
+spec_speedup         | greedy    | {:.2f}x | its speed-up over full depth, greedy
+spec_speedup_sampled | sampled   | {:.2f}x | and sampled""")
+
+def legend(columns):
+    """A table's legend: each column's header and help."""
+    return "; ".join(f"{header}: {text}" for _, header, _, text in columns if text) + "."
+
+def field(row, key):
+    """A row's figure under its report key, dotted where nested ('test.loss'); None if absent."""
+    for part in key.split("."):
+        row = (row or {}).get(part)
+    return row
+
+def format_cell(value, fmt):
+    """A table cell as text: '-' where a row has no such figure."""
+    if value is None:
+        return "-"
+    return fmt.format(value)
 
 def print_title(question):
     """A table's question as its title, '=== ... ===', wrapped to WIDTH."""
     print("\n=== " + "\n    ".join(textwrap.wrap(question, WIDTH - 8)) + " ===")
 
-def print_table(title, entries, columns, notes=()):
-    """The question a table answers, the table (columns: (key, header, format) triples), and notes under it."""
-    cells = [[fmt.format(e[k]) if e.get(k) is not None else "-" for k, _, fmt in columns] for e in entries]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (_, h, _) in enumerate(columns)]
-    print_title(title)
-    for line in [[h for _, h, _ in columns]] + cells:
+def print_table(table, rows, conditions="", notes=()):
+    """A table under its question and the conditions it was measured in, then legend and notes."""
+    question, columns = table
+    lines = [[header for _, header, _, _ in columns]]
+    lines += [[format_cell(field(row, key), fmt) for key, _, fmt, _ in columns] for row in rows]
+    widths = [max(map(len, column)) for column in zip(*lines)]
+    print_title(f"{question} {conditions}")
+    for line in lines:
         print("  ".join(v.rjust(w) for v, w in zip(line, widths)))
-    for note in notes:
-        print(textwrap.fill(note, WIDTH, subsequent_indent="  ") if len(note) > WIDTH else note)
-
-STRATEGY_COLUMNS = (("mode", "mode", "{}"), ("name", "decoder", "{}"), ("checked_exits", "exits", "{}"),
-                    ("threshold", "thr", "{:.2f}"), ("tokens_per_second", "tok/s", "{:,.0f}"),
-                    ("speedup", "speed-up", "{:.2f}x"), ("predicted_speedup", "predicted", "{:.2f}x"),
-                    ("ideal_speedup", "ideal", "{:.2f}x"), ("mean_layers", "layers", "{:.2f}"),
-                    ("repetition", "repeats", "{:.2f}"), ("test_loss", "test loss", "{:.4f}"),
-                    ("agreement", "agree", "{:.3f}"))
-BATCH_COLUMNS = (("batch_size", "B", "{}"), ("mode", "mode", "{}"), ("name", "design", "{}"),
-                 ("tokens_per_second", "tok/s", "{:,.0f}"), ("speedup", "speed-up", "{:.2f}x"),
-                 ("predicted_speedup", "predicted", "{:.2f}x"), ("choice", "auto chose", "{}"),
-                 ("num_draft", "k", "{}"), ("mean_layers", "layers", "{:.2f}"),
-                 ("expected_layers", "expected", "{:.2f}"), ("test_loss", "test loss", "{:.4f}"),
-                 ("agreement", "agree", "{:.3f}"), ("identical_to_full", "identical", "{}"))
-LENS_COLUMNS = (("layer", "layer", "{}"), ("readout", "readout", "{}"), ("agreement", "top-1 = final", "{:.3f}"),
-                ("mean_rank", "mean rank", "{:.2f}"), ("confidence", "mean confidence", "{:.3f}"))
-RECIPE_COLUMNS = (("recipe", "recipe", "{}"), ("val_loss_final", "val loss", "{:.4f}"),
-                  ("calibrated_threshold", "thr", "{:.2f}"), ("compute_saved", "saved", "{:.1%}"),
-                  ("test_loss", "test loss", "{:.4f}"), ("test_full_loss", "full", "{:.4f}"),
-                  ("spec_acceptance_rate", "accept", "{:.3f}"), ("spec_speedup", "greedy", "{:.2f}x"),
-                  ("spec_speedup_sampled", "sampled", "{:.2f}x"))
+    for note in (legend(columns), *notes):
+        print(textwrap.fill(note, WIDTH, subsequent_indent="  ", break_on_hyphens=False))
 
 def print_strategies(entries, quality, config, costs, depths):
-    spec = [f"self_speculative {e['mode']}: draft_exit={e['draft_exit']}, num_draft={e['num_draft']}, draft_stop="
-            f"{e['draft_stop']:g}, acceptance {e['acceptance_rate']:.3f}, {e['tokens_per_verify']:.2f} tokens per "
-            f"verify pass, " + {True: "identical to full depth on every prompt", False: "NOT identical to full depth",
-                                None: "exact in distribution (tested)"}[e["identical_to_full"]]
-            for e in entries if e["name"] == "self_speculative"]
-    b, L, prefill = costs["block"], config.n_layer, sorted({round(e["prefill_layers"], 2) for e in entries})
-    impossible = (f" IMPOSSIBLE (a token runs {L} blocks and a head): still so after {costs['attempts']} measurements, "
-                  "the machine is busy; the predictions above use it" if costs["token"] < L * b else "")
-    print_table(f"What does each KV strategy buy? {config.bench_prompts} test prompts of {config.bench_prompt_len} "
-                f"characters, {config.bench_tokens} more each, batch 1, median of {config.bench_repeats} interleaved "
-                "runs", entries, STRATEGY_COLUMNS, spec + [
-        f"speed-up: tokens per second over full depth's in the same mode (sampled: temperature {config.temperature:g}, "
-        f"top_k {config.top_k}); predicted: the cost model's figure (self_speculative: the goodput model's, costs "
-        f"measured on val); ideal: {L} / layers, what the skipped layers would give if a layer were all a step cost.",
-        f"exits, thr: the exits checked and their threshold, chosen on val (exit_layers={config.exit_layers!r}: the "
-        f"highest threshold sending {EARLY_EXIT_FRACTION:.0%} of val positions out early). layers: blocks run per "
-        f"token while decoding, catch-up included; re-prefilling the window every block_size/2 tokens adds "
-        f"{' to '.join(f'{p:.2f}' for p in prefill)} per token for every decoder (it also repairs holes and state "
-        "copies).",
-        "repeats: the share of the text's 4-grams that repeat an earlier one (a loop is easy to draft and to exit "
-        f"from). test loss, agree: {config.quality_positions} test positions teacher-forced through each decoder, "
-        "and how often its top-1 equals full depth's (self_speculative: full depth's, by construction). The "
-        "Learn-then-Test guarantee covers none of these rows.",
-        "\nwhere test tokens exit (teacher-forced), and layers run per token counting catch-up work:"]
-        + [f"  {name:<11} {' '.join(f'{100 * f:5.1f}%' for f in q['exit_fractions'])}  | {q['mean_layers']:.2f} "
-           "layers/token" for name, q in quality.items()]
-        + [f"measured costs, one token at batch 1: block {1e6 * b:.0f} us, exit check {costs['check'] / b:.2f} of a "
-           f"block, state-copy write {costs['state_copy'] / b:.2f}, final head {costs['final_head'] / b:.2f}; a "
-           f"full-depth token {costs['token'] / b:.1f} blocks{impossible}",
-           "a batch runs as deep as its deepest row: expected layers per step, from where these test tokens exit:"]
-        + [f"  B = {B:>2}: {d:.2f} of {L} layers ({100 * (1 - d / L):4.1f}% of layer runs saved)"
-           for B, d in depths.items()])
+    """The strategies table, then what it rests on: the drafts, where the test tokens exit
+    (quality: each decoder's teacher-forced pass), the measured costs and a batch's depth."""
+    L, b = config.n_layer, costs["block"]
+    exact = {True: "identical to full depth on every prompt", False: "NOT identical to full depth",
+             None: "exact in distribution (tested)"}
+    notes = [f"self_speculative {e['mode']}: draft_exit={e['draft_exit']}, num_draft="
+             f"{e['num_draft']}, acceptance {e['acceptance_rate']:.3f}, "
+             f"{e['tokens_per_verify']:.2f} tokens a verify pass, " + exact[e["identical_to_full"]]
+             for e in entries if e["name"] == "self_speculative"]
+    prefill = sorted({round(e["prefill_layers"], 2) for e in entries})
+    depth = ", ".join(f"B={B}: {d:.2f}" for B, d in depths.items())
+    exits = "; ".join(f"{name} {' '.join(f'{f:.0%}' for f in q['exit_fractions'])}"
+                      for name, q in quality.items())
+    impossible = ""
+    if costs["token"] < L * b:
+        impossible = f", IMPOSSIBLE ({L} blocks): so after {costs['attempts']} measurements"
+    notes += [f"Chosen on val: exits and thr (exit_layers={config.exit_layers!r}: the highest "
+              f"threshold sending {EARLY_EXIT_FRACTION:.0%} of val positions out early), and "
+              "self_speculative's prediction, from the per-round cost model. Re-prefilling the "
+              "window every block_size/2 tokens adds "
+              + " to ".join(f"{p:.2f}" for p in prefill) + " per token for every decoder. Sampled: "
+              f"temperature {config.temperature:g}, top_k {config.top_k}.",
+              f"test loss, agree: {config.quality_positions} test positions teacher-forced; the "
+              "Learn-then-Test guarantee covers none of these rows.",
+              f"Where test tokens exit, layer 0 first (teacher-forced): {exits}.",
+              f"Measured at batch 1: a block {1e6 * b:.0f} us; in blocks, an exit check "
+              f"{costs['check'] / b:.2f}, a state-copy write {costs['state_copy'] / b:.2f}, the "
+              f"final head {costs['final_head'] / b:.2f}, a full-depth token "
+              f"{costs['token'] / b:.1f}{impossible}.",
+              f"A batch runs as deep as its deepest row; expected layers a step (of {L}): {depth}."]
+    print_table(STRATEGY_TABLE, entries, f"{config.bench_prompts} test prompts of "
+                f"{config.bench_prompt_len} characters, {config.bench_tokens} more each, batch 1, "
+                f"median of {config.bench_repeats} interleaved runs", notes)
 
-def spec_grid(grid, mode):
-    """The self-speculative sweep of one mode as a grid: (draft_exit, num_draft) lines, draft_stop columns, and
-    cell(E, k, stop) -> (its index in the sweep, its entry)."""
-    cells = {(g["draft_exit"], g["num_draft"], g["draft_stop"]): (i, g)
-             for i, g in enumerate(grid) if g["mode"] == mode}
-    return sorted({c[:2] for c in cells}), sorted({c[2] for c in cells}), lambda E, k, s: cells[E, k, s]
+SPEC_SWEEP_TABLE = table("""Which draft_exit and num_draft?
+mode              | mode      | {}      | greedy, or sampled
+draft_exit        | E         | {}      | the draft's last layer
+num_draft         | k         | {}      | the most drafts a round
+speedup           | speed-up  | {:.2f}x | over full depth in the same mode, interleaved
+acceptance_rate   | accept    | {:.3f}  | the share of drafts kept
+tokens_per_verify | tokens    | {:.2f}  | tokens a verify pass
+repetition        | repeats   | {:.2f}  | the share of 4-grams repeating an earlier one
+identical_to_full | identical | {}      | greedy output equal to full depth's on every prompt""")
 
 def print_spec_sweep(grid):
-    print_title("Which draft_exit, num_draft and draft_stop? The self-speculative sweep on the val workload, every "
-                "cell beside full depth in the same mode, interleaved")
-    print("each cell: the speed-up over full depth (the share of drafts kept); E: the draft's last layer, k: the most "
-          "drafts a round,\n  stop: drafting stops when the draft's top-1 probability falls below it (0: never)")
-    for mode in MODES:
-        lines, stops, cell = spec_grid(grid, mode)
-        print(f"{mode:>8} E,k " + "".join(f"{'stop=' + format(s, 'g'):>16}" for s in stops))
-        for E, k in lines:
-            print(f"{E:>8},{k:<3} " + "".join(f"{cell(E, k, s)[1]['speedup']:>9.2f}x "
-                                             f"({cell(E, k, s)[1]['acceptance_rate']:.2f})" for s in stops))
-        best = max((g for g in grid if g["mode"] == mode), key=lambda g: g["speedup"])
-        print(f"best {mode}: draft_exit={best['draft_exit']}, num_draft={best['num_draft']}, "
-              f"draft_stop={best['draft_stop']:g} ({best['speedup']:.2f}x)")
-    print(f"greedy output identical to full depth in every cell: "
-          f"{all(g['identical_to_full'] for g in grid if g['mode'] == 'greedy')}")
+    best = [max((g for g in grid if g["mode"] == mode), key=lambda g: g["speedup"])
+            for mode in MODES]
+    print_table(SPEC_SWEEP_TABLE, grid, "The self-speculative sweep on the val workload",
+                [f"best {b['mode']}: draft_exit={b['draft_exit']}, num_draft={b['num_draft']} "
+                 f"({b['speedup']:.2f}x)" for b in best])
 
 def batch_notes(batched, cfg):
-    """The lines under the batch table; cfg: the config as a dict (report.json's)."""
+    """The notes under the batch table; cfg: the config as a dict (report.json's)."""
     plan, schedule = batched["plan"], batched["schedule"]
-    return ["tok/s: characters per second of the whole batch; speed-up: over full depth at the same batch size and "
-            "mode; predicted: the cost model's speed-up (speculation: the goodput model; state_copy: batch 1's plan "
-            "at the batch's depth; skipdecode: the block runs it skips); auto chose: the goodput controller's first "
-            "choice (k drafts a round, or full depth); auto_approx: auto that may also choose skipdecode, within "
-            f"its disagreement budget (schedule_disagreement={cfg['schedule_disagreement']:g}), and then is as "
-            "approximate as it; k: drafts a round; layers: blocks run per token; expected: what the recorded exits "
-            "predict; test loss, agree: teacher-forced test positions, agreement with full depth's top-1; identical: "
-            "greedy output equal to full depth's on every row.",
-            f"state_copy: every row waits for the deepest (exits {plan['checked_exits']}, {cfg['confidence_measure']}"
-            f" > {plan['threshold']:g}; expected: layers per step from val's exits). skipdecode: every row exits at "
-            f"layer {schedule.get('exit_layer', cfg['n_layer'] - 1)} from window position "
+    chose = [f"B={r['batch_size']} {r['mode']} {r['choice']}" for r in batched["entries"]
+             if r["name"] == "auto"]
+    drafts = sorted({*BATCH_DRAFTS, cfg["num_draft"]})
+    return [f"auto chose: {', '.join(chose)} (the cost model's first choice: k drafts a round, or "
+            f"full depth). state_copy: exits {plan['checked_exits']}, "
+            f"{cfg['confidence_measure']} > {plan['threshold']:g}, each row waiting for the "
+            "deepest. skipdecode: every row exits at layer "
+            f"{schedule.get('exit_layer', cfg['n_layer'] - 1)} from window position "
             f"{schedule.get('from_position', '-')} (val: {schedule['compute_saved']:.1%} saved, "
-            f"{schedule['disagreement']:.2%} disagreement). self_speculative: draft_exit={cfg['draft_exit']}, k the "
-            f"fastest on val of {sorted(set(BATCH_DRAFTS) | {cfg['num_draft']})} (batch 1: num_draft). Speed-up: "
-            "over full depth at the same batch size and mode.",
-            "Where batched greedy speculation's time goes (one timed pass; a batch lasts as long as its slowest "
-            "row):"] + [
-        f"  batch {c['batch_size']}, k={c['num_draft']}: {c['rounds']} rounds (alone, each batch's slowest row needs "
-        f"{c['slowest_row_rounds']} in all, its mean row {c['mean_row_rounds']:.1f}); time: "
-        + ", ".join(f"{phase} {share:.0%}" for phase, share in c["shares"].items())
-        + f"; a draft step {c['draft_step_ms']:.2f} ms, a verify pass {c['verify_ms']:.2f} ms, a full-depth step "
-        f"{c['full_step_ms']:.2f} ms (re-prefills included)" for c in batched["speculation_costs"]]
+            f"{schedule['disagreement']:.2%} disagreement). self_speculative: draft_exit="
+            f"{cfg['draft_exit']}, k the fastest on val of {drafts}."]
 
 def print_batches(batched, config):
-    print_table(f"Does early exit still save in a batch? The test workload, one prompt per row, batch "
-                f"{', '.join(map(str, BATCH_SIZES))}, median of {config.bench_repeats} interleaved runs",
-                batched["entries"], BATCH_COLUMNS, batch_notes(batched, asdict(config)))
+    print_table(BATCH_TABLE, batched["entries"], "The test workload, one prompt per row, batch "
+                f"{', '.join(map(str, BATCH_SIZES))}, median of {config.bench_repeats} interleaved "
+                "runs", batch_notes(batched, asdict(config)))
+
+def guarantee(cal, positions):
+    return (f"Learn then Test: disagreement <= {cal['epsilon']:.0%} with probability >= "
+            f"{1 - cal['delta']:.0%}, chosen on val, reported on {positions:,} test positions")
 
 def print_exit_rule(rule, config):
     """The analysis of choosing the exit rule, each part under the question it answers."""
-    L, cal, n = config.n_layer, rule["calibration"], f"{config.sweep_positions:,}"
-    shown = [dict(e, fractions=" ".join(f"{100 * f:5.1f}" for f in e["exit_fractions"])) for e in rule["sweep"]
-             if round(100 * e["threshold"]) % 10 == 0 or e["threshold"] in (0.99, 0.98, 0.95)]
-    print_table(f"Which threshold? The sweep on {n} val positions, teacher-forced ({config.confidence_measure}): "
-                "compute saved against quality",
-                shown, (("threshold", "threshold", "{:.2f}"), ("fractions", f"% exiting at layer 0..{L - 1}", "{}"),
-                        ("mean_layers", "layers", "{:.2f}"), ("compute_saved", "val saved", "{:.1%}"),
-                        ("loss", "val loss", "{:.4f}"), ("disagreement", "disagree", "{:.2%}")),
-                [f"layers: mean layers run per position; val saved: the share of layer runs skipped; val loss: the "
-                 f"loss of the head each position exits at (full depth's: {rule['sweep'][0]['full_loss']:.4f} on "
-                 "these positions); disagree: the share of positions whose top-1 differs from full depth's.",
-                 "text plot: compute saved (#) and disagreement with full depth (x, same scale), one line a threshold"]
-                + [f"  {e['threshold']:4.2f} |{'#' * round(40 * e['compute_saved']):<40}| {e['compute_saved']:6.1%} "
-                   f"saved |{'x' * min(10, round(40 * e['disagreement'])):<10}| {e['disagreement']:6.2%} disagree"
-                   for e in shown])
-    cals = rule["calibration_by_measure"]
-    print_table(f"Which threshold, with a guarantee? Learn then Test: disagreement <= {cal['epsilon']:.0%} with "
-                f"probability >= {1 - cal['delta']:.0%}, chosen on val, reported on {n} test positions",
-                [{"measure": c["measure"], "threshold": c["threshold"], **c["test"]} for c in cals],
-                (("measure", "measure", "{}"), ("threshold", "threshold", "{:.2f}"), ("compute_saved", "test saved",
-                 "{:.1%}"), ("disagreement", "disagree", "{:.2%}"), ("loss", "test loss", "{:.4f}"),
-                 ("full_loss", "full depth's", "{:.4f}"), ("accuracy", "accuracy", "{:.3f}")),
-                ["teacher-forced with an exact cache (backfill, deferred); test loss and accuracy at the calibrated "
-                 "threshold, beside full depth's test loss on the same positions. Most compute saved at the same "
-                 "guarantee: " + max(cals, key=lambda c: c["test"]["compute_saved"])["measure"]])
-    print_table("Does an exit need a trained head? The logit lens on up to 64 val windows: each layer through the "
-                "final head (untrained for it) and through its own exit head", rule["logit_lens"], LENS_COLUMNS,
-                ["top-1 = final: how often the layer's top-1 is the final prediction; mean rank: how many characters "
-                 "it ranks above the final top-1 (0 when it agrees)."])
-    slices = rule["slices"]
-    print_table(f"What does 'easy' mean for this model? The {n} test positions by the layer they leave at (calibrated "
-                f"threshold {cal['threshold']:g})",
-                slices["per_layer"], (("layer", "layer", "{}"), ("tokens", "tokens", "{}"),
-                                      ("accuracy", "accuracy", "{:.3f}")),
-                [f"characters that most often leave at layer {slices['first_exit_layer']} (with a typical context):"]
-                + [f"  {c['char']!r:>6}: {c['exits']:>5} times, e.g. after {c['example_context']!r}"
-                   for c in slices["earliest_chars"]])
+    n, cal, slices = f"{config.sweep_positions:,}", rule["calibration"], rule["slices"]
+    shown = [dict(e, fractions=" ".join(f"{100 * f:5.1f}" for f in e["exit_fractions"]))
+             for e in rule["sweep"][::10]]  # thresholds 1.0, 0.9, ..., 0.0
+    print_table(SWEEP_TABLE, shown, f"The sweep on {n} val positions, teacher-forced "
+                f"({config.confidence_measure}): compute saved against quality",
+                [f"full depth's val loss on these positions: {rule['sweep'][0]['full_loss']:.4f}"])
+    print_table(CALIBRATION_TABLE, rule["calibration_by_measure"],
+                guarantee(cal, config.sweep_positions), ["teacher-forced, with an exact cache"])
+    print_table(LENS_TABLE, rule["logit_lens"], "The logit lens on up to 64 val windows: each "
+                "layer through the final head and through its own exit head")
+    print_table(SLICES_TABLE, slices["per_layer"], f"The {n} test positions by the layer they "
+                f"leave at (calibrated threshold {cal['threshold']:g})")
+    print_table(EASY_CHARS_TABLE, slices["earliest_chars"], "The test positions leaving at layer "
+                f"{slices['first_exit_layer']}")
 
 def print_recipes(entries, config):
-    base = next(e for e in entries if e["recipe"] == "baseline")["val_loss_final"]
-    shown = [dict(e, vs_base=e["val_loss_final"] / base - 1, exits=" ".join(f"{v:.2f}" for v in e["val_loss_exits"]))
-             for e in entries]
-    extra = (("vs_base", "vs base", "{:+.2%}"), ("exits", "val loss per exit", "{}"))
-    print_table(f"Which training recipe? Every recipe at the same budget ({config.max_iters} steps, seed "
-                f"{config.seed})", shown, RECIPE_COLUMNS[:2] + extra + RECIPE_COLUMNS[2:],
-                [f"val loss: full depth's on {config.eval_iters} val batches, and beside it each exit's; vs base: over "
-                 f"the plain GPT's. thr, saved, test loss: the calibrated {config.confidence_measure} threshold "
-                 f"(epsilon {config.epsilon:g}, delta {config.delta:g}, chosen on val), the share of layer runs it "
-                 f"saves and its loss on {config.sweep_positions:,} test positions (full: full depth's there). accept, "
-                 f"greedy, sampled: self-speculative decoding on the val workload at draft_exit={config.draft_exit}, "
-                 f"num_draft={config.num_draft}, draft_stop={config.draft_stop:g}: the greedy drafts kept, the "
-                 "speed-up over full depth in each mode."])
+    print_table(RECIPE_TABLE, entries, f"Every recipe at the same budget ({config.max_iters} "
+                f"steps, seed {config.seed})",
+                [f"val loss on {config.eval_iters} val batches; thr: {config.confidence_measure}, "
+                 f"epsilon {config.epsilon:g}, delta {config.delta:g}; test figures on "
+                 f"{config.sweep_positions:,} test positions; self-speculation at draft_exit="
+                 f"{config.draft_exit}, num_draft={config.num_draft}."])
 
 # -----------------------------------------------------------------------------
-# Reports, 2: out_dir/report.html, one self-contained page (inline CSS and SVG, no script, light and dark)
+# Reports, 2: out_dir/report.html, one self-contained page (inline CSS and SVG, no script)
 
-VIRIDIS = ("#440154", "#3b528b", "#21918c", "#5ec962", "#fde725")  # shallow to deep; told apart without hue
+# viridis, dark to light: the layers' order reads without hue (colour-blind safe)
+VIRIDIS = ("#440154 #411c66 #3e3779 #3b528b #32678b #2a7c8c #21918c #35a47e #4ab670 #5ec962 "
+           "#93d34e #c8dd39 #fde725").split()
 
 def layer_colour(layer, n_layer):
-    """Viridis at layer / (n_layer - 1), linearly between its stops: a sequential, colour-blind-safe scale."""
-    t = layer / max(1, n_layer - 1) * (len(VIRIDIS) - 1)
-    i = min(int(t), len(VIRIDIS) - 2)
-    a, b = (tuple(int(c[j : j + 2], 16) for j in (1, 3, 5)) for c in VIRIDIS[i : i + 2])
-    return "#" + "".join(f"{round(x + (t - i) * (y - x)):02x}" for x, y in zip(a, b))
+    """The first layer's colour is viridis' darkest, the last one's its lightest."""
+    return VIRIDIS[round(layer * (len(VIRIDIS) - 1) / max(1, n_layer - 1))]
 
-def ink(colour):
-    """Black or white text, whichever reads on this background."""
-    r, g, b = (int(colour[j : j + 2], 16) for j in (1, 3, 5))
-    return "#000" if 0.299 * r + 0.587 * g + 0.114 * b > 140 else "#fff"
+def swatch(layer, n_layer):
+    """A layer's colour as a background, under text that reads on it."""
+    colour = layer_colour(layer, n_layer)
+    ink = "#fff"
+    if VIRIDIS.index(colour) >= 8:
+        ink = "#000"
+    return f'style="background:{colour};color:{ink}"'
 
 def esc(text):
-    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+    """Text made safe inside HTML and its attributes."""
+    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace(
+        '"', "&quot;")
 
 def datum(key, value):
-    """The attributes that tie a number on the page to its place in report.json (checked by a test)."""
+    """The attributes that tie a number on the page to its place in report.json (a test checks)."""
     return f'data-key="{esc(key)}" data-value="{value!r}"'
-
-def swatch(colour):
-    return f'style="background:{colour};color:{ink(colour)}"'
 
 HTML_STYLE = """
 :root { --bg: #fff; --fg: #1d1d1f; --muted: #6e6e73; --grid: #d2d2d7; --a: #2a788e; --b: #e66101; }
-@media (prefers-color-scheme: dark) { :root { --bg: #161618; --fg: #f2f2f7; --muted: #a1a1a6; --grid: #3a3a3c;
-  --a: #5ec9c9; --b: #fdb863; } }
-body { background: var(--bg); color: var(--fg); font: 15px/1.5 system-ui, sans-serif; max-width: 1180px;
-  margin: 0 auto; padding: 1.5em; }
+@media (prefers-color-scheme: dark) { :root { --bg: #161618; --fg: #f2f2f7; --muted: #a1a1a6;
+  --grid: #3a3a3c; --a: #5ec9c9; --b: #fdb863; } }
+body { background: var(--bg); color: var(--fg); font: 15px/1.5 system-ui, sans-serif;
+  max-width: 1180px; margin: 0 auto; padding: 1em; }
 h2 { border-bottom: 1px solid var(--grid); padding-bottom: .2em; margin-top: 2em; }
-.muted { color: var(--muted); } .row { display: flex; gap: 2em; flex-wrap: wrap; } .row > div { flex: 1 1 480px; }
+.muted { color: var(--muted); } a { color: var(--a); }
+.row { display: flex; gap: 2em; flex-wrap: wrap; } .row > div { flex: 1 1 20em; }
 pre.sample { white-space: pre-wrap; font: 14px/1.7 ui-monospace, monospace; }
-pre.sample span { border-radius: 2px; } .legend span { padding: 0 .5em; margin-right: .3em; border-radius: 2px; }
-table { border-collapse: collapse; font-variant-numeric: tabular-nums; } td, th { padding: .2em .6em;
-  border-bottom: 1px solid var(--grid); text-align: right; } th { color: var(--muted); font-weight: 500; }
+pre.sample span, .legend span { border-radius: 2px; }
+.legend span { padding: 0 .5em; margin-right: .3em; }
+.scroll { overflow-x: auto; }
+table { border-collapse: collapse; font-variant-numeric: tabular-nums; }
+td, th { padding: .2em .6em; border-bottom: 1px solid var(--grid); text-align: right;
+  white-space: nowrap; }
+th { color: var(--muted); font-weight: 500; }
 svg text { fill: var(--fg); font: 12px system-ui, sans-serif; } svg .grid { stroke: var(--grid); }
-svg .a { fill: var(--a); stroke: var(--a); } svg .b { fill: var(--b); stroke: var(--b); } svg .line { fill: none;
-  stroke-width: 2; } svg .mark { stroke: var(--fg); stroke-dasharray: 4 3; } a { color: var(--a); }
-.acc { background: var(--a); color: var(--bg); } .fix { background: var(--b); color: #000; }
+svg .a { fill: var(--a); stroke: var(--a); } svg .b { fill: var(--b); stroke: var(--b); }
+svg .line { fill: none; stroke-width: 2; } svg .mark { stroke: var(--fg); stroke-dasharray: 4 3; }
+.drafted1 { background: var(--a); color: var(--bg); }
+.drafted0 { background: var(--b); color: #000; }
 #summary { border: 1px solid var(--grid); border-radius: 6px; padding: 0 1em; }
 """
 
 def nice_ticks(top, n=5):
-    """Round ticks from 0 up to top or just past it: steps of 1, 2 or 5 times a power of ten, about n of them."""
+    """Round ticks from 0 up to top or just past it: steps of 1, 2 or 5 times a power of ten."""
     power = 10 ** math.floor(math.log10(max(top, 1e-9) / n))
     step = next(m * power for m in (1, 2, 5, 10) if m * power * n >= top)
     return [i * step for i in range(math.ceil(top / step - 1e-9) + 1)]
 
-def svg_frame(width, height, y_ticks, y_fmt, y_title, Y):
-    """The opening of a chart that fills the page width: horizontal grid lines with round ticks, the y axis title."""
-    return [f'<svg viewBox="0 0 {width} {height + 72}" width="100%" role="img">',
-            f'<text transform="translate(14 {height / 2}) rotate(-90)" text-anchor="middle">{esc(y_title)}</text>'] + [
-        f'<line class="grid" x1="64" x2="{width - 10}" y1="{Y(t):.1f}" y2="{Y(t):.1f}"/><text x="58" y="{Y(t) + 4:.1f}"'
-        f' text-anchor="end">{y_fmt.format(t)}</text>' for t in y_ticks]
+PLOT_WIDTH = 1010  # SVG units from the y axis to the right edge; a chart scales to the page's width
+PLOT_HEIGHT = 240  # SVG units from the top to the x axis; the labels and the legend go below it
 
-def svg_legend(y, entries):
-    """A legend in one line along the chart's foot, at height y: (class, label) pairs."""
-    parts, x = [], 70
-    for cls, label in entries:
-        parts.append(f'<rect class="{cls}" x="{x}" y="{y - 10}" width="12" height="12"/><text x="{x + 18}" y="{y}">'
-                     f'{esc(label)}</text>')
-        x += 40 + 7 * len(label)  # about 7 px a character at 12 px
-    return "".join(parts)
+def plot_x(x):
+    """Where x in [0, 1] sits across a chart, right of the y axis's labels."""
+    return 70 + PLOT_WIDTH * x
 
-def svg_bars(values, labels, keys, fmt, y_title, y_fmt, classes=None, colours=None, group=1, legend=(), ref=None,
-             width=1100, height=230):
-    """Vertical bars with a value on each (None: no bar), labelled per group of `group` bars, each carrying its report
-    key; ref: (value, label) drawn as a dashed line at the right (the 1.0x of full depth)."""
-    ticks = nice_ticks(max([v for v in values if v is not None] + [ref[0] if ref else 0]))
-    Y, w = (lambda y: height - (height - 24) * y / ticks[-1]), (width - 180) / len(values)  # noqa: E731
-    parts = svg_frame(width, height, ticks, y_fmt, y_title, Y)
-    for i, (v, label, key) in enumerate(zip(values, labels, keys)):
-        x, fill = 70 + i * w, f' style="fill:{colours[i]}"' if colours else ""
-        if v is not None:
-            parts.append(f'<rect class="{(classes or "a" * len(values))[i]}"{fill} x="{x + 3:.1f}" y="{Y(v):.1f}" '
-                         f'width="{w - 6:.1f}" height="{height - Y(v):.1f}" {datum(key, v)}><title>{esc(label)}: '
-                         f'{fmt.format(v)}</title></rect><text x="{x + w / 2:.1f}" y="{Y(v) - 4:.1f}" '
-                         f'text-anchor="middle">{fmt.format(v)}</text>')
-        if i % group == 0:
-            parts.append(f'<text x="{x + group * w / 2:.1f}" y="{height + 16}" text-anchor="middle">{esc(label)}'
-                         '</text>')
-    if ref:
-        parts.append(f'<line class="mark" x1="64" x2="{width - 104}" y1="{Y(ref[0]):.1f}" y2="{Y(ref[0]):.1f}"/>'
-                     f'<text x="{width - 100}" y="{Y(ref[0]) + 4:.1f}">{esc(ref[1])}</text>')
-    return "".join(parts) + svg_legend(height + 62, legend) + "</svg>"
+def plot_y(y, top):
+    """Where y in [0, top] sits up a chart: the top tick a tenth under its top edge."""
+    return PLOT_HEIGHT * (1 - 0.9 * y / top)
 
-def svg_lines(series, x_title, y_title, x_ticks, x_name, mark=None, width=1100, height=250):
-    """Lines over x in [0, 1], y a fraction shown in percent: series of (name, class, xs, ys, keys); x_name(x) names
-    a point in its hover text; mark: (x, report key, label) drawn as a labelled dashed vertical line."""
-    ticks = nice_ticks(max(max(ys) for _, _, _, ys, _ in series) or 1.0)
-    X = lambda x: 70 + (width - 90) * x  # noqa: E731
-    Y = lambda y: height - (height - 24) * y / ticks[-1]  # noqa: E731
-    parts = svg_frame(width, height, ticks, "{:.0%}", y_title, Y)
-    for name, cls, xs, ys, keys in series:
-        path = " ".join(f"{X(x):.1f},{Y(y):.1f}" for x, y in zip(xs, ys))
-        parts.append(f'<polyline class="{cls} line" points="{path}"><title>{esc(name)}</title></polyline>')
-        parts += [f'<circle class="{cls}" cx="{X(x):.1f}" cy="{Y(y):.1f}" r="2.5" {datum(k, y)}><title>{esc(name)}, '
-                  f'{esc(x_name(x))}: {y:.2%}</title></circle>' for x, y, k in zip(xs, ys, keys) if k]
-    if mark is not None:
-        parts.append(f'<line class="mark" x1="{X(mark[0]):.1f}" x2="{X(mark[0]):.1f}" y1="0" y2="{height}" '
-                     f'{datum(mark[1], mark[0])}/><text x="{X(mark[0]) + 4:.1f}" y="{height - 6}">{esc(mark[2])}'
-                     '</text>')
-    parts += [f'<text x="{X(x):.1f}" y="{height + 16}" text-anchor="middle">{esc(t)}</text>' for x, t in x_ticks]
-    parts.append(f'<text x="{X(0.5)}" y="{height + 38}" text-anchor="middle">{esc(x_title)}</text>')
-    return "".join(parts) + svg_legend(height + 62, [(cls, name) for name, cls, *_ in series]) + "</svg>"
+def svg_point(cls, x, y, top, key, tip, width):
+    """One figure with its report key: a bar `width` wide (a share of the x axis), or a dot."""
+    data = f'class="{cls}" {datum(key, y)}><title>{esc(tip)}</title>'
+    if width:
+        return (f'<rect x="{plot_x(x):.1f}" y="{plot_y(y, top):.1f}" '
+                f'width="{PLOT_WIDTH * width:.1f}" '
+                f'height="{PLOT_HEIGHT - plot_y(y, top):.1f}" {data}</rect>')
+    return f'<circle cx="{plot_x(x):.1f}" cy="{plot_y(y, top):.1f}" r="3" {data}</circle>'
 
-def html_table(entries, columns, key_prefix):
-    """A table whose number cells carry their report keys (key_prefix.i.column key); columns: (key, header, format)."""
-    def cell(i, key, fmt, v):
-        attr = datum(f"{key_prefix}.{i}.{key}", v) if isinstance(v, (int, float)) and not isinstance(v, bool) else ""
-        return f"<td {attr}>{esc(fmt.format(v)) if v is not None else '-'}</td>"
-    body = "".join("<tr>" + "".join(cell(i, k, fmt, e.get(k)) for k, _, fmt in columns) + "</tr>"
-                   for i, e in enumerate(entries))
-    return "<table><tr>" + "".join(f"<th>{esc(h)}</th>" for _, h, _ in columns) + f"</tr>{body}</table>"
+def svg_chart(series, x_ticks, titles, y_fmt, bars=False, mark=None):
+    """Lines, or bars side by side. series: (name, class, points), a point (x in [0, 1], y,
+    report key, hover text); x_ticks: {label: x}; titles: the axes'; bars: with full depth's
+    1.0x dashed across; mark: (x, report key, label), a dashed line up the chart."""
+    ticks = nice_ticks(max([p[1] for _, _, points in series for p in points] + [int(bars)]))
+    top, H = ticks[-1], PLOT_HEIGHT
+    parts = [f'<svg viewBox="0 0 1100 {H + 72}" width="100%" role="img"><text '
+             f'transform="translate(14 {H / 2}) rotate(-90)" text-anchor="middle">{esc(titles[1])}'
+             f'</text><text x="575" y="{H + 38}" text-anchor="middle">{esc(titles[0])}</text>']
+    parts += [f'<line class="grid" x1="64" x2="1090" y1="{plot_y(t, top):.1f}" '
+              f'y2="{plot_y(t, top):.1f}"/><text x="58" y="{plot_y(t, top) + 4:.1f}" '
+              f'text-anchor="end">{y_fmt.format(t)}</text>' for t in ticks]
+    parts += [f'<text x="{plot_x(x):.1f}" y="{H + 16}" text-anchor="middle">{esc(label)}</text>'
+              for label, x in x_ticks.items()]
+    width = 0  # lines: a dot at each point
+    if bars:  # a group, a bar a series, fills 80% of its share of the axis
+        width = 0.8 / len(x_ticks) / len(series)
+        parts.append(f'<line class="mark" x1="64" x2="1090" y1="{plot_y(1, top):.1f}" '
+                     f'y2="{plot_y(1, top):.1f}"/><text x="72" y="{plot_y(1, top) - 4:.1f}">1.0x: '
+                     "full depth</text>")  # over the first group, full depth's own bars
+    if mark:
+        parts.append(f'<line class="mark" x1="{plot_x(mark[0]):.1f}" x2="{plot_x(mark[0]):.1f}" '
+                     f'y1="0" y2="{H}" {datum(mark[1], mark[0])}/><text '
+                     f'x="{plot_x(mark[0]) + 4:.1f}" y="12">{esc(mark[2])}</text>')
+    for s, (name, cls, points) in enumerate(series):
+        if not bars:
+            line = " ".join(f"{plot_x(x):.1f},{plot_y(y, top):.1f}" for x, y, _, _ in points)
+            parts.append(f'<polyline class="{cls} line" points="{line}"/>')
+        parts += [svg_point(cls, x + (s - len(series) / 2) * width, y, top, key, tip, width)
+                  for x, y, key, tip in points]
+        parts.append(f'<rect class="{cls}" x="{70 + 500 * s}" y="{H + 52}" width="12" height="12"/>'
+                     f'<text x="{88 + 500 * s}" y="{H + 62}">{esc(name)}</text>')
+    return "".join(parts) + "</svg>"
+
+def html_table(table, rows, key, notes=()):
+    """A table in a box that scrolls sideways on a narrow screen, then its legend and notes;
+    key(i, column key): where row i's number in that column is in report.json."""
+    columns = table[1]
+    out = ["<div class='scroll'><table><tr>"]
+    out += [f"<th>{esc(header)}</th>" for _, header, _, _ in columns]
+    for i, row in enumerate(rows):
+        out.append("</tr><tr>")
+        for k, _, fmt, _ in columns:
+            value = field(row, k)
+            if type(value) in (int, float):  # a number (not a bool): tie it to report.json
+                out.append(f"<td {datum(key(i, k), value)}>{esc(fmt.format(value))}</td>")
+            else:
+                out.append(f"<td>{esc(format_cell(value, fmt))}</td>")
+    out.append("</tr></table></div>")
+    out += [f"<p class='muted'>{esc(note)}</p>" for note in (legend(columns), *notes)]
+    return "".join(out)
 
 def section(anchor, question, *body):
     """One section of the page under its question; the summary links to it by its anchor."""
     return f"<section id='{anchor}'><h2>{esc(question)}</h2>{''.join(body)}</section>"
 
-def headlines(report):
-    """The summary's figures, each with its report key and its conditions: (text before, key, value, format, after)."""
-    out, cals = [], report.get("calibration_by_measure", [])
-    for i, c in enumerate(cals[:1]):
-        out.append((f"Early exit calibrated on val ({c['measure']} > {c['threshold']:g}) skips ",
-                    f"calibration_by_measure.{i}.test.compute_saved", c["test"]["compute_saved"], "{:.1%}",
-                    f" of the layer runs on test at most {c['epsilon']:.0%} disagreement with full depth, with "
-                    f"probability {1 - c['delta']:.0%}."))
-    rows = report.get("strategies", [])
-    for j, e in enumerate(rows):
-        if e["name"] == "self_speculative":
-            out.append((f"Self-speculative decoding, exact ({e['mode']}): ", f"strategies.{j}.speedup", e["speedup"],
-                        "{:.2f}x", " full depth's speed on the test workload at batch 1."))
-    approx = [(j, e) for j, e in enumerate(rows) if e["mode"] == "sampled" and e["name"] in ("state_copy", "holes")]
-    if approx:
-        j, e = max(approx, key=lambda je: je[1]["speedup"])
-        out.append((f"The fastest approximate per-token strategy, sampled ({e['name']}): ", f"strategies.{j}.speedup",
-                    e["speedup"], "{:.2f}x", f", agreeing with full depth on {e['agreement']:.1%} of test positions."))
-    return out
-
 def html_summary(report, sections):
-    """What was trained on what, the headline figures with their conditions, and links to every section."""
-    cfg, L = report.get("config", {}), report.get("config", {}).get("n_layer", 0)
-    model = (f"a {L}-layer GPT ({cfg.get('n_head')} heads, {cfg.get('n_embd')} wide, context {cfg.get('block_size')} "
-             f"characters) with an exit head after every layer but the last, trained on {cfg.get('input_path')}")
-    val = report.get("val_loss", {}).get("final")
-    loss = f"; full-depth val loss <span {datum('val_loss.final', val)}>{val:.4f}</span>" if val is not None else ""
-    figures = "".join(f"<li>{esc(a)}<b {datum(k, v)}>{fmt.format(v)}</b>{esc(b)}</li>" for a, k, v, fmt, b in
-                      headlines(report))
+    """What was trained on what, the headline figures with their conditions, links to the rest."""
+    cfg = report["config"]
+    out = [f"<div id='summary'><p>A {cfg['n_layer']}-layer GPT ({cfg['n_head']} heads, "
+           f"{cfg['n_embd']} wide, context {cfg['block_size']} characters) with an exit head after "
+           f"every layer but the last, trained on {esc(cfg['input_path'])}"]
+    if report.get("val_loss"):
+        val = report["val_loss"]["final"]
+        out.append(f"; full-depth val loss <span {datum('val_loss.final', val)}>{val:.4f}</span>")
+    out.append(".</p><ul>")
+    if report.get("calibration"):
+        c = report["calibration"]
+        saved = c["test"]["compute_saved"]
+        out.append(f"<li>Early exit calibrated on val ({c['measure']} > {c['threshold']:g}) "
+                   f"skips <b {datum('calibration.test.compute_saved', saved)}>{saved:.1%}</b> of "
+                   f"the layer runs on test, at most {c['epsilon']:.0%} disagreeing with full "
+                   f"depth, with probability {1 - c['delta']:.0%}.</li>")
+    out += [f"<li>Self-speculative decoding, exact ({e['mode']}), runs at <b "
+            f"{datum(f'strategies.{j}.speedup', e['speedup'])}>{e['speedup']:.2f}x</b> full "
+            "depth's speed on the test workload at batch 1.</li>"
+            for j, e in enumerate(report.get("strategies", [])) if e["name"] == "self_speculative"]
     links = " · ".join(f"<a href='#{a}'>{q}</a>" for a, q in sections)  # q: escaped already
-    return (f"<div id='summary'><p>{esc(model)}{loss}.</p><ul>{figures}</ul><p class='muted'>Speeds are medians of "
-            "interleaved runs on the machine that wrote this page and move with its load; every number here is in "
-            f"report.json.</p><p>{links}</p></div>")
-
-def sample_spans(text, paint):
-    """A sample as spans; paint(i) gives (attributes, title) of character i. A newline shows as a mark, then breaks."""
-    return "".join(f'<span {attrs} title="{esc(title)}">{"&#8629;" if ch == chr(10) else esc(ch)}</span>'
-                   + ("\n" if ch == "\n" else "") for ch, (attrs, title) in zip(text, map(paint, range(len(text)))))
-
-def html_generation(g, L):
-    """The early-exit sample coloured by exit layer beside the full-depth one, and where its tokens left."""
-    legend = "".join(f'<span {swatch(layer_colour(l, L))}>layer {l}</span>' for l in range(L))
-    spans = sample_spans(g["sample"], lambda i: (f'{swatch(layer_colour(g["exited_at"][i], L))} data-layer='
-                                                 f'"{g["exited_at"][i]}"', f"layer {g['exited_at'][i]}, confidence "
-                                                 f"{g['confidences'][i]:.2f}"))
-    full = (f"<div><h3>full depth</h3><pre class='sample'>\n{esc(g['full_depth_sample'])}</pre></div>"
-            if g.get("full_depth_sample") is not None else "")
-    return [section("sample", "What does early exit look like?", f"<p class='legend'>{legend}</p><p class='muted'>"
-            f"Each character of the early-exit sample sits on the colour of the layer it left the network at, dark "
-            f"(layer 0) to light (layer {L - 1}, full depth); &#8629; is a newline. {esc(g['kv_strategy'])}, "
-            f"threshold {g['exit_threshold']:g}; hover a character for its layer and the head's confidence.</p>"
-            f"<div class='row'><div><h3>early exit</h3><pre class='sample'>\n{spans}</pre></div>{full}</div>"),
-            section("exits", "Where do the tokens leave?", svg_bars(
-                g["exit_counts"], [f"layer {l}" for l in range(L)], [f"generation.exit_counts.{l}" for l in range(L)],
-                "{:d}", "tokens of the sample", "{:g}", colours=[layer_colour(l, L) for l in range(L)]))]
-
-def html_speculation(s):
-    """The self-speculative sample: which characters were drafts the full model accepted, which its corrections."""
-    kept = s["drafted"]
-    spans = sample_spans(s["sample"], lambda i: (f'class="{"acc" if kept[i] else "fix"}" data-drafted="{int(kept[i])}"',
-                                                 "a draft the full model accepted" if kept[i]
-                                                 else "the full model's token: a draft was rejected"))
-    return section("speculation", "What does the verifier do?", "<p class='legend'><span class='acc'>accepted draft"
-                   "</span><span class='fix'>the full model's token</span></p><p class='muted'>The same prompt and "
-                   f"seed, drafted by layer{'s 0..' if s['draft_exit'] else ' '}{s['draft_exit']} (up to "
-                   f"{s['num_draft']} a round) and verified by the rest in one pass a round: "
-                   f"<b {datum('speculation.acceptance_rate', s['acceptance_rate'])}>"
-                   f"{s['acceptance_rate']:.0%}</b> of the drafts were accepted, in <span "
-                   f"{datum('speculation.rounds', s['rounds'])}>{s['rounds']}</span> verify passes for "
-                   f"{len(s['sample'])} characters. Where a draft is rejected, the full model's own token replaces it "
-                   f"and the round ends.</p><pre class='sample'>\n{spans}</pre>")
-
-def html_sweep(report, i, s):
-    """One confidence measure's sweep on val, with its calibrated threshold marked."""
-    cals = report.get("calibration_by_measure", [])
-    c = next((c for c, cal in enumerate(cals) if cal["measure"] == s["measure"]), None)
-    xs = [e["threshold"] for e in s["entries"]]
-    series = [(label, cls, xs, [e[key] for e in s["entries"]],
-               [f"sweep_by_measure.{i}.entries.{j}.{key}" for j in range(len(xs))])
-              for label, cls, key in (("compute saved (share of layer runs)", "a", "compute_saved"),
-                                      ("disagreement with full depth (share of positions)", "b", "disagreement"))]
-    mark = None if c is None else (cals[c]["threshold"], f"calibration_by_measure.{c}.threshold",
-                                   f"calibrated: {cals[c]['threshold']:g}")
-    ticks = [(t / 10, f"{t / 10:.1f}") for t in range(11)]
-    return section(f"threshold-{s['measure']}", f"Which threshold? ({s['measure']}, val)", svg_lines(
-        series, f"exit threshold ({s['measure']} confidence)", "percent", ticks, lambda x: f"threshold {x:.2f}", mark))
-
-def html_calibration(report):
-    """Learn then Test per confidence measure: the threshold certified on val, its figures on test."""
-    cals = report["calibration_by_measure"]
-    rows = [{"measure": c["measure"], "threshold": c["threshold"], **{f"test.{k}": v for k, v in c["test"].items()}}
-            for c in cals]
-    cols = (("measure", "measure", "{}"), ("threshold", "threshold", "{:.2f}"),
-            ("test.compute_saved", "test: layer runs saved", "{:.1%}"), ("test.disagreement", "disagreement", "{:.2%}"),
-            ("test.loss", "test loss", "{:.4f}"), ("test.full_loss", "full depth's", "{:.4f}"))
-    return section("calibration", "Which threshold, with a guarantee?", f"<p class='muted'>Learn then Test on val: "
-                   f"disagreement with full depth at most {cals[0]['epsilon']:.0%} with probability at least "
-                   f"{1 - cals[0]['delta']:.0%}, reported on {report.get('config', {}).get('sweep_positions', 0):,} "
-                   "test positions, teacher-forced, with an exact cache.</p>", html_table(rows, cols,
-                                                                                       "calibration_by_measure"))
-
-def html_slices(sl):
-    return section("easy", "What does 'easy' mean for this model?", "<div class='row'><div>", html_table(
-        sl["per_layer"], (("layer", "layer", "{}"), ("tokens", "test tokens leaving here", "{}"), ("accuracy",
-                          "accuracy", "{:.3f}")), "slices.per_layer"), f"</div><div><p>The characters that most often "
-        f"leave at layer {sl['first_exit_layer']}:</p>", html_table(
-        [dict(c, char=repr(c["char"]), example_context=repr(c["example_context"])) for c in sl["earliest_chars"]],
-        (("char", "character", "{}"), ("exits", "times", "{}"), ("example_context", "typically after", "{}")),
-        "slices.earliest_chars"), "</div></div>")
-
-def html_speedups(entries, prefix, label, second):
-    """Per mode: measured speed-up per decoder beside a second figure (key, legend), against a 1.0x line."""
-    out = []
-    for mode in MODES:
-        idx = [j for j, e in enumerate(entries) if e["mode"] == mode]
-        values = [entries[j].get(k) for j in idx for k in ("speedup", second[0])]
-        keys = [f"{prefix}.{j}.{k}" for j in idx for k in ("speedup", second[0])]
-        out.append(f"<h3>{mode}</h3>" + svg_bars(values, [label(entries[j]) for j in idx for _ in "ab"], keys,
-                                                 "{:.2f}x", "speed-up over full depth", "{:.1f}x",
-                                                 classes="ab" * len(idx), group=2,
-                                                 legend=(("a", "measured"), ("b", second[1])),
-                                                 ref=(1.0, "1.0x: full depth")))
-    return out
-
-def html_heatmap(grid):
-    """The self-speculative sweep per mode: a cell per (draft_exit, num_draft) line and draft_stop column."""
-    out, top = [], max(g["speedup"] for g in grid)
-    for mode in MODES:
-        lines, stops, cell = spec_grid(grid, mode)
-        out.append(f"<h3>{mode}: speed-up over full depth</h3><table><tr><th>E, k</th>"
-                   + "".join(f"<th>stop {s:g}</th>" for s in stops) + "</tr>" + "".join(
-                       f"<tr><th>{E}, {k}</th>" + "".join(
-                           f'<td {swatch(layer_colour(g["speedup"] / top, 2))} '
-                           f'{datum(f"spec_sweep.{i}.speedup", g["speedup"])}>{g["speedup"]:.2f}x</td>'
-                           for i, g in (cell(E, k, s) for s in stops)) + "</tr>" for E, k in lines) + "</table>")
+    out.append("</ul><p class='muted'>Speeds are medians of interleaved runs on the machine that "
+               "wrote this page and move with its load; every number here is in report.json.</p>"
+               f"<p>{links}</p></div>")
     return "".join(out)
 
-def html_lens(lens, L):
-    """Agreement with the final prediction per layer, through the exit head and through the final head."""
-    x = lambda l: l / max(1, L - 2)  # noqa: E731  (layers 0..L-2 across the chart)
-    series = [(label, cls, [x(e["layer"]) for e in lens if e["readout"] == name],
-               [e["agreement"] for e in lens if e["readout"] == name],
-               [f"logit_lens.{j}.agreement" for j, e in enumerate(lens) if e["readout"] == name])
-              for name, label, cls in (("exit head", "its own exit head", "a"),
-                                       ("ln_f + lm_head", "the final head (ln_f + lm_head), untrained there", "b"))]
-    return section("lens", "Does an exit need a trained head?", "<p class='muted'>How often each layer's top-1 "
-                   "equals the final prediction on val windows.</p>", svg_lines(
-                       series, "layer", "agreement with the final top-1", [(x(l), str(l)) for l in range(L - 1)],
-                       lambda v: f"layer {round(v * max(1, L - 2))}"))
+def sample_spans(text, marks):
+    """A sample as spans, a character each with its (attributes, title); newlines show a mark."""
+    spans = "".join(f'<span {attrs} title="{esc(title)}">{esc(ch)}</span>'
+                    for ch, (attrs, title) in zip(text, marks))
+    return spans.replace("\n</span>", "&#8629;</span>\n")  # the line breaks after the span
+
+EXIT_COUNTS_TABLE = table("""Where do the tokens leave?
+layer  | layer      | {} | where a character of the early-exit sample left the network
+tokens | characters | {} | how many left there""")
+
+def html_generation(report):
+    """The early-exit sample on the colours of its exit layers, full depth's beside it."""
+    g, L = report["generation"], report["config"]["n_layer"]
+    legend = "".join(f"<span {swatch(l, L)}>layer {l}</span>" for l in range(L))
+    marks = [(f'{swatch(l, L)} data-layer="{l}"', f"layer {l}, confidence {c:.2f}")
+             for l, c in zip(g["exited_at"], g["confidences"])]
+    counts = [{"layer": str(l), "tokens": c} for l, c in enumerate(g["exit_counts"])]
+    sample = section(
+        "sample", "What does early exit look like?", f"<p class='legend'>{legend}</p><p "
+        f"class='muted'>Each character of the early-exit sample ({esc(g['kv_strategy'])}, "
+        f"threshold {g['exit_threshold']:g}) sits on the colour of the layer it left at, dark "
+        f"(layer 0) to light (layer {L - 1}, full depth); hover for its layer and the head's "
+        "confidence.</p><div class='row'><div><h3>early exit</h3><pre class='sample'>\n"
+        f"{sample_spans(g['sample'], marks)}</pre></div><div><h3>full depth</h3><pre "
+        f"class='sample'>\n{esc(g['full_depth_sample'])}</pre></div></div>")
+    key = "generation.exit_counts.{}".format
+    counts_table = html_table(EXIT_COUNTS_TABLE, counts, key)
+    return sample + section("exits", EXIT_COUNTS_TABLE[0], counts_table)
+
+SPECULATION_MARKS = ("the full model's token, where it rejected a draft",
+                     "a draft the full model accepted")  # by whether the character was drafted
+
+def html_speculation(report):
+    """The self-speculative sample: which characters were drafts the full model kept."""
+    s = report["speculation"]
+    marks = [(f'class="drafted{d:d}" data-drafted="{d:d}"', SPECULATION_MARKS[d])
+             for d in s["drafted"]]
+    return section(
+        "speculation", "What does the verifier do?", "<p class='legend'><span class='drafted1'>"
+        "accepted draft</span><span class='drafted0'>the full model's token</span></p><p "
+        "class='muted'>The same prompt and seed, drafted by the layers up to "
+        f"{s['draft_exit']} (up to {s['num_draft']} a round) and verified by the rest in one pass "
+        f"a round: <b {datum('speculation.acceptance_rate', s['acceptance_rate'])}>"
+        f"{s['acceptance_rate']:.0%}</b> of the drafts were accepted, in <span "
+        f"{datum('speculation.rounds', s['rounds'])}>{s['rounds']}</span> verify passes for "
+        f"{len(s['sample'])} characters. A rejected draft is replaced by the full model's token, "
+        f"which ends its round.</p><pre class='sample'>\n{sample_spans(s['sample'], marks)}</pre>")
+
+SWEEP_LINES = (("compute saved (share of layer runs)", "a", "compute_saved"),
+               ("disagreement with full depth (share of positions)", "b", "disagreement"))
+
+def html_sweep(report):
+    """What each threshold trades on val, compute for disagreement; the calibrated one marked."""
+    cal = report["calibration"]
+    series = [(name, cls, [(e["threshold"], e[key], f"sweep.{j}.{key}",
+                            f"threshold {e['threshold']:.2f}: {e[key]:.2%}")
+                           for j, e in enumerate(report["sweep"])])
+              for name, cls, key in SWEEP_LINES]
+    ticks = {f"{t / 10:.1f}": t / 10 for t in range(11)}
+    mark = (cal["threshold"], "calibration.threshold", f"calibrated: {cal['threshold']:g}")
+    chart = svg_chart(series, ticks, (f"exit threshold ({cal['measure']} confidence)", "share"),
+                      "{:.0%}", mark=mark)
+    return section("threshold", f"Which threshold? ({cal['measure']}, val)", chart)
+
+def html_speedups(rows, prefix, batch_size):
+    """The measured speed-up of each decoder at one batch size, greedy and sampled side by side."""
+    shown = [(i, r) for i, r in enumerate(rows) if r["batch_size"] == batch_size]
+    names = list(dict.fromkeys(r["name"] for _, r in shown))
+    at = {name: (n + 0.5) / len(names) for n, name in enumerate(names)}  # the middle of its group
+    series = [(mode, cls, [(at[r["name"]], r["speedup"], f"{prefix}.{i}.speedup", f"{r['name']}, "
+                            f"{mode}: {r['speedup']:.2f}x") for i, r in shown if r["mode"] == mode])
+              for cls, mode in zip("ab", MODES)]
+    titles = (f"decoder, batch {batch_size}", "speed-up over full depth, measured")
+    return svg_chart(series, at, titles, "{:.1f}x", bars=True)
+
+def rows_section(report, part, table, *before):
+    """A section that shows report[part]'s rows as a table, after any charts or words."""
+    rows = html_table(table, report[part], f"{part}.{{}}.{{}}".format)
+    return section(part, table[0], *before, rows)
+
+def html_calibration(report):
+    conditions = guarantee(report["calibration"], report["config"]["sweep_positions"])
+    return rows_section(report, "calibration_by_measure", CALIBRATION_TABLE,
+                        f"<p>{conditions}, teacher-forced, with an exact cache.</p>")
+
+def html_lens(report):
+    return rows_section(report, "logit_lens", LENS_TABLE)
+
+def html_slices(report):
+    sl = report["slices"]
+    return section("easy", SLICES_TABLE[0],
+                   html_table(SLICES_TABLE, sl["per_layer"], "slices.per_layer.{}.{}".format),
+                   f"<h3>{EASY_CHARS_TABLE[0]} (layer {sl['first_exit_layer']})</h3>",
+                   html_table(EASY_CHARS_TABLE, sl["earliest_chars"],
+                              "slices.earliest_chars.{}.{}".format))
+
+def html_strategies(report):
+    chart = html_speedups(report["strategies"], "strategies", 1)
+    return rows_section(report, "strategies", STRATEGY_TABLE, chart)
+
+def html_batches(report):
+    rows = report["batched"]["entries"]
+    charts = [html_speedups(rows, "batched.entries", B)
+              for B in sorted({r["batch_size"] for r in rows})]
+    notes = batch_notes(report["batched"], report["config"])
+    return section("batches", BATCH_TABLE[0], *charts,
+                   html_table(BATCH_TABLE, rows, "batched.entries.{}.{}".format, notes))
+
+def html_spec_sweep(report):
+    return rows_section(report, "spec_sweep", SPEC_SWEEP_TABLE)
+
+def html_recipes(report):
+    return rows_section(report, "recipes", RECIPE_TABLE)
+
+# the page's sections in reading order, each drawn where its part of the report is there
+HTML_SECTIONS = (("generation", html_generation), ("speculation", html_speculation),
+                 ("sweep", html_sweep), ("calibration_by_measure", html_calibration),
+                 ("logit_lens", html_lens), ("slices", html_slices),
+                 ("strategies", html_strategies), ("batched", html_batches),
+                 ("spec_sweep", html_spec_sweep), ("recipes", html_recipes))
 
 def write_html_report(report, path):
-    """out_dir/report.html: the same numbers as report.json, as pictures, every section under its question."""
-    L, body = report.get("config", {}).get("n_layer", 0), []
-    if report.get("generation"):
-        body += html_generation(report["generation"], L)
-    if report.get("speculation"):
-        body.append(html_speculation(report["speculation"]))
-    body += [html_sweep(report, i, s) for i, s in enumerate(report.get("sweep_by_measure", []))]
-    if report.get("calibration_by_measure"):
-        body.append(html_calibration(report))
-    if report.get("slices"):
-        body.append(html_slices(report["slices"]))
-    if report.get("strategies"):
-        body.append(section("strategies", "What does each KV strategy buy?", "<p class='muted'>Test workload, batch 1; "
-                            "the ideal is what the layers skipped would give if a layer were all a step cost.</p>",
-                            *html_speedups(report["strategies"], "strategies", lambda e: e["name"],
-                                           ("ideal_speedup", "ideal: L / layers run")),
-                            html_table(report["strategies"], STRATEGY_COLUMNS, "strategies")))
-    if report.get("batched"):
-        b = report["batched"]
-        short = {"self_speculative": "spec", "state_copy": "copy", "skipdecode": "skip", "auto_approx": "auto~"}
-        body.append(section("batches", "Does early exit still save in a batch?", "<p class='muted'>" + ", ".join(
-            f"{v}: {k}" for k, v in short.items()) + " (auto_approx: auto that may choose SkipDecode, approximate then)"
-            "</p>", *html_speedups(
-            b["entries"], "batched.entries", lambda e: f"B{e['batch_size']} {short.get(e['name'], e['name'])}",
-            ("predicted_speedup", "predicted by the cost model")), html_table(
-            b["entries"], BATCH_COLUMNS, "batched.entries"),
-            *(f"<p>{esc(n)}</p>" for n in batch_notes(b, report["config"]))))
-    if report.get("spec_sweep"):
-        body.append(section("spec-sweep", "Which draft_exit, num_draft and draft_stop?",
-                            html_heatmap(report["spec_sweep"])))
-    if report.get("logit_lens"):
-        body.append(html_lens(report["logit_lens"], L))
-    if report.get("recipes"):
-        body.append(section("recipes", "Which training recipe?",
-                            html_table(report["recipes"], RECIPE_COLUMNS, "recipes")))
-    found = re.findall(r"<section id='([^']+)'><h2>([^<]+)</h2>", "".join(body))
-    write_text(f'<!doctype html><html lang="en"><head><meta charset="utf-8"><meta name="color-scheme" '
-               f'content="light dark"><title>nanogpt_exit_head report</title><style>{HTML_STYLE}</style></head><body>'
-               f"<h1>Early exit in a character-level GPT</h1>{html_summary(report, found)}{''.join(body)}"
-               "</body></html>", path)
+    """out_dir/report.html: report.json's numbers on a page that reads on a phone."""
+    body = "".join(draw(report) for part, draw in HTML_SECTIONS if report.get(part))
+    found = re.findall(r"<section id='([^']+)'><h2>([^<]+)</h2>", body)
+    write_text('<!doctype html><html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
+               'content="width=device-width, initial-scale=1"><meta name="color-scheme" '
+               'content="light dark"><title>nanogpt_exit_head report</title>'
+               f"<style>{HTML_STYLE}</style></head><body><h1>Early exit in a character-level GPT"
+               "</h1>"
+               f"{html_summary(report, found)}{body}</body></html>", path)
 
 # -----------------------------------------------------------------------------
 # Checkpoints: written to a temporary file, then renamed; resume, Ctrl-C, torchrun

@@ -54,12 +54,13 @@ def test_every_number_on_the_page_is_the_reports(page):
     parser = Numbers()
     parser.feed(path.read_text())
     keys = {k.split(".")[0] for k, _ in parser.data}
-    assert {"generation", "sweep_by_measure", "calibration_by_measure", "strategies", "spec_sweep", "logit_lens",
+    assert {"generation", "sweep", "calibration", "calibration_by_measure", "strategies", "spec_sweep", "logit_lens",
             "slices", "speculation", "val_loss"} <= keys
     # the Learn-then-Test table: every measure's test figures, and the summary's headline figures
     tagged = {k for k, _ in parser.data}
     for i in range(len(report["calibration_by_measure"])):
-        assert {f"calibration_by_measure.{i}.test.{k}" for k in ("compute_saved", "disagreement", "loss")} <= tagged
+        assert {f"calibration_by_measure.{i}.test.{k}" for k in ("compute_saved", "disagreement", "loss",
+                                                                 "accuracy")} <= tagged
     assert {f"slices.per_layer.{l}.tokens" for l in range(report["config"]["n_layer"])} <= tagged
     for key, value in parser.data:
         assert float(value) == pytest.approx(float(lookup(report, key)), rel=1e-12), key
@@ -156,23 +157,56 @@ def test_the_summary_opens_the_page_and_links_every_section(page):
     summary = html.split("<div id='summary'>")[1].split("</div>")[0]
     assert html.index("<div id='summary'>") < html.index("<h2")
     anchors = re.findall(r"<section id='([^']+)'>", html)
-    assert len(anchors) >= 10 and all(f"href='#{a}'" in summary for a in anchors)
+    assert len(anchors) >= 9 and all(f"href='#{a}'" in summary for a in anchors)
     report = page[1]
-    assert f"{report['calibration_by_measure'][0]['test']['compute_saved']:.1%}" in summary
+    assert f"{report['calibration']['test']['compute_saved']:.1%}" in summary
     assert "move with its load" in summary and "val loss" in summary
 
 
-def test_every_chart_has_axis_titles_ticks_and_a_legend(page):
+def test_the_page_keeps_three_kinds_of_chart_and_each_has_axis_titles_ticks_and_a_legend(page):
+    """The threshold trade-off and the decoders' speed-ups are charts; everything else is a table."""
     charts = re.findall(r"<svg .*?</svg>", page[0].read_text(), flags=re.DOTALL)
-    assert len(charts) >= 7
+    assert len(charts) == 2  # the threshold sweep, the strategies' speed-ups (no batch table in this run)
     for chart in charts:
         assert "rotate(-90)" in chart, "a y axis title"
         assert chart.count('class="grid"') >= 3, "round ticks"
-    for chart in (c for c in charts if "speed-up over full depth" in c):
-        assert "1.0x: full depth" in chart and 'class="mark"' in chart
-        assert ">measured</text>" in chart, "the legend inside the chart"
+    speedups = [c for c in charts if "speed-up over full depth" in c]
+    assert len(speedups) == 1 and "1.0x: full depth" in speedups[0] and 'class="mark"' in speedups[0]
+    assert ">greedy</text>" in speedups[0] and ">sampled</text>" in speedups[0], "the legend inside the chart"
+    assert speedups[0].count("<rect ") - 2 == len(page[1]["strategies"]), "a bar a row (and two legend keys)"
     sweeps = [c for c in charts if "exit threshold (" in c]
-    assert sweeps and all("calibrated: " in c and "compute saved (share of layer runs)</text>" in c for c in sweeps)
+    assert len(sweeps) == 1 and "calibrated: " in sweeps[0] and "compute saved (share of layer runs)</text>" in sweeps[0]
+    assert "<polyline" in sweeps[0] and "<polyline" not in speedups[0]
+
+
+def test_the_page_reads_on_a_phone(page):
+    html = page[0].read_text()
+    assert '<meta name="viewport" content="width=device-width, initial-scale=1">' in html
+    assert ".scroll { overflow-x: auto; }" in html
+    tables = html.count("<table")
+    assert tables >= 7 and html.count("<div class='scroll'><table>") == tables, "every table scrolls sideways"
+
+
+def console_table(capsys, table, rows):
+    m.print_table(table, rows)
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.endswith("===")) + 1
+    return lines[header].split("  "), " ".join(lines[header + 1 + len(rows) :])
+
+
+def test_a_console_table_and_the_page_table_come_from_one_definition(page, capsys):
+    """The headers and the legend the console prints are the page's: one definition, no drift."""
+    html, report = page[0].read_text(), page[1]
+    for table, rows in ((m.STRATEGY_TABLE, report["strategies"]), (m.LENS_TABLE, report["logit_lens"]),
+                        (m.CALIBRATION_TABLE, report["calibration_by_measure"])):
+        headers, legend = console_table(capsys, table, rows)
+        page_table = html.split(f"<h2>{m.esc(table[0])}</h2>")[1].split("</section>")[0]
+        assert [m.esc(h.strip()) for h in headers if h.strip()] == re.findall(r"<th>([^<]*)</th>", page_table)
+        assert " ".join(legend.split()) == " ".join(m.legend(table[1]).split())
+        assert f"<p class='muted'>{m.esc(m.legend(table[1]))}</p>" in page_table
+        for _, header, _, text in table[1]:  # the legend is the columns' help
+            assert f"{header}: {text}" in m.legend(table[1])
+    assert "accuracy" in [h for _, h, _, _ in m.CALIBRATION_TABLE[1]]
 
 
 def test_round_ticks():
@@ -184,10 +218,8 @@ def test_round_ticks():
         assert min(abs(mantissa - q) for q in (1, 2, 5, 10)) < 1e-9, (top, ticks)
 
 
-def test_hover_names_the_layer_and_newlines_show(page):
+def test_newlines_show(page):
     html, report = page[0].read_text(), page[1]
-    lens = re.findall(r"<title>its own exit head, ([^:]+): ", html)
-    assert lens == [f"layer {l}" for l in range(report["config"]["n_layer"] - 1)]
     assert html.count("<pre class='sample'>") == html.count("<pre class='sample'>\n") >= 3
     newlines = report["generation"]["sample"].count("\n") + report["speculation"]["sample"].count("\n")
     assert html.count("&#8629;</span>\n") == newlines
