@@ -2268,9 +2268,9 @@ def train_with_checkpoints(model, optimizer, splits, config, device, progress, p
     return took, ms
 
 def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, world=1, report=None):
-    """A new model or the checkpoint's, trained up to
-    max_iters with a checkpoint at every evaluation and on Ctrl-C; None on the ranks of a torchrun
-    job above 0. The training figures go into report."""
+    """A new model or the checkpoint's, trained up to max_iters with a checkpoint at every
+    evaluation and on Ctrl-C; None on the ranks of a torchrun job above 0. The training figures go
+    into report."""
     path = os.path.join(config.out_dir, "ckpt.pt")
     model, optimizer, progress = new_or_resumed(config, tokenizer, device, overridden)
     done, took, ms_per_iter = progress["iter_num"], 0.0, None
