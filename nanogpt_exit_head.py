@@ -2133,12 +2133,10 @@ ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "exit_head")
 PROGRESS = ("vocab", "iter_num", "train_seconds", "train_log")  # a run's plain data
 CHECKPOINT_KEYS = {"model", "optimizer", "config", "rng", *PROGRESS}
 
-def atomic_save(obj, path, writer=torch.save):
-    writer(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)  # atomic: a crash leaves the old file or the new, never half
-
 def write_text(text, path):
-    atomic_save(text, path, lambda t, p: Path(p).write_text(t, encoding="utf-8"))
+    """Written to path.tmp, then renamed: a crash leaves the old file or the new, never half."""
+    Path(path + ".tmp").write_text(text, encoding="utf-8")
+    os.replace(path + ".tmp", path)  # atomic on POSIX and Windows
 
 def write_json(obj, path):
     write_text(json.dumps(obj, indent=2), path)
@@ -2158,10 +2156,11 @@ def set_random_states(states, device):
 
 def save_checkpoint(path, model, optimizer, config, progress):
     """Tensors and plain data only, so torch.load(weights_only=True) reads it back. progress: the
-    vocabulary, iter_num (steps done), train_seconds and train_log."""
+    vocabulary, iter_num (steps done), train_seconds and train_log. Atomic, as in write_text."""
     rng = random_states(next(model.parameters()).device)
-    atomic_save({**progress, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "config": asdict(config), "rng": rng}, path)
+    torch.save({**progress, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "config": asdict(config), "rng": rng}, path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 def load_checkpoint(path, config, overridden, tokenizer):
     """Load ckpt.pt; architecture fields come from it, and must agree with explicit overrides."""
@@ -2201,14 +2200,14 @@ def start_processes(config):
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
 
 def step_model_for(model, config, world):
-    """What takes the training steps (None: the model itself): DistributedDataParallel across
-    processes (each its own batch, gradients averaged in backward), compiled with --compile."""
-    step_model = None
+    """What takes the training steps: the model, in DistributedDataParallel across processes (each
+    its own batch, gradients averaged in backward), compiled with --compile."""
+    step_model = model
     if world > 1:
         unused = config.alpha == 0 and config.distill_weight == 0  # no gradient for the exits
         step_model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=unused)
     if config.compile:
-        step_model = torch.compile(step_model or model)
+        step_model = torch.compile(step_model)
     return step_model
 
 def batch_sampler(config, splits, rank, steps):
@@ -2221,26 +2220,25 @@ def batch_sampler(config, splits, rank, steps):
 
 def new_or_resumed(config, tokenizer, device, overridden):
     """(model, optimizer, progress): new, or the checkpoint's with its random states back."""
-    if config.init_from == "scratch":
-        model = RecipeGPT(config).to(device)
-        progress = {"vocab": tokenizer.chars, "iter_num": 0, "train_seconds": 0.0, "train_log": []}
-        return model, configure_optimizer(model, config), progress
-    ckpt = load_checkpoint(os.path.join(config.out_dir, "ckpt.pt"), config, overridden, tokenizer)
-    model = RecipeGPT(config)
-    try:  # strict: every name and shape must match
-        model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:
-        message = " ".join(str(e).split())[:300]
-        raise ValueError(f"checkpoint does not fit the model: {message}") from None
-    model.to(device)
+    ckpt = {"vocab": tokenizer.chars, "iter_num": 0, "train_seconds": 0.0, "train_log": []}
+    if config.init_from == "resume":  # before the model is built: it sets the architecture
+        ckpt = load_checkpoint(os.path.join(config.out_dir, "ckpt.pt"), config, overridden,
+                               tokenizer)
+    model = RecipeGPT(config).to(device)
     optimizer = configure_optimizer(model, config)
-    optimizer.load_state_dict(ckpt["optimizer"])  # a ValueError where its groups do not fit
-    set_random_states(ckpt["rng"], device)
+    if config.init_from == "resume":
+        try:  # strict: every name and shape must match
+            model.load_state_dict(ckpt["model"])
+        except RuntimeError as e:
+            message = " ".join(str(e).split())[:300]
+            raise ValueError(f"checkpoint does not fit the model: {message}") from None
+        optimizer.load_state_dict(ckpt["optimizer"])  # a ValueError where its groups do not fit
+        set_random_states(ckpt["rng"], device)
     return model, optimizer, {key: ckpt[key] for key in PROGRESS}
 
 def print_setup(model, config, tokenizer, splits, device, world):
     base, heads = count_params(model)
-    sizes = "/".join(f"{len(splits[s]):,}" for s in ("train", "val", "test"))
+    sizes = "/".join(f"{len(split):,}" for split in splits.values())
     print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: "
           f"{sizes} characters | processes: {world}")
     print(f"parameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in {config.n_layer - 1} "
@@ -2270,13 +2268,14 @@ def train_with_checkpoints(model, optimizer, splits, config, device, progress, p
                                   step_model_for(model, config, world), evaluate=rank == 0)
     finally:
         signal.signal(signal.SIGINT, handler)
-    progress.update(train_seconds=seconds + took, train_log=log + new_log)
+    progress.update(iter_num=config.max_iters, train_seconds=seconds + took,
+                    train_log=log + new_log)
     return took, ms
 
 def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, world=1, report=None):
-    """A new model or the checkpoint's, trained up to
-    max_iters with a checkpoint at every evaluation and on Ctrl-C; None on the ranks of a torchrun
-    job above 0. The training figures go into report."""
+    """A new model or the checkpoint's, trained up to max_iters with a checkpoint at every
+    evaluation and on Ctrl-C; None on the ranks of a torchrun job above 0. The training figures go
+    into report."""
     path = os.path.join(config.out_dir, "ckpt.pt")
     model, optimizer, progress = new_or_resumed(config, tokenizer, device, overridden)
     done, took, ms_per_iter = progress["iter_num"], 0.0, None
@@ -2288,7 +2287,6 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
                                                    progress, path, rank, world)
     if rank > 0:
         return None
-    progress["iter_num"] = max(done, config.max_iters)
     losses = estimate_loss(model, splits, config, device)
     print(format_eval(progress["iter_num"], losses))
     save_checkpoint(path, model, optimizer, config, progress)
@@ -2299,11 +2297,10 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
         print(f"trained steps {done}..{config.max_iters} in {took:.1f} s, median "
               f"{ms_per_iter:.1f} ms a step; checkpoint: {path}")
     base, heads = count_params(model)
-    report.update({"config": asdict(config), "n_params": base, "n_params_exit_heads": heads,
-                   "train_seconds": progress["train_seconds"], "ms_per_iter": ms_per_iter,
-                   "val_loss": {"final": losses["val"][-1], "exits": losses["val"][:-1]},
-                   "train_loss": losses["train"][-1], "train_log": progress["train_log"],
-                   "processes": world})
+    report.update(config=asdict(config), n_params=base, n_params_exit_heads=heads,
+                  train_seconds=progress["train_seconds"], ms_per_iter=ms_per_iter,
+                  val_loss={"final": losses["val"][-1], "exits": losses["val"][:-1]},
+                  train_loss=losses["train"][-1], train_log=progress["train_log"], processes=world)
     return model.eval()
 
 def load_trained(config, tokenizer, device, overridden=()):
@@ -2340,7 +2337,7 @@ def boolean(text):
 
 def in_range(value, rule):
     """Whether value lies in an interval of RANGES, e.g. '[0, 1)'."""
-    low, high = (float(end) for end in rule[1:-1].split(","))
+    low, high = map(float, rule[1:-1].split(","))
     ends = (value == low and rule[0] == "[") or (value == high and rule[-1] == "]")
     return low < value < high or ends
 
@@ -2350,20 +2347,22 @@ class ArgumentParser(argparse.ArgumentParser):
         raise ValueError(message)
 
 def build_parser():
-    """One --name for every field of LabConfig but vocab_size; its help is the field's comment."""
+    """One --name for every field of LabConfig but vocab_size; its help is the field's comment.
+    A field not given stays out of what it parses (SUPPRESS), so LabConfig's default holds."""
     source = inspect.getsource(Config) + inspect.getsource(LabConfig)
     comments = dict(re.findall(r"^ +(\w+): .*?  # (.*)$", source.replace("%", "%%"), re.M))
     rules = {name: f" in {rule}" for rule, names in RANGES.items() for name in names}
     rules.update({name: f" one of {', '.join(choices)}" for name, choices in CHOICES.items()})
-    parser = ArgumentParser(prog="nanogpt_exit_head.py", usage="%(prog)s [--name=value ...]",
-                            allow_abbrev=False, epilog="several processes: torchrun "
-                            "--standalone --nproc_per_node=N nanogpt_exit_head.py [...]")
+    parser = ArgumentParser(
+        usage="nanogpt_exit_head.py [--name=value ...]", allow_abbrev=False,
+        argument_default=argparse.SUPPRESS,
+        epilog="N processes: torchrun --standalone --nproc_per_node=N nanogpt_exit_head.py [...]")
     for f in fields(LabConfig):
         if f.name != "vocab_size":
-            help = f"{comments.get(f.name, '')} (default {f.default!r}){rules.get(f.name, '')}"
-            kind = boolean if f.type is bool else f.type
-            parser.add_argument(f"--{f.name}", type=kind, default=f.default,
-                                choices=CHOICES.get(f.name), metavar="", help=help)
+            parser.add_argument(
+                f"--{f.name}", type=boolean if f.type is bool else f.type,
+                choices=CHOICES.get(f.name), metavar="",
+                help=f"{comments.get(f.name, '')} (default {f.default!r}){rules.get(f.name, '')}")
     return parser
 
 def parse_args(argv):
@@ -2376,7 +2375,7 @@ def parse_args(argv):
                          f"mean {close[0]}?")
     config = LabConfig(**vars(known))
     validate(config)
-    return config, {a[2:].split("=")[0] for a in argv if a.startswith("--")}
+    return config, set(vars(known))
 
 def validate(config):
     """The ranges, the rules that tie fields together, the files and the folder."""
@@ -2390,11 +2389,10 @@ def validate(config):
             (config.min_lr > config.learning_rate,
              f"min_lr={config.min_lr} is above learning_rate={config.learning_rate}"),
             (-1 < config.exit_threshold < 0, "exit_threshold: -1 (calibrate on val) or in [0, 1]"),
-            (-1 < config.strategies_threshold < 0, "strategies_threshold: -1 (choose on val) or in "
-                                                   "[0, 1]"),
+            (-1 < config.strategies_threshold < 0,
+             "strategies_threshold: -1 (choose on val) or in [0, 1]"),
             (config.draft_exit >= config.n_layer - 1,
-             f"draft_exit={config.draft_exit} must be a layer below the last: "
-             f"0..{config.n_layer - 2}"),
+             f"draft_exit={config.draft_exit}: a layer below the last, 0..{config.n_layer - 2}"),
             (not config.prompt, "--prompt must hold at least one character")):
         if bad:
             raise ValueError(message)
@@ -2412,7 +2410,7 @@ def check_text(config):
     except (OSError, UnicodeDecodeError) as e:  # no such file, or not UTF-8 (iconv -t UTF-8 it)
         raise ValueError(f"--input_path={config.input_path!r}: {e}") from None
     need = max(config.block_size, config.bench_prompt_len) + 2
-    if min(len(split) for split in split_data(text).values()) < need:
+    if min(map(len, split_data(text).values())) < need:
         raise ValueError(f"--input_path={config.input_path!r} ({len(text):,} characters) is too "
                          f"short: each split needs {need} for block_size and bench_prompt_len")
     unknown = "".join(sorted(set(config.prompt) - set(text)))
