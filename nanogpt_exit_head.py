@@ -1210,7 +1210,7 @@ def workload(data, n_prompts, prompt_len):
     ("the the the"), and a loop is easy to draft. Timed figures continue every prompt of test's
     workload; choices use val's."""
     if len(data) < prompt_len + 2:
-        raise ValueError(f"a split of {len(data)} characters is too short for prompts of {prompt_len}")
+        raise ValueError(f"a {len(data)}-character split is too short for prompts of {prompt_len}")
     starts = torch.linspace(0, len(data) - prompt_len - 1, n_prompts).long()  # (n_prompts,)
     return data[starts[:, None] + torch.arange(prompt_len)]  # (n_prompts, prompt_len)
 
@@ -1244,10 +1244,11 @@ def quality_pass(decode, data, n_positions, n_layer, batch_size=1):
     all: every decoder sees the same text, and its own cache's effects."""
     per_row = n_positions // batch_size
     pieces = data[: batch_size * (per_row + 1)].view(batch_size, -1)  # (B, per_row + 1)
-    out = decode(pieces[:, :1], per_row, forced=pieces[:, 1:])
+    forced = pieces[:, 1:]  # (B, per_row)
+    out = decode(pieces[:, :1], per_row, forced=forced)
     logits = out.logits.flatten(0, 1)  # (N, V)
     pred = logits.argmax(-1)  # (N,)
-    targets = pieces[:, 1:].flatten().to(logits.device)  # (N,)
+    targets = forced.flatten().to(logits.device)  # (N,)
     exited_at = out.exited_at.flatten().cpu()  # (N,)
     counts = torch.bincount(exited_at, minlength=n_layer)  # (L,)
     return {"pred": pred, "exited_at": exited_at, "exit_fractions": (counts / len(pred)).tolist(),
@@ -1397,8 +1398,8 @@ def plan_exits(records, measure, costs, strategy, n_layer, threshold=None, subse
         t = threshold
         if t is None:
             t = threshold_for_exit_fraction(records, measure, subset)
-        speedup = predict_speedup(records, measure, t, subset, costs, strategy, n_layer)
-        plans.append({"checked_exits": subset, "threshold": t, "predicted_speedup": speedup})
+        plans.append({"checked_exits": subset, "threshold": t, "predicted_speedup":
+                      predict_speedup(records, measure, t, subset, costs, strategy, n_layer)})
     return sorted(plans, key=lambda p: -p["predicted_speedup"])
 
 def strategy_plans(val_records, costs, config):
@@ -1419,30 +1420,34 @@ def speculation_costs(model, prompts, config, batch_size, cells):
     token: fewer at window edges, and a batch waits for its slowest row); the speed-up is full
     depth's time per token over a round's. Timed on val, it is the prediction beside test's
     speed-ups and what auto chooses by."""
-    runs = {"full": decoder(model, "full")}
-    runs.update({cell: decoder(model, "self_speculative", spec=cell) for cell in cells})
-    speed = time_decoders({key: dict.fromkeys(MODES, run) for key, run in runs.items()}, prompts,
-                          config, batch_size)
+    decoders = {cell: dict.fromkeys(MODES, decoder(model, "self_speculative", spec=cell))
+                for cell in cells}
+    speed = time_decoders({"full": dict.fromkeys(MODES, decoder(model, "full")), **decoders},
+                          prompts, config, batch_size)
     entries = []
-    for (cell, mode), s in speed.items():
-        full = speed["full", mode]
-        if cell == "full":
-            continue
-        stats = spec_stats(s["outputs"], full["outputs"], mode)
-        ms_per_round = (1e3 * len(prompts) * config.bench_tokens / s["tokens_per_second"]
-                        / stats["rounds"])
-        # full depth's time per token of the batch, times the tokens a round emits, over a round's
-        speedup = 1e3 / full["tokens_per_second"] * stats["tokens_per_verify"] / ms_per_round
-        entries.append({**stats, "draft_exit": cell[0], "mode": mode, "ms_per_round": ms_per_round,
-                        "speedup": speedup, "repetition": s["repetition"]})
+    for mode in MODES:
+        for cell in cells:
+            s, full = speed[cell, mode], speed["full", mode]
+            stats = spec_stats(s["outputs"], full["outputs"], mode)
+            ms_per_round = (1e3 * len(prompts) * config.bench_tokens / s["tokens_per_second"]
+                            / stats["rounds"])
+            # full depth's time per token of the batch, times the tokens a round emits, over a
+            # round's time
+            speedup = 1e3 / full["tokens_per_second"] * stats["tokens_per_verify"] / ms_per_round
+            entries.append({**stats, "draft_exit": cell[0], "mode": mode,
+                            "ms_per_round": ms_per_round, "speedup": speedup,
+                            "repetition": s["repetition"]})
     return entries
+
+def workloads(splits, config, device):
+    """The val workload (to choose by) and the test workload (to report)."""
+    return [workload(splits[s], config.bench_prompts, config.bench_prompt_len).to(device)
+            for s in ("val", "test")]
 
 def compare_strategies(model, splits, config, device):
     """The strategies table at batch 1: exit plans chosen on val, quality teacher-forced on test,
     speed on the test workload, greedy and sampled."""
-    val_prompts, test_prompts = (
-        workload(splits[s], config.bench_prompts, config.bench_prompt_len).to(device)
-        for s in ("val", "test"))
+    val_prompts, test_prompts = workloads(splits, config, device)
     val_records = record_exits(model, splits["val"].to(device), config.quality_positions)
     costs = decode_costs(model, val_prompts[:4], config.bench_tokens)
     plans = strategy_plans(val_records, costs, config)
@@ -1506,14 +1511,16 @@ def choose_schedule(records, n_layer, block_size, budget):
     for a in range(0, block_size, max(1, block_size // 16)):
         for e in range(last):
             figures = exit_summary(records, torch.where(wpos >= a, e, last))
-            if figures["disagreement"] <= budget and figures["compute_saved"] > best["compute_saved"]:
+            if (figures["disagreement"] <= budget
+                    and figures["compute_saved"] > best["compute_saved"]):
                 best = {"schedule": [last] * a + [e] * (block_size - a), "from_position": a,
                         "exit_layer": e, "compute_saved": figures["compute_saved"],
                         "disagreement": figures["disagreement"]}
     return best
 
 BATCH_DESIGNS = ("full", "state_copy", "skipdecode", "self_speculative", "auto")
-BATCH_DRAFTS = (4, 8, 11, 16)  # num_draft tried in batches (11 fills 33 new tokens, block 64's half + 1)
+# num_draft tried in batches (11 fills 33 new tokens: half of block 64, plus 1)
+BATCH_DRAFTS = (4, 8, 11, 16)
 
 def choose_drafts(entries):
     """From speculation_costs' entries: per mode, the k predicted fastest (self_speculative's), and
@@ -1559,22 +1566,20 @@ def measure_batches(model, splits, config, device, plans, val_records, unit_cost
     """The batch table: every design at every batch size, greedy and sampled, quality beside
     speed, and the cost models' predictions (unit_costs: decode_costs' batch-1 figures)."""
     L, plan = config.n_layer, plans["state_copy"]
-    test_prompts, val_prompts = (
-        workload(splits[s], config.bench_prompts, config.bench_prompt_len).to(device)
-        for s in ("test", "val"))
+    val_prompts, test_prompts = workloads(splits, config, device)
     schedule = choose_schedule(val_records, L, config.block_size, config.schedule_disagreement)
     exits = exits_at_threshold(val_records, config.confidence_measure, plan["threshold"],
                                plan["checked_exits"])
     depth = expected_batch_depth(exits, BATCH_SIZES, L)  # a step runs as deep as its deepest row
     # skipdecode skips the same share of block runs in every row, with no checks
-    skipped = schedule["compute_saved"] * L * unit_costs["block"]
-    skip = unit_costs["token"] / (unit_costs["token"] - skipped)
-    rows, chosen, grid = [], {}, sorted(set(BATCH_DRAFTS) | {config.num_draft})
+    skip = unit_costs["token"] / (unit_costs["token"]
+                                  - schedule["compute_saved"] * L * unit_costs["block"])
+    cells = [(config.draft_exit, k) for k in sorted({*BATCH_DRAFTS, config.num_draft})]
+    rows, chosen = [], {}
     for B in BATCH_SIZES:
         if config.bench_prompts % B:
             continue
-        entries = speculation_costs(model, val_prompts, config, B,
-                                    [(config.draft_exit, k) for k in grid])
+        entries = speculation_costs(model, val_prompts, config, B, cells)
         drafts, auto = choose_drafts(entries)  # on val
         chosen[B] = {"num_draft": drafts, "auto": auto, "speculation_costs": entries}
         spec = {(e["mode"], e["num_draft"]): e for e in entries}
@@ -1595,8 +1600,9 @@ def evaluate_recipe(name, model, splits, config, device, prompts):
                  for s in ("val", "test"))
     cal = calibration_report(val, test, config.confidence_measure, list(range(config.n_layer - 1)),
                              config.epsilon, config.delta)
-    cell = (config.draft_exit, config.num_draft)
-    greedy, sampled = speculation_costs(model, prompts, config, 1, [cell])  # one entry per mode
+    # an entry per mode: greedy, then sampled
+    greedy, sampled = speculation_costs(model, prompts, config, 1,
+                                        [(config.draft_exit, config.num_draft)])
     return {"recipe": name, **RECIPES[name], "val_loss_final": losses["val"][-1],
             "val_loss_exits": losses["val"][:-1], "calibrated_threshold": cal["threshold"],
             "compute_saved": cal["test"]["compute_saved"], "test_loss": cal["test"]["loss"],
