@@ -1458,8 +1458,8 @@ def compare_strategies(model, splits, config, device):
                 for name in ("full", *KV_STRATEGIES, "self_speculative")}
     rows, quality = measure_decoders(decoders, splits["test"].to(device), test_prompts, config)
     for row in rows:
-        if row["name"] in plans:
-            plan = plans[row["name"]]
+        plan = plans.get(row["name"])
+        if plan:
             row.update(plan, checked_exits=",".join(map(str, plan["checked_exits"])))
         if row["name"] == "self_speculative":
             row["predicted_speedup"] = predicted[row["mode"]]["speedup"]
@@ -1479,7 +1479,7 @@ def sweep_speculative(model, prompts, config):
 def expected_batch_depth(exited_at, batch_sizes, n_layer):
     """Mean of the deepest exit among B independent draws from the recorded per-token exit layers:
     the deepest of B is at most l with probability P(exit <= l)^B."""
-    counts = torch.bincount(exited_at.cpu(), minlength=n_layer).double()
+    counts = torch.bincount(exited_at.cpu(), minlength=n_layer).double()  # (L,)
     cdf = counts.cumsum(0) / len(exited_at)  # (L,): P(exit <= l)
     below = F.pad(cdf[:-1], (1, 0))  # (L,): P(exit < l)
     depth = torch.arange(1, n_layer + 1)  # (L,): blocks run when the deepest row exits at l
