@@ -1205,31 +1205,31 @@ def exit_slices(records, exits, tokenizer, data, n_top=10):
 # Measurement, 1: every decoder on one workload, quality teacher-forced, then wall-clock, at any batch size
 
 def workload(data, n_prompts, prompt_len):
-    """n_prompts prompts of prompt_len characters from evenly spaced places of a split: (n_prompts,
-    prompt_len). One prompt proves nothing: a greedy character model soon loops ("the the the"), and a
-    loop is easy to draft. Timed figures continue every prompt of test's workload; choices use val's."""
+    """n_prompts prompts of prompt_len characters from evenly spaced places of a split:
+    (n_prompts, prompt_len). One prompt proves nothing: a greedy character model soon loops
+    ("the the the"), and a loop is easy to draft. Timed figures continue every prompt of test's
+    workload; choices use val's."""
     if len(data) < prompt_len + 2:
-        raise ValueError(f"a split of {len(data)} characters is too short for prompts of {prompt_len}")
-    starts = torch.linspace(0, len(data) - prompt_len - 1, n_prompts).long().tolist()
-    return torch.stack([data[s : s + prompt_len] for s in starts])
+        raise ValueError(f"a {len(data)}-character split is too short for prompts of {prompt_len}")
+    starts = torch.linspace(0, len(data) - prompt_len - 1, n_prompts).long()  # (n_prompts,)
+    return data[starts[:, None] + torch.arange(prompt_len)]  # (n_prompts, prompt_len)
 
 def repetition(tokens, n=4):
-    """1 - distinct n-grams / n-grams of one generated sequence: 0 never repeats itself, near 1 a loop."""
+    """1 - distinct n-grams / n-grams of one generated sequence: 0 never repeats itself, near 1 a
+    loop."""
     grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
     if not grams:
         return 0.0
     return 1.0 - len(set(grams)) / len(grams)
 
-def mode_temperature(mode, config):
-    return 0.0 if mode == "greedy" else config.temperature
-
 SPECULATIVE = ("self_speculative", "auto")  # exact by construction: no quality pass of their own
 
 def decoder(model, name, plan=None, measure="top1", spec=(0, 8), schedule=None):
-    """The decoder of one table row, for any batch size: decode(idx (B, T0), n, generator=, temperature=,
-    top_k=, forced=) -> Generation. name: full, a KV strategy with its exit plan, skipdecode with its
-    schedule, or self_speculative with spec = (draft_exit, num_draft). Full depth is one decoder on every
-    device: the predictions and the speed-ups divide by the same baseline."""
+    """The decoder of one table row, for any batch size: decode(idx (B, T0), n, generator=,
+    temperature=, top_k=, forced=) -> Generation. name: full, a KV strategy with its exit plan,
+    skipdecode with its schedule, or self_speculative with spec = (draft_exit, num_draft). Full
+    depth is one decoder on every device: the predictions and the speed-ups divide by the same
+    baseline."""
     if name == "self_speculative":
         return partial(generate_self_speculative, model, draft_exit=spec[0], num_draft=spec[1])
     if name == "full":
@@ -1240,105 +1240,112 @@ def decoder(model, name, plan=None, measure="top1", spec=(0, 8), schedule=None):
                    checked_exits=plan["checked_exits"], measure=measure)
 
 def quality_pass(decode, data, n_positions, n_layer, batch_size=1):
-    """Teacher-forced decoding of batch_size contiguous pieces of data at once, n_positions in all: every
-    decoder sees the same text, and its own cache's effects."""
+    """Teacher-forced decoding of batch_size contiguous pieces of data at once, n_positions in
+    all: every decoder sees the same text, and its own cache's effects."""
     per_row = n_positions // batch_size
-    pieces = data[: batch_size * (per_row + 1)].view(batch_size, per_row + 1)  # (B, per_row + 1)
-    out = decode(pieces[:, :1], per_row, forced=pieces[:, 1:])
+    pieces = data[: batch_size * (per_row + 1)].view(batch_size, -1)  # (B, per_row + 1)
+    forced = pieces[:, 1:]  # (B, per_row)
+    out = decode(pieces[:, :1], per_row, forced=forced)
     logits = out.logits.flatten(0, 1)  # (N, V)
-    targets = pieces[:, 1:].flatten().to(logits.device)  # (N,)
-    exited_at = out.exited_at.flatten().cpu()
-    counts = torch.bincount(exited_at, minlength=n_layer).float()
-    return {"pred": logits.argmax(-1), "exited_at": exited_at,
-            "exit_fractions": (counts / len(exited_at)).tolist(), "mean_layers": out.layers_run / per_row,
+    pred = logits.argmax(-1)  # (N,)
+    targets = forced.flatten().to(logits.device)  # (N,)
+    exited_at = out.exited_at.flatten().cpu()  # (N,)
+    counts = torch.bincount(exited_at, minlength=n_layer)  # (L,)
+    return {"pred": pred, "exited_at": exited_at, "exit_fractions": (counts / len(pred)).tolist(),
+            "mean_layers": out.layers_run / per_row,
             "test_loss": F.cross_entropy(logits, targets).item(),
-            "test_accuracy": (logits.argmax(-1) == targets).float().mean().item()}
+            "test_accuracy": (pred == targets).float().mean().item()}
 
 def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed, top_k):
     """Every decoder continues the workload, batch_size prompts a call, in turn, repeats times,
-    interleaved; decoders: key -> (decode, temperature). Per decoder: median tokens/s of all rows, block
-    runs per token while decoding (catch-up included) and re-prefilling, how repetitive the text is, and
-    the last pass's Generations."""
+    interleaved; decoders: key -> (decode, temperature). Per decoder: median tokens/s of all rows,
+    block runs per token while decoding (catch-up included) and re-prefilling, how repetitive the
+    text is, and the last pass's Generations."""
     batches = prompts.view(-1, batch_size, prompts.size(1))  # (n_batches, B, T0)
     times, outputs = {key: [] for key in decoders}, {}
     for _ in range(repeats):
         for key, (decode, temperature) in decoders.items():
             synchronize(prompts.device)
-            t0, outs = time.perf_counter(), []
-            for i, batch in enumerate(batches):
-                gen = torch.Generator(device=prompts.device).manual_seed(seed + i)
-                outs.append(decode(batch, n_tokens, generator=gen, temperature=temperature, top_k=top_k))
+            t0 = time.perf_counter()
+            # batch i samples from seed + i, whichever decoder and pass runs it
+            outputs[key] = [decode(batch, n_tokens, temperature=temperature, top_k=top_k,
+                                   generator=torch.Generator(prompts.device).manual_seed(seed + i))
+                            for i, batch in enumerate(batches)]
             synchronize(prompts.device)
             times[key].append(time.perf_counter() - t0)
-            outputs[key] = outs
     steps = len(batches) * n_tokens  # layers_run and prefill_runs count per row
     return {key: {"tokens_per_second": len(prompts) * n_tokens / float(np.median(times[key])),
                   "mean_layers": sum(o.layers_run for o in outs) / steps,
                   "prefill_layers": sum(o.prefill_runs for o in outs) / steps,
-                  "repetition": float(np.mean([repetition(r[-n_tokens:].tolist()) for o in outs
-                                               for r in o.tokens])),
+                  "repetition": float(np.mean([repetition(r[-n_tokens:].tolist())
+                                               for o in outs for r in o.tokens])),
                   "outputs": outs} for key, outs in outputs.items()}
 
 def spec_stats(outputs, full_outputs, mode):
-    """Acceptance (drafts kept over drafts a row could keep), tokens per verify pass, the draft that ran,
-    and (greedy) whether every row's output equals full depth's. Outputs of full depth (auto's choice
-    where speculation does not pay) count no drafts."""
+    """Acceptance (drafts kept over drafts a row could keep), tokens per verify pass, the draft
+    that ran, and (greedy) whether every row's output equals full depth's. Outputs of full depth
+    (auto's choice where speculation does not pay) count no drafts."""
     runs = [o.stats for o in outputs if isinstance(o, SpeculativeGeneration)]
-    stats = {k: sum(s[k] for s in runs) for k in ("rounds", "drafted", "accepted")}
     same = None
     if mode == "greedy":
         same = all(torch.equal(a.tokens, b.tokens) for a, b in zip(outputs, full_outputs))
     if not runs:
         return {"identical_to_full": same}
-    new_tokens = sum(o.exited_at.numel() for o in outputs)
-    return {"acceptance_rate": stats["accepted"] / max(1, stats["drafted"]), "rounds": stats["rounds"],
-            "tokens_per_verify": new_tokens / stats["rounds"], "num_draft": runs[0]["num_draft"],
-            "identical_to_full": same}
+    rounds, drafted, accepted = (sum(s[k] for s in runs) for k in ("rounds", "drafted", "accepted"))
+    return {"acceptance_rate": accepted / max(1, drafted), "rounds": rounds,
+            "tokens_per_verify": sum(o.exited_at.numel() for o in outputs) / rounds,
+            "num_draft": runs[0]["num_draft"], "identical_to_full": same}
 
 def table_row(name, mode, speed, quality, config, batch_size=1):
-    """One row of a decoder table: speed over full depth at the same batch size and mode, quality beside
-    it; a speculative decoder's quality is full depth's by construction."""
+    """One row of a decoder table: speed over full depth at the same batch size and mode, quality
+    beside it; a speculative decoder's quality is full depth's by construction."""
     s, full = speed[name, mode], speed["full", mode]
     q = quality.get(name, quality["full"])
-    row = {"batch_size": batch_size, "name": name, "mode": mode, "tokens_per_second": s["tokens_per_second"],
+    # s: tokens_per_second, mean_layers, prefill_layers, repetition (and outputs, left out)
+    row = {"batch_size": batch_size, "name": name, "mode": mode, **s,
            "speedup": s["tokens_per_second"] / full["tokens_per_second"],
-           "ideal_speedup": config.n_layer / s["mean_layers"], "mean_layers": s["mean_layers"],
-           "prefill_layers": s["prefill_layers"], "repetition": s["repetition"],
+           "ideal_speedup": config.n_layer / s["mean_layers"],
            "test_loss": q["test_loss"], "test_accuracy": q["test_accuracy"],
            "agreement": (q["pred"] == quality["full"]["pred"]).float().mean().item(),
            "quality_from": "full depth (exact by construction)", "identical_to_full": None}
     if name in quality:
         row["quality_from"] = "teacher-forced test positions"
+    del row["outputs"]
     if name in SPECULATIVE:
         row.update(spec_stats(s["outputs"], full["outputs"], mode), draft_exit=config.draft_exit)
     return row
 
-def measure_decoders(decoders, test, prompts, config, batch_size=1):
-    """The rows of a decoder table at one batch size, both modes: quality (greedy decoders, teacher-forced
-    on test) and speed on the test workload. decoders: name -> {mode: decode}."""
-    quality = {name: quality_pass(d["greedy"], test, config.quality_positions, config.n_layer, batch_size)
-               for name, d in decoders.items() if name not in SPECULATIVE}
-    timed = {(name, mode): (d[mode], mode_temperature(mode, config))
+def time_decoders(decoders, prompts, config, batch_size):
+    """speed_pass of name -> {mode: decode} in both modes, interleaved: (name, mode) -> figures."""
+    timed = {(name, mode): (d[mode], 0.0 if mode == "greedy" else config.temperature)
              for mode in MODES for name, d in decoders.items()}
-    speed = speed_pass(timed, prompts, batch_size, config.bench_tokens, config.bench_repeats, config.seed,
-                       config.top_k)
-    rows = [table_row(name, mode, speed, quality, config, batch_size) for mode in MODES for name in decoders]
+    return speed_pass(timed, prompts, batch_size, config.bench_tokens, config.bench_repeats,
+                      config.seed, config.top_k)
+
+def measure_decoders(decoders, test, prompts, config, batch_size=1):
+    """The rows of a decoder table at one batch size, both modes: quality (greedy decoders,
+    teacher-forced on test) and speed on the test workload. decoders: name -> {mode: decode}."""
+    quality = {name: quality_pass(d["greedy"], test, config.quality_positions, config.n_layer,
+                                  batch_size)
+               for name, d in decoders.items() if name not in SPECULATIVE}
+    speed = time_decoders(decoders, prompts, config, batch_size)
+    rows = [table_row(name, mode, speed, quality, config, batch_size)
+            for mode in MODES for name in decoders]
     return rows, quality
 
 @torch.inference_mode()
 def decode_costs(model, prompts, n_tokens, repeats=200, attempts=3):
-    """Seconds, one new token at batch 1 (medians): a block, an exit check (head, confidence and the host
-    sync that decides), a state-copy write, the final head, and a whole full-depth token on these prompts,
-    by the same full-depth decoder the speed-ups divide by. A token cheaper than n_layer blocks is
-    impossible (a busy machine): measured again, up to `attempts` times."""
+    """Seconds, one new token at batch 1 (medians): a block, an exit check (head, confidence and
+    the host sync that decides), a state-copy write, the final head, and a whole full-depth token
+    on these prompts, by the same full-depth decoder the speed-ups divide by. A token cheaper than
+    n_layer blocks is impossible (a busy machine): measured again, up to `attempts` times."""
     cfg, device = model.config, prompts.device
     cache, x = KVCache(cfg, 1, device), torch.zeros(1, 1, cfg.n_embd, device=device)
-    weight, bias = state_copy_projections(model)
     stages = {"block": partial(model.transformer.h[0], x, cache, 0),
               "check": partial(exit_check, model, x),
-              "state_copy": partial(write_state_copy, cache, 1, x, weight, bias),
+              "state_copy": partial(write_state_copy, cache, 1, x, *state_copy_projections(model)),
               "final_head": partial(model.exit_logits, x[:, 0], cfg.n_layer - 1)}
-    full = {"full": (decoder(model, "full"), 0.0)}
+    full = {"full": (decoder(model, "full"), 0.0)}  # the full-depth token, greedy
     for attempt in range(1, attempts + 1):
         t = {key: [] for key in stages}
         for _ in range(repeats):
@@ -1356,130 +1363,133 @@ def decode_costs(model, prompts, n_tokens, repeats=200, attempts=3):
     return costs
 
 def exit_check(model, x):
-    """What decode_step does at a checked exit: the head, its confidence and the host sync that decides."""
+    """What decode_step does at a checked exit: the head, its confidence and the host sync that
+    decides."""
     return bool((confidence(model.exit_logits(x[:, 0], 0)) > 0.9).any())
 
 def predict_speedup(records, measure, threshold, checked_exits, costs, strategy, n_layer):
-    """Full depth's measured time per token over the predicted time of a strategy checking these exits.
+    """Full depth's measured time per token over the predicted time of a strategy checking these
+    exits.
 
-    Exiting at layer e skips n_layer - 1 - e blocks and the final head (not under backfill, which runs
-    them all) and costs a state-copy write under state_copy; every checked exit at or below e costs a
-    check. Deferred's catch-up rides in the next token's block call, so it is counted as no extra call."""
+    Exiting at layer e skips n_layer - 1 - e blocks and the final head (not under backfill, which
+    runs them all) and costs a state-copy write under state_copy; every checked exit at or below e
+    costs a check. Deferred's catch-up rides in the next token's block call, so it is counted as
+    no extra call."""
     exits = exits_at_threshold(records, measure, threshold, checked_exits).float()  # (N,)
-    L = n_layer
     checks = sum((exits >= l).float() for l in checked_exits).mean().item()
-    early = (exits < L - 1).float().mean().item()
+    early = (exits < n_layer - 1).float().mean().item()
     saved = 0.0
     if strategy != "backfill":
-        saved = (L - 1 - exits).mean().item() * costs["block"] + early * costs["final_head"]
+        saved = (n_layer - 1 - exits).mean().item() * costs["block"] + early * costs["final_head"]
     extra = checks * costs["check"]
     if strategy == "state_copy":
         extra += early * costs["state_copy"]
     return costs["token"] / (costs["token"] - saved + extra)
 
-def plan_exits(records, measure, costs, strategy, n_layer, threshold=None):
-    """The cost-aware exit plan: every subset of exits, each at its threshold (given, or the highest with
-    EARLY_EXIT_FRACTION of val positions exiting early), ranked by predicted speed-up; best first."""
+def plan_exits(records, measure, costs, strategy, n_layer, threshold=None, subsets=None):
+    """The cost-aware exit plan: every subset of exits (or the given subsets), each at its
+    threshold (given, or the highest with EARLY_EXIT_FRACTION of val positions exiting early),
+    ranked by predicted speed-up; best first."""
+    if subsets is None:
+        subsets = [list(s) for r in range(1, n_layer)
+                   for s in itertools.combinations(range(n_layer - 1), r)]
     plans = []
-    for r in range(1, n_layer):
-        for subset in map(list, itertools.combinations(range(n_layer - 1), r)):
-            t = threshold
-            if t is None:
-                t = threshold_for_exit_fraction(records, measure, subset)
-            speedup = predict_speedup(records, measure, t, subset, costs, strategy, n_layer)
-            plans.append({"checked_exits": subset, "threshold": t, "predicted_speedup": speedup})
+    for subset in subsets:
+        t = threshold
+        if t is None:
+            t = threshold_for_exit_fraction(records, measure, subset)
+        plans.append({"checked_exits": subset, "threshold": t, "predicted_speedup":
+                      predict_speedup(records, measure, t, subset, costs, strategy, n_layer)})
     return sorted(plans, key=lambda p: -p["predicted_speedup"])
 
 def strategy_plans(val_records, costs, config):
-    """Per KV strategy: the exits it checks, their threshold and the predicted speed-up, chosen on val."""
-    L, measure = config.n_layer, config.confidence_measure
+    """Per KV strategy: the exits it checks (the best subset under exit_layers=auto), their
+    threshold and the predicted speed-up, chosen on val."""
     fixed = None if config.strategies_threshold < 0 else config.strategies_threshold
-    plans = {}
-    for name in KV_STRATEGIES:
-        if config.exit_layers == "auto":
-            plans[name] = plan_exits(val_records, measure, costs, name, L, fixed)[0]
-            continue
-        checked = parse_exit_layers(config.exit_layers, L)
-        t = fixed
-        if t is None:
-            t = threshold_for_exit_fraction(val_records, measure, checked)
-        speedup = predict_speedup(val_records, measure, t, checked, costs, name, L)
-        plans[name] = {"checked_exits": checked, "threshold": t, "predicted_speedup": speedup}
-    return plans
+    subsets = None  # auto: every subset
+    if config.exit_layers != "auto":
+        subsets = [parse_exit_layers(config.exit_layers, config.n_layer)]
+    return {name: plan_exits(val_records, config.confidence_measure, costs, name, config.n_layer,
+                             fixed, subsets)[0] for name in KV_STRATEGIES}
 
 def speculation_costs(model, prompts, config, batch_size, cells):
-    """Self-speculation on a workload at batch_size, every (draft_exit, num_draft) cell beside full depth,
-    both modes, interleaved: an entry per cell and mode. The cost model is per round: a round costs
-    ms_per_round (its drafts, the verify pass, the accept rule, its share of re-prefills) and emits
-    tokens_per_verify over the batch (kept drafts and the full model's token: fewer at window edges, and a
-    batch waits for its slowest row); the speed-up is full depth's time per token over a round's. Timed
-    on val, it is the prediction beside test's speed-ups and what auto chooses by."""
-    decoders = {}
-    for mode in MODES:
-        T = mode_temperature(mode, config)
-        decoders["full", mode] = decoder(model, "full"), T
-        for cell in cells:
-            decoders[cell, mode] = decoder(model, "self_speculative", spec=cell), T
-    speed = speed_pass(decoders, prompts, batch_size, config.bench_tokens, config.bench_repeats,
-                       config.seed, config.top_k)
+    """Self-speculation on a workload at batch_size, every (draft_exit, num_draft) cell beside full
+    depth, both modes, interleaved: an entry per cell and mode. The cost model is per round: a
+    round costs ms_per_round (its drafts, the verify pass, the accept rule, its share of
+    re-prefills) and emits tokens_per_verify over the batch (kept drafts and the full model's
+    token: fewer at window edges, and a batch waits for its slowest row); the speed-up is full
+    depth's time per token over a round's. Timed on val, it is the prediction beside test's
+    speed-ups and what auto chooses by."""
+    decoders = {cell: dict.fromkeys(MODES, decoder(model, "self_speculative", spec=cell))
+                for cell in cells}
+    speed = time_decoders({"full": dict.fromkeys(MODES, decoder(model, "full")), **decoders},
+                          prompts, config, batch_size)
     entries = []
-    for (cell, mode), s in speed.items():
-        full = speed["full", mode]
-        if cell == "full":
-            continue
-        stats = spec_stats(s["outputs"], full["outputs"], mode)
-        ms_per_round = 1e3 * len(prompts) * config.bench_tokens / s["tokens_per_second"] / stats["rounds"]
-        full_ms = 1e3 / full["tokens_per_second"]  # full depth's time per token of the batch
-        entries.append({**stats, "draft_exit": cell[0], "mode": mode, "ms_per_round": ms_per_round,
-                        "speedup": full_ms * stats["tokens_per_verify"] / ms_per_round,
-                        "repetition": s["repetition"]})
+    for mode in MODES:
+        for cell in cells:
+            s, full = speed[cell, mode], speed["full", mode]
+            stats = spec_stats(s["outputs"], full["outputs"], mode)
+            ms_per_round = (1e3 * len(prompts) * config.bench_tokens / s["tokens_per_second"]
+                            / stats["rounds"])
+            # full depth's time per token of the batch, times the tokens a round emits, over a
+            # round's time
+            speedup = 1e3 / full["tokens_per_second"] * stats["tokens_per_verify"] / ms_per_round
+            entries.append({**stats, "draft_exit": cell[0], "mode": mode,
+                            "ms_per_round": ms_per_round, "speedup": speedup,
+                            "repetition": s["repetition"]})
     return entries
 
+def workloads(splits, config, device):
+    """The val workload (to choose by) and the test workload (to report)."""
+    return [workload(splits[s], config.bench_prompts, config.bench_prompt_len).to(device)
+            for s in ("val", "test")]
+
 def compare_strategies(model, splits, config, device):
-    """The strategies table at batch 1: exit plans chosen on val, quality teacher-forced on test, speed on
-    the test workload, greedy and sampled."""
-    val_prompts, test_prompts = (workload(splits[s], config.bench_prompts, config.bench_prompt_len).to(device)
-                                 for s in ("val", "test"))
+    """The strategies table at batch 1: exit plans chosen on val, quality teacher-forced on test,
+    speed on the test workload, greedy and sampled."""
+    val_prompts, test_prompts = workloads(splits, config, device)
     val_records = record_exits(model, splits["val"].to(device), config.quality_positions)
     costs = decode_costs(model, val_prompts[:4], config.bench_tokens)
     plans = strategy_plans(val_records, costs, config)
     spec = (config.draft_exit, config.num_draft)
-    spec_costs = {e["mode"]: e for e in speculation_costs(model, val_prompts, config, 1, [spec])}
-    names = ("full",) + tuple(KV_STRATEGIES) + ("self_speculative",)
-    decoders = {name: decoder(model, name, plans.get(name), config.confidence_measure, spec)
-                for name in names}
-    rows, quality = measure_decoders({name: {mode: d for mode in MODES} for name, d in decoders.items()},
-                                     splits["test"].to(device), test_prompts, config)
+    predicted = dict(zip(MODES, speculation_costs(model, val_prompts, config, 1, [spec])))
+    decoders = {name: dict.fromkeys(MODES, decoder(model, name, plans.get(name),
+                                                   config.confidence_measure, spec))
+                for name in ("full", *KV_STRATEGIES, "self_speculative")}
+    rows, quality = measure_decoders(decoders, splits["test"].to(device), test_prompts, config)
     for row in rows:
-        if row["name"] in plans:
-            plan = plans[row["name"]]
+        plan = plans.get(row["name"])
+        if plan:
             row.update(plan, checked_exits=",".join(map(str, plan["checked_exits"])))
         if row["name"] == "self_speculative":
-            row["predicted_speedup"] = spec_costs[row["mode"]]["speedup"]
+            row["predicted_speedup"] = predicted[row["mode"]]["speedup"]
     return rows, quality, plans, costs, val_records
 
-SPEC_GRID = dict(draft_exits=(0, 1, 2), num_drafts=(4, 6, 8, 12))
+SPEC_EXITS = (0, 1, 2)  # --spec_sweep's draft_exit values (those below the last layer)
+SPEC_DRAFTS = (4, 6, 8, 12)  # --spec_sweep's num_draft values
 
-def sweep_speculative(model, prompts, config, grid=SPEC_GRID):
+def sweep_speculative(model, prompts, config):
     """--spec_sweep: every (draft_exit, num_draft) on the val workload, greedy and sampled."""
-    cells = [(E, k) for E in grid["draft_exits"] if E < config.n_layer - 1 for k in grid["num_drafts"]]
+    cells = [(E, k) for E in SPEC_EXITS if E < config.n_layer - 1 for k in SPEC_DRAFTS]
     return speculation_costs(model, prompts, config, 1, cells)
 
 # -----------------------------------------------------------------------------
 # Batches: a batch runs as deep as its deepest row, unless a schedule (SkipDecode) or speculation decides
 
 def expected_batch_depth(exited_at, batch_sizes, n_layer):
-    """Mean of the deepest exit among B independent draws from the recorded per-token exit layers."""
-    counts = torch.bincount(exited_at.cpu(), minlength=n_layer).double()
-    cdf = counts.cumsum(0) / len(exited_at)  # P(exit <= l)
-    depth = torch.arange(1, n_layer + 1, dtype=torch.float64)
-    below = torch.cat([cdf.new_zeros(1), cdf[:-1]])  # P(exit < l)
+    """Mean of the deepest exit among B independent draws from the recorded per-token exit layers:
+    the deepest of B is at most l with probability P(exit <= l)^B."""
+    counts = torch.bincount(exited_at.cpu(), minlength=n_layer).double()  # (L,)
+    cdf = counts.cumsum(0) / len(exited_at)  # (L,): P(exit <= l)
+    below = F.pad(cdf[:-1], (1, 0))  # (L,): P(exit < l)
+    depth = torch.arange(1, n_layer + 1)  # (L,): blocks run when the deepest row exits at l
     return {B: float(((cdf**B - below**B) * depth).sum()) for B in batch_sizes}
 
 class SkipDecode(Holes):
-    """After SkipDecode (arXiv:2307.02628): every row at window position pos exits at schedule[pos], a
-    depth that never rises along the window, so a later token never reads a layer an earlier one skipped:
-    no holes are ever read, no exit check is needed, and a batch saves what a row saves."""
+    """After SkipDecode (arXiv:2307.02628): every row at window position pos exits at
+    schedule[pos], a depth that never rises along the window, so a later token never reads a layer
+    an earlier one skipped: no holes are ever read, no exit check is needed, and a batch saves what
+    a row saves."""
     def __init__(self, schedule):
         self.schedule = schedule
 
@@ -1487,32 +1497,34 @@ class SkipDecode(Holes):
         return [self.schedule[pos]]  # the last layer is never checked: it always exits
 
 def window_positions(n_positions, block_size):
-    """(N,): the window position at which sequential decoding feeds the token predicting each position."""
-    wpos = torch.empty(n_positions, dtype=torch.long)
-    for start, end, first in decoder_windows(n_positions, block_size):
-        wpos[first:end] = torch.arange(first - start, end - start)
-    return wpos
+    """(N,): the window position at which sequential decoding feeds the token predicting each
+    position."""
+    return torch.cat([torch.arange(first - start, end - start)
+                      for start, end, first in decoder_windows(n_positions, block_size)])
 
 def choose_schedule(records, n_layer, block_size, budget):
-    """The SkipDecode schedule saving the most on val within `budget` disagreement with full depth: full
-    depth before window position a, exit layer e from there on (a, e on a grid)."""
+    """The SkipDecode schedule saving the most on val within `budget` disagreement with full
+    depth: full depth before window position a, exit layer e from there on (a, e on a grid)."""
+    last = n_layer - 1
     wpos = window_positions(records.targets.numel(), block_size).to(records.pred.device)
-    best = {"schedule": [n_layer - 1] * block_size, "compute_saved": 0.0, "disagreement": 0.0}
+    best = {"schedule": [last] * block_size, "compute_saved": 0.0, "disagreement": 0.0}
     for a in range(0, block_size, max(1, block_size // 16)):
-        for e in range(n_layer - 1):
-            figures = exit_summary(records, torch.where(wpos >= a, e, n_layer - 1))
-            if figures["disagreement"] <= budget and figures["compute_saved"] > best["compute_saved"]:
-                best = {"schedule": [n_layer - 1] * a + [e] * (block_size - a), "from_position": a,
+        for e in range(last):
+            figures = exit_summary(records, torch.where(wpos >= a, e, last))
+            if (figures["disagreement"] <= budget
+                    and figures["compute_saved"] > best["compute_saved"]):
+                best = {"schedule": [last] * a + [e] * (block_size - a), "from_position": a,
                         "exit_layer": e, "compute_saved": figures["compute_saved"],
                         "disagreement": figures["disagreement"]}
     return best
 
 BATCH_DESIGNS = ("full", "state_copy", "skipdecode", "self_speculative", "auto")
-BATCH_DRAFTS = (4, 8, 11, 16)  # num_draft tried in batches (11 fills 33 new tokens, block 64's half + 1)
+# num_draft tried in batches (11 fills 33 new tokens: half of block 64, plus 1)
+BATCH_DRAFTS = (4, 8, 11, 16)
 
 def choose_drafts(entries):
-    """From speculation_costs' entries: per mode, the k predicted fastest (self_speculative's), and what
-    auto runs: that k, or None (full depth) where no k is predicted faster than full depth."""
+    """From speculation_costs' entries: per mode, the k predicted fastest (self_speculative's), and
+    what auto runs: that k, or None (full depth) where no k is predicted faster than full depth."""
     drafts, auto = {}, {}
     for mode in MODES:
         best = max((e for e in entries if e["mode"] == mode), key=lambda e: e["speedup"])
@@ -1521,91 +1533,97 @@ def choose_drafts(entries):
     return drafts, auto
 
 def batch_decoders(model, config, plan, schedule, drafts, auto):
-    """The batch table's decoders: name -> {mode: decode}. drafts: the k of self_speculative per mode;
-    auto: per mode, the k it runs, or None for full depth."""
-    decoders = {name: {} for name in BATCH_DESIGNS}
-    for mode in MODES:
-        for name in BATCH_DESIGNS[:3]:
-            decoders[name][mode] = decoder(model, name, plan, config.confidence_measure,
-                                           schedule=schedule["schedule"])
-        spec = decoder(model, "self_speculative", spec=(config.draft_exit, drafts[mode]))
-        decoders["self_speculative"][mode] = spec
-        decoders["auto"][mode] = decoders["full"][mode] if auto[mode] is None else spec
+    """The batch table's decoders: name -> {mode: decode}. drafts: the k of self_speculative per
+    mode; auto: per mode, the k it runs, or None for full depth."""
+    decoders = {name: dict.fromkeys(MODES, decoder(model, name, plan, config.confidence_measure,
+                                                   schedule=schedule["schedule"]))
+                for name in BATCH_DESIGNS[:3]}
+    decoders["self_speculative"] = {mode: decoder(model, "self_speculative",
+                                                  spec=(config.draft_exit, k))
+                                    for mode, k in drafts.items()}
+    decoders["auto"] = {mode: decoders["full" if k is None else "self_speculative"][mode]
+                        for mode, k in auto.items()}
     return decoders
 
-def batch_predictions(row, plan, skip, depth, spec, auto):
-    """The cost models' speed-up beside a batch-table row: state_copy at the batch's expected depth (every
-    row waits for the deepest), skipdecode from the block runs it skips, speculation per round (on val)."""
-    name, mode = row["name"], row["mode"]
-    B = row["batch_size"]
-    if name == "full":
-        return {"predicted_speedup": 1.0}
+def batch_predictions(row, plan, skip, depth, spec):
+    """The cost models' speed-up beside a batch-table row: state_copy at the batch's expected depth
+    (every row waits for the deepest), skipdecode from the block runs it skips, speculation per
+    round (on val); auto's choice is the k it ran (none: full depth)."""
+    name, B, k = row["name"], row["batch_size"], row.get("num_draft")
     if name == "state_copy":
-        return {"expected_layers": depth[B], "predicted_speedup": plan["predicted_speedup"] * depth[1] / depth[B]}
+        return {"expected_layers": depth[B],
+                "predicted_speedup": plan["predicted_speedup"] * depth[1] / depth[B]}
     if name == "skipdecode":
         return {"predicted_speedup": skip}
-    k = row.get("num_draft")
-    if name == "auto" and auto[mode] is None:
-        return {"predicted_speedup": 1.0, "choice": "full depth"}
-    figures = {"predicted_speedup": spec[mode, k]["speedup"]}
+    figures = {"predicted_speedup": 1.0}  # full depth, and auto where it runs full depth
+    if k is not None:
+        figures["predicted_speedup"] = spec[row["mode"], k]["speedup"]
     if name == "auto":
-        figures["choice"] = f"k={k}"
+        figures["choice"] = "full depth" if k is None else f"k={k}"
     return figures
 
 def measure_batches(model, splits, config, device, plans, val_records, unit_costs):
-    """The batch table: every design at every batch size, greedy and sampled, quality beside speed, and the
-    cost models' predictions (unit_costs: decode_costs' batch-1 figures)."""
+    """The batch table: every design at every batch size, greedy and sampled, quality beside
+    speed, and the cost models' predictions (unit_costs: decode_costs' batch-1 figures)."""
     L, plan = config.n_layer, plans["state_copy"]
-    test_prompts, val_prompts = (workload(splits[s], config.bench_prompts, config.bench_prompt_len).to(device)
-                                 for s in ("test", "val"))
+    val_prompts, test_prompts = workloads(splits, config, device)
     schedule = choose_schedule(val_records, L, config.block_size, config.schedule_disagreement)
-    exits = exits_at_threshold(val_records, config.confidence_measure, plan["threshold"], plan["checked_exits"])
-    # skipdecode skips the same share of block runs in every row, with no checks: that share of a token's blocks
-    skipped = schedule["compute_saved"] * L * unit_costs["block"]
-    skip = unit_costs["token"] / (unit_costs["token"] - skipped)
-    rows, chosen, grid = [], {}, sorted(set(BATCH_DRAFTS) | {config.num_draft})
-    for B in (b for b in BATCH_SIZES if config.bench_prompts % b == 0):
-        entries = speculation_costs(model, val_prompts, config, B, [(config.draft_exit, k) for k in grid])
+    exits = exits_at_threshold(val_records, config.confidence_measure, plan["threshold"],
+                               plan["checked_exits"])
+    depth = expected_batch_depth(exits, BATCH_SIZES, L)  # a step runs as deep as its deepest row
+    # skipdecode skips the same share of block runs in every row, with no checks
+    skip = unit_costs["token"] / (unit_costs["token"]
+                                  - schedule["compute_saved"] * L * unit_costs["block"])
+    cells = [(config.draft_exit, k) for k in sorted({*BATCH_DRAFTS, config.num_draft})]
+    rows, chosen = [], {}
+    for B in BATCH_SIZES:
+        if config.bench_prompts % B:
+            continue
+        entries = speculation_costs(model, val_prompts, config, B, cells)
         drafts, auto = choose_drafts(entries)  # on val
         chosen[B] = {"num_draft": drafts, "auto": auto, "speculation_costs": entries}
         spec = {(e["mode"], e["num_draft"]): e for e in entries}
         decoders = batch_decoders(model, config, plan, schedule, drafts, auto)
-        batch_rows, _ = measure_decoders(decoders, splits["test"].to(device), test_prompts, config, B)
-        depth = expected_batch_depth(exits, (1, B), L)  # a step runs as deep as its deepest row
-        rows += [dict(r, **batch_predictions(r, plan, skip, depth, spec, auto)) for r in batch_rows]
+        batch_rows = measure_decoders(decoders, splits["test"].to(device), test_prompts, config, B)[0]
+        rows += [dict(r, **batch_predictions(r, plan, skip, depth, spec)) for r in batch_rows]
     return {"entries": rows, "schedule": schedule, "plan": plan, "drafts": chosen}
 
 # -----------------------------------------------------------------------------
 # Measurement, 2: training recipes compared at the same budget
 
 def evaluate_recipe(name, model, splits, config, device, prompts):
-    """The figures a recipe is judged on: losses, calibrated compute saved, self-speculative speed."""
+    """The figures a recipe is judged on: losses, calibrated compute saved, self-speculative
+    speed."""
     model.eval()
     losses = estimate_loss(model, splits, config, device)
-    checked_exits = list(range(config.n_layer - 1))
-    val, test = (record_exits(model, splits[s].to(device), config.sweep_positions) for s in ("val", "test"))
-    cal = calibration_report(val, test, config.confidence_measure, checked_exits, config.epsilon, config.delta)
-    cell = (config.draft_exit, config.num_draft)
-    spec = {r["mode"]: r for r in speculation_costs(model, prompts, config, 1, [cell])}
+    val, test = (record_exits(model, splits[s].to(device), config.sweep_positions)
+                 for s in ("val", "test"))
+    cal = calibration_report(val, test, config.confidence_measure, list(range(config.n_layer - 1)),
+                             config.epsilon, config.delta)
+    # an entry per mode: greedy, then sampled
+    greedy, sampled = speculation_costs(model, prompts, config, 1,
+                                        [(config.draft_exit, config.num_draft)])
     return {"recipe": name, **RECIPES[name], "val_loss_final": losses["val"][-1],
             "val_loss_exits": losses["val"][:-1], "calibrated_threshold": cal["threshold"],
             "compute_saved": cal["test"]["compute_saved"], "test_loss": cal["test"]["loss"],
-            "test_full_loss": cal["test"]["full_loss"], "spec_speedup": spec["greedy"]["speedup"],
-            "spec_acceptance_rate": spec["greedy"]["acceptance_rate"],
-            "spec_identical_to_full": spec["greedy"]["identical_to_full"],
-            "spec_speedup_sampled": spec["sampled"]["speedup"],
-            "spec_acceptance_rate_sampled": spec["sampled"]["acceptance_rate"]}
+            "test_full_loss": cal["test"]["full_loss"], "spec_speedup": greedy["speedup"],
+            "spec_acceptance_rate": greedy["acceptance_rate"],
+            "spec_identical_to_full": greedy["identical_to_full"],
+            "spec_speedup_sampled": sampled["speedup"],
+            "spec_acceptance_rate_sampled": sampled["acceptance_rate"]}
 
 def compare_recipes(config, splits, device, prompts):
-    """Train every recipe from scratch with the same data, seed and budget; evaluate each the same way."""
+    """Train every recipe from scratch with the same data, seed and budget; evaluate each the same
+    way."""
     entries = []
     for name, changes in RECIPES.items():
         cfg = LabConfig(**{**asdict(config), **SEED_RECIPE, **changes})
         print(f"\n--- recipe {name}: {changes or 'the seed recipe'} ---")
         torch.manual_seed(cfg.seed)
         model = RecipeGPT(cfg).to(device)
-        seconds, _, _ = train(model, configure_optimizer(model, cfg), splits, cfg, device)
-        entries.append({**evaluate_recipe(name, model, splits, cfg, device, prompts), "train_seconds": seconds})
+        seconds = train(model, configure_optimizer(model, cfg), splits, cfg, device)[0]
+        entries.append({**evaluate_recipe(name, model, splits, cfg, device, prompts),
+                        "train_seconds": seconds})
     return entries
 
 # -----------------------------------------------------------------------------
