@@ -104,20 +104,17 @@ class CausalSelfAttention(nn.Module):
     """All heads in one fused QKV projection and one scaled_dot_product_attention call."""
     def __init__(self, config):
         super().__init__()
-        self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.n_head = config.n_head
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def heads(self, t):
-        B, T, C = t.size()
-        return t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        return t.unflatten(2, (self.n_head, -1)).transpose(1, 2)  # (B, T, C) -> (B, nh, T, hs)
 
     def forward(self, x, cache=None, layer=0):
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q, k, v = self.heads(q), self.heads(k), self.heads(v)  # (B, nh, T, hs)
+        q, k, v = map(self.heads, self.c_attn(x).chunk(3, dim=2))  # (B, nh, T, hs) each
         if cache is None:
             p = self.attn_dropout if self.training else 0.0
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
@@ -125,7 +122,7 @@ class CausalSelfAttention(nn.Module):
             # new queries see every cached key of this layer plus the new keys, causally
             k, v, mask = cache.append(layer, k, v)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        y = y.transpose(1, 2).flatten(2)  # (B, T, C): the heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
 class MLP(nn.Module):
@@ -184,19 +181,19 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
-                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.n_layer))
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
-            torch.nn.init.zeros_(module.bias)
+            nn.init.zeros_(module.bias)
 
     def embed(self, idx, pos0=0):
         """Token + position embeddings of idx, whose first token sits at window position pos0."""
         T = idx.size(1)
         assert pos0 + T <= self.config.block_size, f"position {pos0 + T - 1} is past block_size"
-        pos = torch.arange(pos0, pos0 + T, dtype=torch.long, device=idx.device)  # (T,)
+        pos = torch.arange(pos0, pos0 + T, device=idx.device)  # (T,)
         return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
 
     def exit_logits(self, x, layer):
