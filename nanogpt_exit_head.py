@@ -85,9 +85,8 @@ def split_data(data):
 def get_batch(data, block_size, batch_size, generator, device):
     """Random windows of block_size characters and the same windows shifted by one."""
     ix = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
-    x = torch.stack([data[i : i + block_size] for i in ix])  # (B, T)
-    y = torch.stack([data[i + 1 : i + 1 + block_size] for i in ix])  # (B, T)
-    return x.to(device), y.to(device)
+    xy = torch.stack([data[i : i + block_size + 1] for i in ix])  # (B, T + 1)
+    return xy[:, :-1].to(device), xy[:, 1:].to(device)  # (B, T) inputs, (B, T) targets
 
 def load_data(config):
     """The text, its vocabulary (which also sets config.vocab_size), and the three splits."""
@@ -95,7 +94,7 @@ def load_data(config):
         text = f.read()
     tokenizer = CharTokenizer(text)
     config.vocab_size = tokenizer.vocab_size
-    return tokenizer, split_data(torch.tensor(tokenizer.encode(text), dtype=torch.long))
+    return tokenizer, split_data(torch.tensor(tokenizer.encode(text)))
 
 # -----------------------------------------------------------------------------
 # Model: nanoGPT's GPT, plus an ExitHead after every block but the last
@@ -241,8 +240,7 @@ class KVCache:
     KV strategy does about it is all that tells strategies apart."""
     def __init__(self, config, batch_size, device):
         shape = (config.n_layer, batch_size, config.n_head, config.block_size, config.n_embd // config.n_head)
-        self.k = torch.zeros(shape, device=device)  # (L, B, nh, block_size, hs)
-        self.v = torch.zeros(shape, device=device)
+        self.k, self.v = torch.zeros(2, *shape, device=device)  # each (L, B, nh, block_size, hs)
         self.lengths = [0] * config.n_layer
         self.layer_evals = [0] * config.n_layer  # how many (position, layer) block runs, per layer
         self.start = 0  # absolute position of window position 0
@@ -275,7 +273,7 @@ def probs_from_logits(logits, temperature, top_k):
     """The distribution a sampler draws from: temperature, then the top_k most likely only."""
     logits = logits.float() / temperature
     if top_k:
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., [-1]]
+        kth = logits.topk(min(top_k, logits.size(-1))).values[..., [-1]]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return logits.softmax(-1)
 
@@ -337,7 +335,7 @@ def decode_step(model, cache, idx, pos, strategy, exit_threshold=1.0, checked_ex
     checks = strategy.exit_checks(pos, checked_exits) if exit_threshold < 1 else ()  # a confidence never exceeds 1
     x = model.embed(idx, pos)  # (B, 1, C)
     logits, exited = None, None
-    exit_layer = torch.full((idx.size(0),), L - 1, dtype=torch.long, device=idx.device)
+    exit_layer = torch.full((idx.size(0),), L - 1, device=idx.device)  # (B,) int64
     for l, block in enumerate(model.transformer.h):
         x = strategy.run_layer(block, cache, l, x, pos)
         if l == L - 1 or l not in checks:
@@ -406,8 +404,9 @@ def format_exit_stats(counts):
 
 def synchronize(device):
     """Wait for queued kernels, so a timer reads finished work (CUDA and MPS launches return at once)."""
-    if torch.device(device).type in ("cuda", "mps"):
-        getattr(torch, torch.device(device).type).synchronize()  # torch.cuda or torch.mps
+    kind = torch.device(device).type
+    if kind in ("cuda", "mps"):
+        getattr(torch, kind).synchronize()  # torch.cuda or torch.mps
 
 def autocast_context(device):
     """bf16 autocast for training and evaluation on CUDA; plain fp32 elsewhere, and in all decoding."""
