@@ -240,7 +240,8 @@ class KVCache:
     KV strategy does about it is all that tells strategies apart."""
     def __init__(self, config, batch_size, device):
         shape = (config.n_layer, batch_size, config.n_head, config.block_size, config.n_embd // config.n_head)
-        self.k, self.v = torch.zeros(2, *shape, device=device)  # each (L, B, nh, block_size, hs)
+        self.k = torch.zeros(shape, device=device)  # (L, B, nh, block_size, hs)
+        self.v = torch.zeros(shape, device=device)
         self.lengths = [0] * config.n_layer
         self.layer_evals = [0] * config.n_layer  # how many (position, layer) block runs, per layer
         self.start = 0  # absolute position of window position 0
