@@ -371,7 +371,7 @@ def generate(model, idx, max_new_tokens, strategy=Backfill, exit_threshold=1.0, 
     cfg, (B, T0) = model.config, idx.shape
     checked_exits = range(cfg.n_layer - 1) if checked_exits is None else checked_exits
     kv_strategy = strategy()
-    tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # (B, T0 + N)
+    tokens = F.pad(idx, (0, max_new_tokens))  # (B, T0 + N): the prompt, then room for the new tokens
     exits, emitted, prefilled = idx.new_zeros(B, max_new_tokens), [], 0
     cache, start = KVCache(cfg, B, idx.device), None
     for i in range(max_new_tokens):
@@ -501,17 +501,18 @@ def speed_note(samples, checked_exits, n_layer):
     """Why the early-exit sample ran faster or slower than full depth: the work it did per token."""
     (_, full), (out, speed) = samples.values()
     N = out.exited_at.size(1)
-    checks = sum(int((out.exited_at >= l).sum()) for l in checked_exits if l < n_layer - 1) / N
+    checks = sum(int((out.exited_at >= l).sum()) for l in checked_exits) / N
     return (f"{speed / full:.2f}x full depth's speed: {out.layers_run / N:.2f} layer runs per token "
             f"(of {n_layer}), plus {checks:.2f} exit checks (each a head, a softmax and a host sync)")
 
 def show_samples(model, tokenizer, config, device, early_exit, label, checked_exits):
     """A full-depth and an early-exit sample from one prompt and seed, their speeds, and where the tokens
     left. early_exit(idx, n, generator=, temperature=, top_k=) -> Generation draws the second sample."""
-    idx = torch.tensor([tokenizer.encode(config.prompt)], dtype=torch.long, device=device)
+    idx = torch.tensor([tokenizer.encode(config.prompt)], device=device)  # (1, T0)
     print("\n=== What does early exit look like? Two samples from the same prompt and seed ===")
     samples = {}  # name -> (Generation, tokens per second)
-    for name, decode in (("full-depth", partial(generate, model)), ("early-exit", early_exit)):
+    decoders = (("full-depth", "", partial(generate, model)), ("early-exit", f": {label}", early_exit))
+    for name, how, decode in decoders:
         gen = torch.Generator(device=device).manual_seed(config.seed)
         t0 = time.perf_counter()
         out = decode(idx, config.max_new_tokens, generator=gen, temperature=config.temperature,
@@ -519,7 +520,6 @@ def show_samples(model, tokenizer, config, device, early_exit, label, checked_ex
         synchronize(device)
         samples[name] = out, config.max_new_tokens / (time.perf_counter() - t0)
         text = tokenizer.decode(out.tokens[0, idx.size(1) :].tolist())
-        how = f": {label}" if name == "early-exit" else ""
         print(f"\n--- {name} sample{how} ({samples[name][1]:,.0f} tok/s) ---\n{text}")
     print(f"({speed_note(samples, checked_exits, config.n_layer)})")
     counts = torch.bincount(out.exited_at[0], minlength=config.n_layer).tolist()
