@@ -129,8 +129,8 @@ class CausalSelfAttention(nn.Module):
             # new queries see every cached key of this layer plus the new keys, causally
             k, v, mask = cache.append(layer, k, v)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        y = y.transpose(1, 2).flatten(2)  # (B, T, C): the heads side by side again
-        return self.resid_dropout(self.c_proj(y))
+        # (B, nh, T, hs) -> (B, T, C): the heads side by side again
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).flatten(2)))
 
 class MLP(nn.Module):
     def __init__(self, config):
@@ -170,7 +170,7 @@ class ExitHead(nn.Module):
         return self.lm_head(self.ln(x))
 
 def cross_entropy(logits, targets):
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())  # over all positions
 
 class GPT(nn.Module):
     """nanoGPT with exit_heads[l] after block l < n_layer - 1; the last exit is ln_f + lm_head."""
@@ -222,8 +222,7 @@ class GPT(nn.Module):
 
     def all_exit_logits(self, idx):
         """(n_layer, B, T, V): what every exit, the final one last, predicts at every position."""
-        states = self.hidden_states(idx)
-        return torch.stack([self.exit_logits(h, l) for l, h in enumerate(states)])
+        return torch.stack([self.exit_logits(h, l) for l, h in enumerate(self.hidden_states(idx))])
 
     def forward(self, idx, targets=None):
         """nanoGPT's contract: (logits, loss); without targets only the last position's logits."""
@@ -250,8 +249,8 @@ class KVCache:
     written in place; full depth keeps all lengths equal. A token that exits early leaves the
     layers above behind, and what a KV strategy does about it is all that tells strategies apart."""
     def __init__(self, config, batch_size, device):
-        hs = config.n_embd // config.n_head
-        shape = (config.n_layer, batch_size, config.n_head, config.block_size, hs)
+        shape = (config.n_layer, batch_size, config.n_head, config.block_size,
+                 config.n_embd // config.n_head)
         self.k = torch.zeros(shape, device=device)  # (L, B, nh, block_size, hs)
         self.v = torch.zeros(shape, device=device)
         self.lengths = [0] * config.n_layer
@@ -440,16 +439,16 @@ def autocast_context(device):
 def get_lr(it, config):
     if it < config.warmup_iters:
         return config.learning_rate * (it + 1) / config.warmup_iters
-    ratio = (it - config.warmup_iters) / max(1, config.max_iters - config.warmup_iters)
-    coeff = 0.5 * (1.0 + math.cos(math.pi * min(1.0, ratio)))  # 1 -> 0
+    # warmup_iters <= it < max_iters here, so the ratio runs over [0, 1)
+    ratio = (it - config.warmup_iters) / (config.max_iters - config.warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))  # 1 -> 0
     return config.min_lr + coeff * (config.learning_rate - config.min_lr)
 
 def configure_optimizer(model, config):
     """AdamW with weight decay on matrices only, as nanoGPT does."""
-    matrices = [p for p in model.parameters() if p.dim() >= 2]  # weights and embeddings
-    others = [p for p in model.parameters() if p.dim() < 2]  # biases and LayerNorm gains
-    groups = [{"params": matrices, "weight_decay": config.weight_decay},
-              {"params": others, "weight_decay": 0.0}]
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2],
+               "weight_decay": config.weight_decay},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.beta1, config.beta2))
 
 @torch.inference_mode()
