@@ -390,7 +390,7 @@ def generate(model, idx, max_new_tokens, strategy=Backfill, exit_threshold=1.0, 
     states)."""
     cfg, (B, T0) = model.config, idx.shape
     checked_exits = range(cfg.n_layer - 1) if checked_exits is None else checked_exits
-    kv_strategy = strategy()
+    kv = strategy()  # this generation's KV strategy
     tokens = F.pad(idx, (0, max_new_tokens))  # (B, T0 + N): the prompt, then room for the rest
     exits, emitted, prefilled = idx.new_zeros(B, max_new_tokens), [], 0
     cache, start = KVCache(cfg, B, idx.device), None
@@ -399,7 +399,7 @@ def generate(model, idx, max_new_tokens, strategy=Backfill, exit_threshold=1.0, 
         start, runs = slide_window(model, cache, tokens, start, n)
         prefilled += runs
         logits, exits[:, i] = decode_step(model, cache, tokens[:, n - 1 : n], n - 1 - start,
-                                          kv_strategy, exit_threshold, checked_exits, measure)
+                                          kv, exit_threshold, checked_exits, measure)
         if forced is not None:
             tokens[:, n] = forced[:, i]
             emitted.append(logits.float())
