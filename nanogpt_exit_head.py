@@ -1,9 +1,9 @@
 """nanogpt_exit_head.py: a character-level GPT with an exit head after every layer, decoded with
 confidence-gated early exit, and an honest measurement of what that buys.
 
-    python nanogpt_exit_head.py                    # train, sample, measure: minutes on 2 cores
-    python nanogpt_exit_head.py --lesson_only=true # Part I alone: train, two samples, exit stats
-    python nanogpt_exit_head.py --help             # every field, each overridable as --name=value
+    python nanogpt_exit_head.py                     # train, sample, measure (a few minutes)
+    python nanogpt_exit_head.py --lesson_only=true  # Part I alone: train, two samples, exit stats
+    python nanogpt_exit_head.py --help              # every field, each overridable as --name=value
 
 Part I, the seed design end to end and a program of its own: exit heads and the joint loss, the
 per-layer KV cache, gated decoding with backfill, exit statistics, training. Part II, one idea a
