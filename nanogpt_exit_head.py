@@ -264,13 +264,14 @@ class KVCache:
     def append(self, layer, k, v):
         """Write k, v (B, nh, T, hs) after this layer's entries; return all entries and the mask."""
         n, T = self.lengths[layer], k.size(2)
-        assert n + T <= self.k.size(3), f"layer {layer} cache is full ({n} + {T} > block_size)"
-        self.k[layer, :, :, n : n + T] = k
-        self.v[layer, :, :, n : n + T] = v
-        self.lengths[layer] = n + T
+        end = n + T
+        assert end <= self.k.size(3), f"layer {layer} cache is full ({n} + {T} > block_size)"
+        self.k[layer, :, :, n:end] = k
+        self.v[layer, :, :, n:end] = v
+        self.lengths[layer] = end
         # one new query needs no mask; a chunk of T queries sees the n old keys and its own past
-        mask = None if T == 1 else torch.ones(T, n + T, dtype=torch.bool, device=k.device).tril(n)
-        return self.k[layer, :, :, : n + T], self.v[layer, :, :, : n + T], mask
+        mask = None if T == 1 else torch.ones(T, end, dtype=torch.bool, device=k.device).tril(n)
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end], mask
 
 # -----------------------------------------------------------------------------
 # Decoding: confidence, sampling, the context window, and the gated step with backfill
