@@ -1,12 +1,20 @@
-"""nanogpt_exit_head.py: a character-level GPT with an exit head after every layer, decoded with confidence-gated
-early exit, and an honest measurement of what that buys. `python nanogpt_exit_head.py` trains, samples and
-measures (about 3 min on 2 cores); `--lesson_only=true` stops after Part I; `--help` lists every field.
+"""nanogpt_exit_head.py: a character-level GPT with an exit head after every layer, decoded with
+confidence-gated early exit, and an honest measurement of what that buys.
 
-Part I, the seed design end to end and a program of its own: exit heads and the joint loss, the per-layer KV
-cache, gated decoding with backfill, exit statistics, training. Part II, one idea a section: deferred recompute,
-state copy (CALM, arXiv:2207.07061), holes, self-speculative decoding (LayerSkip, arXiv:2404.16710), training
-recipes, choosing the threshold, measurement, reports, checkpoints, the command line. Left out on purpose: BPE,
-rotary embeddings, mixed precision in decoding, PABEE patience, dependencies beyond torch, numpy and tqdm."""
+    python nanogpt_exit_head.py                     # train, sample, measure (a few minutes)
+    python nanogpt_exit_head.py --lesson_only=true  # Part I alone: train, two samples, exit stats
+    python nanogpt_exit_head.py --help              # every field, each overridable as --name=value
+
+Part I, the seed design end to end and a program of its own: exit heads and the joint loss, the
+per-layer KV cache, gated decoding with backfill, exit statistics, training. Part II, one idea a
+section: deferred recompute, state copy (CALM, arXiv:2207.07061), holes, self-speculative decoding
+(LayerSkip, arXiv:2404.16710), training recipes, choosing the threshold, measurement, reports,
+checkpoints, the command line.
+
+Left out on purpose: BPE, rotary embeddings, mixed precision in decoding, PABEE patience, and
+dependencies beyond torch, numpy and tqdm. CUDA graphs too (gpt-fast's torch.compile of the decode
+step): full depth is timed by one eager decoder on every device, so every speed-up and every
+prediction is measured against the same baseline."""
 
 import math
 import sys
@@ -29,7 +37,7 @@ from tqdm import tqdm
 
 @dataclass
 class Config:
-    """The lesson's hyperparameters; Part II's LabConfig adds the lab's (recipes, decoders, measurement)."""
+    """The lesson's hyperparameters; Part II's LabConfig adds the lab's (recipes, decoders, ...)."""
     # data and model
     input_path: str = "input.txt"  # the training text, one character per token
     seed: int = 1337  # one random seed for batches, init and sampling: same command, same numbers
@@ -42,7 +50,7 @@ class Config:
     vocab_size: int = 0  # set from the distinct characters of input_path; not an override
     alpha: float = 0.3  # weight of each exit head's loss; 0 trains a plain GPT and skips the heads
     # training
-    batch_size: int = 12  # how many independent sequences per optimizer step, per process (torchrun: x processes)?
+    batch_size: int = 12  # how many independent sequences per optimizer step, per process?
     max_iters: int = 2000  # total optimizer steps
     learning_rate: float = 1e-3  # peak learning rate after warmup
     min_lr: float = 1e-4  # learning rate at the end of the cosine decay
@@ -58,7 +66,7 @@ class Config:
     max_new_tokens: int = 500  # characters generated per sample
     temperature: float = 0.8  # sampling temperature; 0 means greedy
     top_k: int = 0  # sample only from the k most likely characters; 0 means all
-    exit_threshold: float = 0.9  # exit when confidence exceeds this (1 never, 0 always); Part II calibrates it
+    exit_threshold: float = 0.9  # exit above this confidence (1: never); Part II calibrates it
     confidence_measure: str = "top1"  # how sure a head is: top1; Part II adds margin and entropy
 
 # -----------------------------------------------------------------------------
@@ -85,9 +93,8 @@ def split_data(data):
 def get_batch(data, block_size, batch_size, generator, device):
     """Random windows of block_size characters and the same windows shifted by one."""
     ix = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
-    x = torch.stack([data[i : i + block_size] for i in ix])  # (B, T)
-    y = torch.stack([data[i + 1 : i + 1 + block_size] for i in ix])  # (B, T)
-    return x.to(device), y.to(device)
+    xy = torch.stack([data[i : i + block_size + 1] for i in ix])  # (B, T + 1)
+    return xy[:, :-1].to(device), xy[:, 1:].to(device)  # (B, T) inputs, (B, T) targets
 
 def load_data(config):
     """The text, its vocabulary (which also sets config.vocab_size), and the three splits."""
@@ -95,7 +102,7 @@ def load_data(config):
         text = f.read()
     tokenizer = CharTokenizer(text)
     config.vocab_size = tokenizer.vocab_size
-    return tokenizer, split_data(torch.tensor(tokenizer.encode(text), dtype=torch.long))
+    return tokenizer, split_data(torch.tensor(tokenizer.encode(text)))
 
 # -----------------------------------------------------------------------------
 # Model: nanoGPT's GPT, plus an ExitHead after every block but the last
@@ -104,20 +111,17 @@ class CausalSelfAttention(nn.Module):
     """All heads in one fused QKV projection and one scaled_dot_product_attention call."""
     def __init__(self, config):
         super().__init__()
-        self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.n_head = config.n_head
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def heads(self, t):
-        B, T, C = t.size()
-        return t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        return t.unflatten(2, (self.n_head, -1)).transpose(1, 2)  # (B, T, C) -> (B, nh, T, hs)
 
     def forward(self, x, cache=None, layer=0):
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q, k, v = self.heads(q), self.heads(k), self.heads(v)  # (B, nh, T, hs)
+        q, k, v = map(self.heads, self.c_attn(x).chunk(3, dim=2))  # (B, nh, T, hs) each
         if cache is None:
             p = self.attn_dropout if self.training else 0.0
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
@@ -125,8 +129,8 @@ class CausalSelfAttention(nn.Module):
             # new queries see every cached key of this layer plus the new keys, causally
             k, v, mask = cache.append(layer, k, v)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        # (B, nh, T, hs) -> (B, T, C): the heads side by side again
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).flatten(2)))
 
 class MLP(nn.Module):
     def __init__(self, config):
@@ -149,7 +153,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cache=None, layer=0):
-        if cache is not None:  # every (position, layer) block run is counted: the honest cost of a strategy
+        # every (position, layer) block run is counted: the honest cost of a strategy
+        if cache is not None:
             cache.layer_evals[layer] += x.size(1)
         x = x + self.attn(self.ln_1(x), cache, layer)
         return x + self.mlp(self.ln_2(x))
@@ -165,13 +170,14 @@ class ExitHead(nn.Module):
         return self.lm_head(self.ln(x))
 
 def cross_entropy(logits, targets):
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())  # over all positions
 
 class GPT(nn.Module):
-    """nanoGPT with exit_heads[l] after block l for l < n_layer - 1; the last exit is ln_f + lm_head."""
+    """nanoGPT with exit_heads[l] after block l < n_layer - 1; the last exit is ln_f + lm_head."""
     def __init__(self, config):
         super().__init__()
-        self.config = config  # the recipes' fields (exit_weights, exit_head, distill_*, layer_dropout) are Part II's
+        # Part II's recipes read more fields (exit_weights, exit_head, distill_*, layer_dropout)
+        self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
@@ -184,20 +190,21 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
-                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.n_layer))
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
-            torch.nn.init.zeros_(module.bias)
+            nn.init.zeros_(module.bias)
 
     def embed(self, idx, pos0=0):
         """Token + position embeddings of idx, whose first token sits at window position pos0."""
         T = idx.size(1)
         assert pos0 + T <= self.config.block_size, f"position {pos0 + T - 1} is past block_size"
-        pos = torch.arange(pos0, pos0 + T, dtype=torch.long, device=idx.device)  # (T,)
-        return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        pos = torch.arange(pos0, pos0 + T, device=idx.device)  # (T,)
+        return self.transformer.drop(
+            self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
 
     def exit_logits(self, x, layer):
         """Logits of hidden state x read at `layer`: its exit head, or ln_f + lm_head at the top."""
@@ -215,8 +222,7 @@ class GPT(nn.Module):
 
     def all_exit_logits(self, idx):
         """(n_layer, B, T, V): what every exit, the final one last, predicts at every position."""
-        states = self.hidden_states(idx)
-        return torch.stack([self.exit_logits(h, l) for l, h in enumerate(states)])
+        return torch.stack([self.exit_logits(h, l) for l, h in enumerate(self.hidden_states(idx))])
 
     def forward(self, idx, targets=None):
         """nanoGPT's contract: (logits, loss); without targets only the last position's logits."""
@@ -227,7 +233,7 @@ class GPT(nn.Module):
         return logits, self.joint_loss(states, logits, targets)
 
     def joint_loss(self, states, logits, targets):
-        """The seed's joint loss CE(final) + alpha * sum_l CE(exit_l); with alpha = 0 the exits are not run."""
+        """The seed's joint loss CE(final) + alpha * sum_l CE(exit_l); alpha = 0 runs no exit."""
         loss = cross_entropy(logits, targets)
         for l in range(self.config.n_layer - 1) if self.config.alpha > 0 else ():
             loss = loss + self.config.alpha * cross_entropy(self.exit_logits(states[l], l), targets)
@@ -239,11 +245,12 @@ class GPT(nn.Module):
 class KVCache:
     """Preallocated keys and values for every layer, each layer with its own filled length.
 
-    Invariant: layer l holds entries for window positions [0, lengths[l]) and nothing else, written in place;
-    full depth keeps all lengths equal. A token that exits early leaves the layers above behind, and what a
-    KV strategy does about it is all that tells strategies apart."""
+    Invariant: layer l holds entries for window positions [0, lengths[l]) and nothing else,
+    written in place; full depth keeps all lengths equal. A token that exits early leaves the
+    layers above behind, and what a KV strategy does about it is all that tells strategies apart."""
     def __init__(self, config, batch_size, device):
-        shape = (config.n_layer, batch_size, config.n_head, config.block_size, config.n_embd // config.n_head)
+        shape = (config.n_layer, batch_size, config.n_head, config.block_size,
+                 config.n_embd // config.n_head)
         self.k = torch.zeros(shape, device=device)  # (L, B, nh, block_size, hs)
         self.v = torch.zeros(shape, device=device)
         self.lengths = [0] * config.n_layer
@@ -257,18 +264,20 @@ class KVCache:
     def append(self, layer, k, v):
         """Write k, v (B, nh, T, hs) after this layer's entries; return all entries and the mask."""
         n, T = self.lengths[layer], k.size(2)
-        assert n + T <= self.k.size(3), f"layer {layer} cache is full ({n} + {T} > block_size)"
-        self.k[layer, :, :, n : n + T] = k
-        self.v[layer, :, :, n : n + T] = v
-        self.lengths[layer] = n + T
+        end = n + T
+        assert end <= self.k.size(3), f"layer {layer} cache is full ({n} + {T} > block_size)"
+        self.k[layer, :, :, n:end] = k
+        self.v[layer, :, :, n:end] = v
+        self.lengths[layer] = end
         # one new query needs no mask; a chunk of T queries sees the n old keys and its own past
-        mask = None if T == 1 else torch.ones(T, n + T, dtype=torch.bool, device=k.device).tril(n)
-        return self.k[layer, :, :, : n + T], self.v[layer, :, :, : n + T], mask
+        mask = None if T == 1 else torch.ones(T, end, dtype=torch.bool, device=k.device).tril(n)
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end], mask
 
 # -----------------------------------------------------------------------------
 # Decoding: confidence, sampling, the context window, and the gated step with backfill
 
-CONFIDENCE_MEASURES = {"top1": lambda probs: probs.amax(-1)}  # name -> (B, V) -> (B,); Part II adds two more
+# name -> a map of (B, V) probabilities to (B,) confidences; the lab adds margin and entropy
+CONFIDENCE_MEASURES = {"top1": lambda probs: probs.amax(-1)}
 
 def confidence(logits, measure="top1"):
     """How sure a head is, in [0, 1], higher is surer: (B, V) logits -> (B,)."""
@@ -278,15 +287,16 @@ def probs_from_logits(logits, temperature, top_k):
     """The distribution a sampler draws from: temperature, then the top_k most likely only."""
     logits = logits.float() / temperature
     if top_k:
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., [-1]]
+        kth = logits.topk(min(top_k, logits.size(-1))).values[..., [-1]]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return logits.softmax(-1)
 
 def draw(probs, generator):
-    """(B, V) probabilities -> (B,) tokens by inverse CDF: cheaper than torch.multinomial for one draw."""
+    """(B, V) probabilities -> (B,) tokens by inverse CDF: cheaper than multinomial for one draw."""
     cdf = probs.cumsum(-1)  # (B, V)
     u = torch.rand(probs.size(0), 1, generator=generator, device=probs.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True)[:, 0]  # right=True: a zero-probability token is never drawn
+    # right=True: a token of probability zero is never drawn
+    return torch.searchsorted(cdf, u, right=True)[:, 0]
 
 def sample(logits, temperature, top_k, generator):
     """(B, V) logits -> (B,) tokens; temperature 0 is greedy."""
@@ -295,8 +305,9 @@ def sample(logits, temperature, top_k, generator):
     return draw(probs_from_logits(logits, temperature, top_k), generator)
 
 def window_start(start, n, block_size):
-    """Where the context window begins when the sequence holds n tokens and token n-1 is fed next. Positions
-    never pass block_size: a full window keeps its newest half, re-prefilled at full depth in one parallel pass."""
+    """Where the context window begins when the sequence holds n tokens and token n-1 is fed next.
+    Positions never pass block_size: a full window keeps its newest half, re-prefilled at full depth
+    in one parallel pass."""
     if start is None:
         return max(0, n - block_size)
     if n - start > block_size:
@@ -313,7 +324,7 @@ def prefill(model, cache, idx, start):
         x = block(x, cache, l)
 
 def slide_window(model, cache, tokens, start, n):
-    """Place the window for feeding token n-1, re-prefilling if it moved; returns (start, block runs spent)."""
+    """Place the window for feeding token n-1, re-prefilling if it moved: (start, block runs)."""
     s = window_start(start, n, model.config.block_size)
     if s == start:
         return start, 0
@@ -321,9 +332,11 @@ def slide_window(model, cache, tokens, start, n):
     return s, (n - 1 - s) * model.config.n_layer
 
 class Backfill:
-    """The seed's KV strategy: a token that exits early still runs the layers above, for the cache alone.
-    Part II's strategies subclass it: run_layer runs a block for the newest token, and once every row has
-    exited, skips says whether the layers above are skipped and skip_layers what the cache gets instead."""
+    """The seed's KV strategy: a token that exits early still runs the layers above, for the cache.
+
+    Part II's strategies subclass it: run_layer runs a block for the newest token, and once every
+    row has exited, skips says whether the layers above are skipped and skip_layers what the cache
+    gets instead."""
     skips = False
 
     def exit_checks(self, pos, checked_exits):
@@ -333,21 +346,24 @@ class Backfill:
     def run_layer(self, block, cache, layer, x, pos):
         return block(x, cache, layer)
 
-def decode_step(model, cache, idx, pos, strategy, exit_threshold=1.0, checked_exits=(), measure="top1"):
-    """Feed one token per row, idx (B, 1), at window position pos; returns emitted logits (B, V) and exit layers (B,).
-    Each row exits on its own confidence; the step runs as deep as its deepest row."""
+def decode_step(model, cache, idx, pos, strategy, exit_threshold=1.0, checked_exits=(),
+                measure="top1"):
+    """Feed one token per row, idx (B, 1), at window position pos: (emitted logits (B, V), exit
+    layers (B,)). Each row exits on its own confidence; the step runs as deep as its deepest row."""
     L = model.config.n_layer
-    checks = strategy.exit_checks(pos, checked_exits) if exit_threshold < 1 else ()  # a confidence never exceeds 1
+    # a confidence never exceeds 1: at threshold 1 no exit is checked
+    checks = strategy.exit_checks(pos, checked_exits) if exit_threshold < 1 else ()
     x = model.embed(idx, pos)  # (B, 1, C)
     logits, exited = None, None
-    exit_layer = torch.full((idx.size(0),), L - 1, dtype=torch.long, device=idx.device)
+    exit_layer = torch.full((idx.size(0),), L - 1, device=idx.device)  # (B,) int64
     for l, block in enumerate(model.transformer.h):
         x = strategy.run_layer(block, cache, l, x, pos)
         if l == L - 1 or l not in checks:
             continue
         head_logits = model.exit_logits(x[:, 0], l)  # (B, V): the newest position only
         conf = confidence(head_logits, measure)  # (B,)
-        if exit_threshold > 0 and conf.max().item() <= exit_threshold:  # the common case: nobody is sure, one sync
+        # the common case: nobody is sure, known at the cost of one host sync
+        if exit_threshold > 0 and conf.max().item() <= exit_threshold:
             continue
         newly = conf > exit_threshold if exited is None else (conf > exit_threshold) & ~exited
         logits = head_logits if logits is None else torch.where(newly[:, None], head_logits, logits)
@@ -370,20 +386,21 @@ class Generation:
 @torch.inference_mode()
 def generate(model, idx, max_new_tokens, strategy=Backfill, exit_threshold=1.0, checked_exits=None,
              measure="top1", temperature=1.0, top_k=0, generator=None, forced=None):
-    """Decode max_new_tokens after idx (B, T0) with the KV cache; forced (B, N) teacher-forces the tokens.
-    strategy makes a fresh KV strategy for this generation (one may keep state: deferred's parked states)."""
+    """Decode max_new_tokens after idx (B, T0) with the KV cache; forced (B, N) teacher-forces them.
+    strategy makes a fresh KV strategy for this generation (one may keep state: deferred's parked
+    states)."""
     cfg, (B, T0) = model.config, idx.shape
     checked_exits = range(cfg.n_layer - 1) if checked_exits is None else checked_exits
-    kv_strategy = strategy()
-    tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # (B, T0 + N)
+    kv = strategy()  # this generation's KV strategy
+    tokens = F.pad(idx, (0, max_new_tokens))  # (B, T0 + N): the prompt, then room for the rest
     exits, emitted, prefilled = idx.new_zeros(B, max_new_tokens), [], 0
     cache, start = KVCache(cfg, B, idx.device), None
     for i in range(max_new_tokens):
         n = T0 + i
         start, runs = slide_window(model, cache, tokens, start, n)
         prefilled += runs
-        logits, exits[:, i] = decode_step(model, cache, tokens[:, n - 1 : n], n - 1 - start, kv_strategy,
-                                          exit_threshold, checked_exits, measure)
+        logits, exits[:, i] = decode_step(model, cache, tokens[:, n - 1 : n], n - 1 - start,
+                                          kv, exit_threshold, checked_exits, measure)
         if forced is not None:
             tokens[:, n] = forced[:, i]
             emitted.append(logits.float())
@@ -397,7 +414,8 @@ def generate(model, idx, max_new_tokens, strategy=Backfill, exit_threshold=1.0, 
 
 def format_exit_stats(counts):
     """The seed's per-layer lines, 'Layer 0:   42 tokens (21.0%)', with a bar each."""
-    total, names = sum(counts), [f"Layer {l}:" for l in range(len(counts) - 1)] + [f"Layer {len(counts) - 1} (full):"]
+    total, last = sum(counts), len(counts) - 1
+    names = [f"Layer {l}:" for l in range(last)] + [f"Layer {last} (full):"]
     lines = [f"{name:<16}{c:>6} tokens ({100 * c / total:5.1f}%) {'#' * round(30 * c / total)}"
              for name, c in zip(names, counts)]
     mean = sum((l + 1) * c for l, c in enumerate(counts)) / total
@@ -408,24 +426,29 @@ def format_exit_stats(counts):
 # Training: AdamW, warmup then cosine decay, the joint loss
 
 def synchronize(device):
-    """Wait for queued kernels, so a timer reads finished work (CUDA and MPS launches return at once)."""
-    if torch.device(device).type in ("cuda", "mps"):
-        getattr(torch, torch.device(device).type).synchronize()  # torch.cuda or torch.mps
+    """Wait for queued kernels, so a timer reads finished work (CUDA and MPS return at once)."""
+    kind = torch.device(device).type
+    if kind in ("cuda", "mps"):
+        getattr(torch, kind).synchronize()  # torch.cuda or torch.mps
 
 def autocast_context(device):
-    """bf16 autocast for training and evaluation on CUDA; plain fp32 elsewhere, and in all decoding."""
-    return torch.autocast("cuda", dtype=torch.bfloat16) if str(device).startswith("cuda") else nullcontext()
+    """bf16 autocast for training and evaluation on CUDA; plain fp32 elsewhere and in decoding."""
+    if str(device).startswith("cuda"):
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()
 
 def get_lr(it, config):
     if it < config.warmup_iters:
         return config.learning_rate * (it + 1) / config.warmup_iters
-    ratio = (it - config.warmup_iters) / max(1, config.max_iters - config.warmup_iters)
-    coeff = 0.5 * (1.0 + math.cos(math.pi * min(1.0, ratio)))  # 1 -> 0
+    # warmup_iters <= it < max_iters here, so the ratio runs over [0, 1)
+    ratio = (it - config.warmup_iters) / (config.max_iters - config.warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))  # 1 -> 0
     return config.min_lr + coeff * (config.learning_rate - config.min_lr)
 
 def configure_optimizer(model, config):
     """AdamW with weight decay on matrices only, as nanoGPT does."""
-    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": config.weight_decay},
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2],
+               "weight_decay": config.weight_decay},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.beta1, config.beta2))
 
@@ -443,7 +466,7 @@ def estimate_loss(model, splits, config, device):
                 logits = model.all_exit_logits(x)  # (L, B, T, V)
             losses += torch.stack([cross_entropy(lg, y) for lg in logits]).cpu()
         out[name] = (losses / config.eval_iters).tolist()
-    model.train(was_training)  # back to the mode it came in: evaluation never leaves layer dropout on
+    model.train(was_training)  # back to the mode it came in: no layer dropout is left on
     return out
 
 def format_eval(it, losses):
@@ -460,16 +483,20 @@ def train_step(model, optimizer, x, y, config):
     optimizer.step()
     return loss
 
-def train(model, optimizer, splits, config, device, start_iter=0, generator=None, on_step=None, step_model=None,
-          evaluate=True):
-    """The training loop, evaluating every eval_interval steps; returns (seconds, median ms per step, log). Part II's
-    hooks: generator draws the batches (resumed, or one per process); on_step(it, log) runs before every step
-    (checkpoints, Ctrl-C); step_model takes the steps (compiled, or wrapped for several processes)."""
+def train(model, optimizer, splits, config, device, start_iter=0, generator=None, on_step=None,
+          step_model=None, evaluate=True):
+    """The training loop, evaluating every eval_interval steps: (seconds, median ms per step, log).
+
+    Part II's hooks: generator draws the batches (resumed, or one per process); on_step(it, log)
+    runs before every step (checkpoints, Ctrl-C); step_model takes the steps (compiled, or wrapped
+    for several processes); evaluate=False trains silently (the other processes of torchrun)."""
     generator = generator or torch.Generator().manual_seed(config.seed)
     step_model = step_model or model
     t_start, step_ms, log = time.time(), [], []
-    with tqdm(range(start_iter, config.max_iters), initial=start_iter, total=config.max_iters, disable=not evaluate,
-              mininterval=1.0 if sys.stderr.isatty() else 30.0, desc="training") as progress:
+    # a log file (no terminal) gets a progress line every 30 s, not every second
+    with tqdm(range(start_iter, config.max_iters), initial=start_iter, total=config.max_iters,
+              disable=not evaluate, mininterval=1.0 if sys.stderr.isatty() else 30.0,
+              desc="training") as progress:
         for it in progress:
             if evaluate and it % config.eval_interval == 0 and it > start_iter:
                 losses = estimate_loss(model, splits, config, device)
@@ -480,20 +507,22 @@ def train(model, optimizer, splits, config, device, start_iter=0, generator=None
             for group in optimizer.param_groups:
                 group["lr"] = get_lr(it, config)
             t0 = time.time()
-            x, y = get_batch(splits["train"], config.block_size, config.batch_size, generator, device)
+            x, y = get_batch(splits["train"], config.block_size, config.batch_size, generator,
+                             device)
             loss = train_step(step_model, optimizer, x, y, config)
             synchronize(device)
             step_ms.append(1000 * (time.time() - t0))
             if it % 10 == 0:  # .item() waits for the device, so read the loss only now and then
                 log.append({"iter": it, "loss": loss.item()})
-                progress.set_postfix_str(f"joint loss {log[-1]['loss']:.3f} | {step_ms[-1]:.0f} ms", refresh=False)
+                progress.set_postfix_str(f"joint loss {log[-1]['loss']:.3f} | {step_ms[-1]:.0f} ms",
+                                         refresh=False)
     return time.time() - t_start, float(np.median(step_ms)) if step_ms else 0.0, log
 
 # -----------------------------------------------------------------------------
 # The lesson's run: data, a trained model, two samples, and where the tokens left
 
 def train_new_model(config, splits, device):
-    """A new model trained for max_iters steps (Part II's train_or_resume adds checkpoints and resume)."""
+    """A new model trained for max_iters steps (Part II's train_or_resume adds checkpoints)."""
     torch.manual_seed(config.seed)
     model = GPT(config).to(device)
     train(model, configure_optimizer(model, config), splits, config, device)
@@ -504,17 +533,21 @@ def speed_note(samples, checked_exits, n_layer):
     """Why the early-exit sample ran faster or slower than full depth: the work it did per token."""
     (_, full), (out, speed) = samples.values()
     N = out.exited_at.size(1)
-    checks = sum(int((out.exited_at >= l).sum()) for l in checked_exits if l < n_layer - 1) / N
-    return (f"{speed / full:.2f}x full depth's speed: {out.layers_run / N:.2f} layer runs per token "
-            f"(of {n_layer}), plus {checks:.2f} exit checks (each a head, a softmax and a host sync)")
+    checks = sum(int((out.exited_at >= l).sum()) for l in checked_exits) / N
+    return (f"{speed / full:.2f}x full depth's speed: {out.layers_run / N:.2f} layer runs per "
+            f"token (of {n_layer}), plus {checks:.2f} exit checks (each a head, a softmax and a "
+            "host sync)")
 
 def show_samples(model, tokenizer, config, device, early_exit, label, checked_exits):
-    """A full-depth and an early-exit sample from one prompt and seed, their speeds, and where the tokens
-    left. early_exit(idx, n, generator=, temperature=, top_k=) -> Generation draws the second sample."""
-    idx = torch.tensor([tokenizer.encode(config.prompt)], dtype=torch.long, device=device)
+    """A full-depth and an early-exit sample from one prompt and seed, their speeds, and where the
+    tokens left. early_exit(idx, n, generator=, temperature=, top_k=) -> Generation draws the second
+    sample; label names it and checked_exits are the exits it checks."""
+    idx = torch.tensor([tokenizer.encode(config.prompt)], device=device)  # (1, T0)
     print("\n=== What does early exit look like? Two samples from the same prompt and seed ===")
     samples = {}  # name -> (Generation, tokens per second)
-    for name, decode in (("full-depth", partial(generate, model)), ("early-exit", early_exit)):
+    decoders = (("full-depth", "", partial(generate, model)),
+                ("early-exit", f": {label}", early_exit))
+    for name, how, decode in decoders:
         gen = torch.Generator(device=device).manual_seed(config.seed)
         t0 = time.perf_counter()
         out = decode(idx, config.max_new_tokens, generator=gen, temperature=config.temperature,
@@ -522,7 +555,6 @@ def show_samples(model, tokenizer, config, device, early_exit, label, checked_ex
         synchronize(device)
         samples[name] = out, config.max_new_tokens / (time.perf_counter() - t0)
         text = tokenizer.decode(out.tokens[0, idx.size(1) :].tolist())
-        how = f": {label}" if name == "early-exit" else ""
         print(f"\n--- {name} sample{how} ({samples[name][1]:,.0f} tok/s) ---\n{text}")
     print(f"({speed_note(samples, checked_exits, config.n_layer)})")
     counts = torch.bincount(out.exited_at[0], minlength=config.n_layer).tolist()
@@ -530,14 +562,15 @@ def show_samples(model, tokenizer, config, device, early_exit, label, checked_ex
     return idx, samples
 
 def run_lesson(config, device):
-    """Part I end to end: train, then a full-depth and an early-exit sample (backfill, the threshold of the
-    config), and where the tokens left."""
+    """Part I end to end: train, then a full-depth and an early-exit sample (backfill, the config's
+    threshold), and where the tokens left. Returns the model and the samples."""
     tokenizer, splits = load_data(config)
     model = train_new_model(config, splits, device)
     early_exit = partial(generate, model, exit_threshold=config.exit_threshold,
                          measure=config.confidence_measure)
     label = f"backfill, {config.confidence_measure} > {config.exit_threshold:g}"
-    _, samples = show_samples(model, tokenizer, config, device, early_exit, label, range(config.n_layer - 1))
+    _, samples = show_samples(model, tokenizer, config, device, early_exit, label,
+                              range(config.n_layer - 1))
     return model, samples
 
 # =============================================================================
