@@ -980,9 +980,8 @@ class RecipeGPT(GPT):
         for l, block in enumerate(self.transformer.h):
             y = block(x)
             p = layer_dropout_prob(l, self.config)
-            if self.training and p > 0:
-                keep = torch.rand(x.size(0), 1, 1, device=x.device) >= p  # (B, 1, 1)
-                y = torch.where(keep, y, x)
+            if self.training and p > 0:  # each sequence skips block l with probability p
+                y = torch.where(torch.rand(x.size(0), 1, 1, device=x.device) >= p, y, x)
             x = y
             states.append(x)
         return states
@@ -1032,7 +1031,7 @@ RECIPES = {  # each is the seed recipe with these fields changed
 
 def margin(probs):
     """Top-1 minus top-2 probability: (..., V) -> (...)."""
-    top2 = probs.topk(2, dim=-1).values  # (..., 2)
+    top2 = probs.topk(2).values  # (..., 2)
     return top2[..., 0] - top2[..., 1]
 
 def normalised_entropy(probs):
@@ -1051,15 +1050,14 @@ class ExitRecords:
     targets: torch.Tensor  # (N,): the true next characters
 
 def decoder_windows(n_positions, block_size):
-    """(start, end, first) of each window sequential decoding uses to predict positions
+    """Yields (start, end, first) of each window sequential decoding uses to predict positions
     first..end-1."""
-    windows, start, i = [], None, 0
+    start, i = None, 0
     while i < n_positions:
         start = window_start(start, i + 1, block_size)
         end = min(start + block_size, n_positions)
-        windows.append((start, end, i))
+        yield start, end, i
         i = end
-    return windows
 
 @torch.inference_mode()
 def record_exits(model, data, n_positions, batch_size=64):
@@ -1070,10 +1068,9 @@ def record_exits(model, data, n_positions, batch_size=64):
     these predictions; that is tested. Windows of equal length run together, batch_size at a
     time."""
     n_positions = min(n_positions, len(data) - 1)
-    windows = decoder_windows(n_positions, model.config.block_size)
     # every window is block_size long but perhaps the last: run the others batch_size at a time
-    full = windows[:-1]
-    groups = [full[b : b + batch_size] for b in range(0, len(full), batch_size)] + [windows[-1:]]
+    *full, last = decoder_windows(n_positions, model.config.block_size)
+    groups = [full[b : b + batch_size] for b in range(0, len(full), batch_size)] + [[last]]
     parts = []
     for group in groups:
         x = torch.stack([data[s:e] for s, e, _ in group])  # (b, W)
@@ -1089,12 +1086,10 @@ def exits_at_threshold(records, measure, threshold, checked_exits):
     """(N,): the layer each position exits at: the first checked exit above threshold, else the
     last. A confidence never exceeds 1, so at a threshold of 1 every position goes full depth."""
     conf = records.confidences[measure]
-    L = conf.size(0)
-    # with no exit checked, the last layer stands in: every position leaves there
-    layers = torch.tensor(checked_exits or [L - 1], device=conf.device)
-    hit = conf[layers] > threshold  # (E, N)
-    first = hit.float().argmax(0)  # the first checked exit that is confident enough
-    return torch.where(hit.any(0), layers[first], L - 1)
+    layers = torch.tensor([*checked_exits, len(conf) - 1], device=conf.device)
+    hit = conf[layers] > threshold  # (E + 1, N)
+    hit[-1] = True  # the last layer always exits
+    return layers[hit.float().argmax(0)]  # the first exit that is confident enough
 
 def exit_summary(records, exits):
     """Quality and compute of emitting each position from its exit layer."""
@@ -1127,8 +1122,8 @@ def threshold_for_exit_fraction(records, measure, checked_exits, fraction=EARLY_
 def sweep(records, measure, checked_exits):
     """One entry per threshold: where positions exit, compute saved, loss and disagreement with
     full depth."""
-    return [{"threshold": t, **exit_summary(records, exits_at_threshold(records, measure, t,
-                                                                        checked_exits))}
+    return [{"threshold": t,
+             **exit_summary(records, exits_at_threshold(records, measure, t, checked_exits))}
             for t in THRESHOLDS]
 
 def binomial_tail(k, n, epsilon):
@@ -1174,8 +1169,8 @@ def calibration_report(val, test, measure, checked_exits, epsilon, delta):
     keys = ("disagreement", "loss", "full_loss", "accuracy", "compute_saved", "mean_layers")
     report = {"measure": measure, "epsilon": epsilon, "delta": delta, "threshold": threshold}
     for name, records in (("val", val), ("test", test)):
-        figures = exit_summary(records, exits_at_threshold(records, measure, threshold,
-                                                           checked_exits))
+        figures = exit_summary(
+            records, exits_at_threshold(records, measure, threshold, checked_exits))
         report[name] = {k: figures[k] for k in keys}
     return report
 
@@ -1197,7 +1192,7 @@ def logit_lens(model, x):
             entries.append({"layer": l, "readout": readout,
                             "agreement": (logits.argmax(-1) == target).float().mean().item(),
                             "mean_rank": rank.float().mean().item(),
-                            "confidence": logits.softmax(-1).amax(-1).mean().item()})
+                            "confidence": confidence(logits).mean().item()})
     return entries
 
 def exit_slices(records, exits, tokenizer, data, n_top=10):
@@ -1205,10 +1200,11 @@ def exit_slices(records, exits, tokenizer, data, n_top=10):
     shallowest layer any token left at (with the context they most often follow)."""
     L, N = records.pred.shape
     correct = records.pred[exits, torch.arange(N, device=exits.device)] == records.targets
-    per_layer = [{"layer": l, "tokens": int((exits == l).sum()),
-                  "accuracy": correct[exits == l].float().mean().item() if (exits == l).any()
-                  else None}
-                 for l in range(L)]
+    per_layer = []
+    for l in range(L):
+        here = exits == l  # (N,): the positions leaving at layer l
+        accuracy = correct[here].float().mean().item() if here.any() else None
+        per_layer.append({"layer": l, "tokens": int(here.sum()), "accuracy": accuracy})
     shallowest = int(exits.min())  # records hold at least one position
     contexts = {}
     # position i predicts data[i + 1] after data[..i]
