@@ -930,13 +930,13 @@ def exit_loss_weights(config):
     """(weight of each exit's CE, weight of the final CE) under config.exit_weights.
 
     constant: alpha each (the seed); linear / geometric: alpha * (L - 1) spread as l + 1 or 2^l;
-    layerskip: alpha * sum_{i<=l} i per exit, (L - 1) + sum_{i<L-1} i for the last, normalised
-    (LayerSkip eq. 5)."""
+    layerskip: alpha * sum_{i<=l} i per exit, (L - 1) + sum_{i<L-1} i = L (L - 1) / 2 for the last,
+    normalised (LayerSkip eq. 5)."""
     L, alpha = config.n_layer, config.alpha
     if config.exit_weights == "constant":
         return [alpha] * (L - 1), 1.0
     if config.exit_weights == "layerskip":
-        e = [alpha * l * (l + 1) / 2 for l in range(L - 1)] + [(L - 1) + (L - 2) * (L - 1) / 2]
+        e = [alpha * l * (l + 1) / 2 for l in range(L - 1)] + [L * (L - 1) / 2]
         return [w / sum(e) for w in e[:-1]], e[-1] / sum(e)
     shape = range(1, L) if config.exit_weights == "linear" else [2.0**l for l in range(L - 1)]
     return [alpha * (L - 1) * s / sum(shape) for s in shape], 1.0
@@ -962,8 +962,8 @@ class RecipeGPT(GPT):
     def __init__(self, config):
         super().__init__(config)
         if config.exit_head == "shared":  # one head at every exit: its parameters count once
-            heads = nn.ModuleList([ExitHead(config)] * (config.n_layer - 1))
-            self.exit_heads = heads.apply(self._init_weights)
+            head = ExitHead(config).apply(self._init_weights)
+            self.exit_heads = nn.ModuleList([head] * (config.n_layer - 1))
         if config.exit_head == "final":  # no exit heads at all: see exit_logits
             self.exit_heads = nn.ModuleList()
 
@@ -981,7 +981,7 @@ class RecipeGPT(GPT):
             y = block(x)
             p = layer_dropout_prob(l, self.config)
             if self.training and p > 0:  # each sequence skips block l with probability p
-                y = torch.where(torch.rand(x.size(0), 1, 1, device=x.device) >= p, y, x)
+                y = torch.where(torch.rand(len(x), 1, 1, device=x.device) >= p, y, x)
             x = y
             states.append(x)
         return states
@@ -1109,9 +1109,8 @@ def exit_summary(records, exits):
 
 def threshold_for_exit_fraction(records, measure, checked_exits, fraction=EARLY_EXIT_FRACTION):
     """The highest threshold at which at least `fraction` of positions exit early."""
-    L = records.pred.size(0)
     for t in THRESHOLDS:
-        early = exits_at_threshold(records, measure, t, checked_exits) < L - 1  # (N,)
+        early = exits_at_threshold(records, measure, t, checked_exits) < len(records.pred) - 1
         if early.float().mean() >= fraction:
             return t
     return THRESHOLDS[-1]
@@ -1187,7 +1186,7 @@ def logit_lens(model, x):
     entries = []
     for l, h in enumerate(states[:-1]):
         for readout, layer in (("ln_f + lm_head", top), ("exit head", l)):
-            logits = model.exit_logits(h, layer).float()  # (B, T, V)
+            logits = model.exit_logits(h, layer)  # (B, T, V)
             rank = (logits > logits.gather(-1, target[..., None])).sum(-1)  # 0 when it agrees
             entries.append({"layer": l, "readout": readout,
                             "agreement": (logits.argmax(-1) == target).float().mean().item(),
