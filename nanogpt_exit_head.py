@@ -1077,7 +1077,7 @@ def record_exits(model, data, n_positions, batch_size=64):
         logits = model.all_exit_logits(x).float()  # (L, b, W, V)
         parts += [logits[:, r, first - s :] for r, (s, _, first) in enumerate(group)]
     logits = torch.cat(parts, dim=1)  # (L, N, V)
-    targets = data[1 : n_positions + 1].to(logits.device)
+    targets = data[1 : n_positions + 1]  # on the model's device, as the windows were
     confidences = {m: confidence(logits, m) for m in CONFIDENCE_MEASURES}  # m -> (L, N)
     nll = -logits.log_softmax(-1).take_along_dim(targets[None, :, None], -1)[..., 0]  # (L, N)
     return ExitRecords(confidences, logits.argmax(-1), nll, targets)
