@@ -962,64 +962,71 @@ def kept_drafts(ids, n, accepted, B, end, draft_exit, full_exit):
 def exit_loss_weights(config):
     """(weight of each exit's CE, weight of the final CE) under config.exit_weights.
 
-    constant: alpha each (the seed); linear / geometric: alpha * (L - 1) spread as l + 1 or 2^l; layerskip:
-    alpha * sum_{i<=l} i per exit, (L - 1) + sum_{i<L-1} i for the last, normalised (LayerSkip eq. 5)."""
+    constant: alpha each (the seed); linear / geometric: alpha * (L - 1) spread as l + 1 or 2^l;
+    layerskip: alpha * sum_{i<=l} i per exit, (L - 1) + sum_{i<L-1} i = L (L - 1) / 2 for the last,
+    normalised (LayerSkip eq. 5)."""
     L, alpha = config.n_layer, config.alpha
     if config.exit_weights == "constant":
         return [alpha] * (L - 1), 1.0
     if config.exit_weights == "layerskip":
-        e = [alpha * l * (l + 1) / 2 for l in range(L - 1)] + [(L - 1) + (L - 2) * (L - 1) / 2]
+        e = [alpha * l * (l + 1) / 2 for l in range(L - 1)] + [L * (L - 1) / 2]
         return [w / sum(e) for w in e[:-1]], e[-1] / sum(e)
-    shape = [l + 1 for l in range(L - 1)] if config.exit_weights == "linear" else [2.0**l for l in range(L - 1)]
+    shape = range(1, L) if config.exit_weights == "linear" else [2.0**l for l in range(L - 1)]
     return [alpha * (L - 1) * s / sum(shape) for s in shape], 1.0
 
 def layer_dropout_prob(layer, config):
-    """LayerSkip's rate for block `layer`: 0 at the bottom, rising exponentially to layer_dropout at the top."""
+    """LayerSkip's rate for block `layer`: 0 at the bottom, rising exponentially to layer_dropout
+    at the top."""
     return config.layer_dropout * (math.exp(layer * math.log(2) / (config.n_layer - 1)) - 1)
 
 def distillation(logits, teacher_log_probs, temperature):
     """T^2 * KL(teacher || student) per position, the usual scaling so gradients match across T."""
     student = (logits.float() / temperature).log_softmax(-1)
-    kl = F.kl_div(student.reshape(-1, student.size(-1)), teacher_log_probs.reshape(-1, student.size(-1)),
-                  log_target=True, reduction="batchmean")
+    # batchmean over positions, not sequences: (B, T, V) -> (B * T, V)
+    kl = F.kl_div(student.flatten(0, -2), teacher_log_probs.flatten(0, -2), log_target=True,
+                  reduction="batchmean")
     return temperature**2 * kl
 
 class RecipeGPT(GPT):
-    """The lesson's GPT trained with a recipe of LabConfig: exit-loss weights, one shared head or the final head
-    at every exit, self-distillation toward the final head, LayerSkip's layer dropout. The seed recipe
-    (SEED_RECIPE) computes exactly GPT's loss; the default, dropout_distill, won the recipe comparison."""
+    """The lesson's GPT trained with a recipe of LabConfig: exit-loss weights, one shared head or
+    the final head at every exit, self-distillation toward the final head, LayerSkip's layer
+    dropout. The seed recipe (SEED_RECIPE) computes exactly GPT's loss; the default,
+    dropout_distill, won the recipe comparison."""
     def __init__(self, config):
         super().__init__(config)
-        if config.exit_head != "separate":  # one shared head (its parameters count once), or none at all
-            heads = [ExitHead(config)] * (config.n_layer - 1) if config.exit_head == "shared" else []
-            self.exit_heads = nn.ModuleList(heads)
-            self.exit_heads.apply(self._init_weights)
+        if config.exit_head == "shared":  # one head at every exit: its parameters count once
+            head = ExitHead(config).apply(self._init_weights)
+            self.exit_heads = nn.ModuleList([head] * (config.n_layer - 1))
+        if config.exit_head == "final":  # no exit heads at all: see exit_logits
+            self.exit_heads = nn.ModuleList()
 
     def exit_logits(self, x, layer):
         """exit_head='final' reads every exit through ln_f + lm_head."""
-        return super().exit_logits(x, self.config.n_layer - 1 if self.config.exit_head == "final" else layer)
+        if self.config.exit_head == "final":
+            layer = self.config.n_layer - 1
+        return super().exit_logits(x, layer)
 
     def hidden_states(self, idx):
-        """GPT's, with LayerSkip's layer dropout in training: each sequence skips block l with its rate."""
+        """GPT's, with LayerSkip's layer dropout in training: each sequence skips block l with its
+        rate."""
         x, states = self.embed(idx), []
         for l, block in enumerate(self.transformer.h):
-            p = layer_dropout_prob(l, self.config) if self.training else 0.0
             y = block(x)
-            if p > 0:
-                keep = torch.rand(x.size(0), 1, 1, device=x.device) >= p  # (B, 1, 1)
-                y = torch.where(keep, y, x)
+            p = layer_dropout_prob(l, self.config)
+            if self.training and p > 0:  # each sequence skips block l with probability p
+                y = torch.where(torch.rand(len(x), 1, 1, device=x.device) >= p, y, x)
             x = y
             states.append(x)
         return states
 
     def joint_loss(self, states, logits, targets):
-        """The recipe's joint loss: weighted exit CEs, plus KL toward the detached final head when distilling.
-        Exits with nothing to learn (alpha = 0, no distillation) are not computed at all."""
+        """The recipe's joint loss: weighted exit CEs, plus KL toward the detached final head when
+        distilling. Exits with nothing to learn (alpha = 0, no distillation) are not computed."""
         cfg = self.config
         w_exits, w_final = exit_loss_weights(cfg)
         loss = w_final * cross_entropy(logits, targets)
         teacher = None
-        if cfg.distill_weight > 0:  # the final head's distribution, detached: the exits chase it, not vice versa
+        if cfg.distill_weight > 0:  # the final head's distribution, detached: the exits chase it
             teacher = (logits.detach().float() / cfg.distill_temperature).log_softmax(-1)
         for l, w in enumerate(w_exits):
             if w == 0 and teacher is None:
@@ -1027,39 +1034,41 @@ class RecipeGPT(GPT):
             exit_logits = self.exit_logits(states[l], l)
             loss = loss + w * cross_entropy(exit_logits, targets)
             if teacher is not None:
-                loss = loss + cfg.distill_weight * distillation(exit_logits, teacher, cfg.distill_temperature)
+                kl = distillation(exit_logits, teacher, cfg.distill_temperature)
+                loss = loss + cfg.distill_weight * kl
         return loss
 
 def count_params(model):
-    """(base model, exit heads) parameter counts; unlike nanoGPT's, position embeddings are counted."""
+    """(base model, exit heads) parameter counts; unlike nanoGPT's, position embeddings are
+    counted."""
     heads = sum(p.numel() for p in model.exit_heads.parameters())
     return sum(p.numel() for p in model.parameters()) - heads, heads
 
-SEED_RECIPE = dict(alpha=0.3, exit_weights="constant", exit_head="separate", distill_weight=0.0,
-                   distill_temperature=1.0, layer_dropout=0.0)
+SEED_RECIPE = {"alpha": 0.3, "exit_weights": "constant", "exit_head": "separate",
+               "distill_weight": 0.0, "distill_temperature": 1.0, "layer_dropout": 0.0}
 RECIPES = {  # each is the seed recipe with these fields changed
-    "baseline": dict(alpha=0.0),  # a plain GPT: no exit is trained
-    "seed": dict(),
-    "linear": dict(exit_weights="linear"),
-    "geometric": dict(exit_weights="geometric"),
-    "layerskip": dict(exit_weights="layerskip", exit_head="final", layer_dropout=0.2),
-    "distill": dict(distill_weight=0.2),
-    "shared_head": dict(exit_head="shared"),
-    "final_head": dict(exit_head="final"),
-    "layer_dropout": dict(layer_dropout=0.2),
-    "dropout_distill": dict(layer_dropout=0.2, distill_weight=0.1),  # the default since the comparison
+    "baseline": {"alpha": 0.0},  # a plain GPT: no exit is trained
+    "seed": {},
+    "linear": {"exit_weights": "linear"},
+    "geometric": {"exit_weights": "geometric"},
+    "layerskip": {"exit_weights": "layerskip", "exit_head": "final", "layer_dropout": 0.2},
+    "distill": {"distill_weight": 0.2},
+    "shared_head": {"exit_head": "shared"},
+    "final_head": {"exit_head": "final"},
+    "layer_dropout": {"layer_dropout": 0.2},
+    "dropout_distill": {"layer_dropout": 0.2, "distill_weight": 0.1},  # the comparison's winner
 }
 
 # -----------------------------------------------------------------------------
 # Choosing the exit rule, 1: record every exit once, teacher-forced, then sweep without the model
 
 def margin(probs):
-    """Top-1 minus top-2 probability: (B, V) -> (B,)."""
-    top2 = probs.topk(2, dim=-1).values  # (B, 2)
-    return top2[:, 0] - top2[:, 1]
+    """Top-1 minus top-2 probability: (..., V) -> (...)."""
+    top2 = probs.topk(2).values  # (..., 2)
+    return top2[..., 0] - top2[..., 1]
 
 def normalised_entropy(probs):
-    """1 - H / log V: 1 for a one-hot distribution, 0 for a uniform one. (B, V) -> (B,)."""
+    """1 - H / log V: 1 for a one-hot distribution, 0 for a uniform one. (..., V) -> (...)."""
     entropy = -(probs * probs.clamp_min(1e-12).log()).sum(-1)
     return 1.0 - entropy / math.log(probs.size(-1))
 
@@ -1074,62 +1083,55 @@ class ExitRecords:
     targets: torch.Tensor  # (N,): the true next characters
 
 def decoder_windows(n_positions, block_size):
-    """(start, end, first) of each window sequential decoding uses to predict positions first..end-1."""
-    windows, start, i = [], None, 0
+    """Yields (start, end, first) of each window sequential decoding uses to predict positions
+    first..end-1."""
+    start, i = None, 0
     while i < n_positions:
         start = window_start(start, i + 1, block_size)
         end = min(start + block_size, n_positions)
-        windows.append((start, end, i))
+        yield start, end, i
         i = end
-    return windows
-
-def summarise_logits(logits, targets):
-    """(L, N, V) exit logits -> what ExitRecords keeps of them."""
-    conf = {m: torch.stack([confidence(lg, m) for lg in logits]) for m in CONFIDENCE_MEASURES}
-    nll = -logits.log_softmax(-1).gather(-1, targets[None, :, None].expand(len(logits), -1, 1))[..., 0]
-    return conf, logits.argmax(-1), nll
 
 @torch.inference_mode()
 def record_exits(model, data, n_positions, batch_size=64):
     """One parallel pass: what every exit predicts for data[1 : n_positions + 1].
 
-    The windows are exactly those of sequential decoding fed data[0], data[1], ... (window_start), so a decoder
-    that keeps its cache exact (backfill, deferred) makes exactly these predictions; that is tested. Windows of
-    equal length run together, batch_size at a time."""
+    The windows are exactly those of sequential decoding fed data[0], data[1], ...
+    (window_start), so a decoder that keeps its cache exact (backfill, deferred) makes exactly
+    these predictions; that is tested. Windows of equal length run together, batch_size at a
+    time."""
     n_positions = min(n_positions, len(data) - 1)
-    windows = decoder_windows(n_positions, model.config.block_size)
     # every window is block_size long but perhaps the last: run the others batch_size at a time
-    full = windows[:-1]
-    groups = [full[b : b + batch_size] for b in range(0, len(full), batch_size)] + [windows[-1:]]
+    *full, last = decoder_windows(n_positions, model.config.block_size)
+    groups = [full[b : b + batch_size] for b in range(0, len(full), batch_size)] + [[last]]
     parts = []
     for group in groups:
         x = torch.stack([data[s:e] for s, e, _ in group])  # (b, W)
         logits = model.all_exit_logits(x).float()  # (L, b, W, V)
         parts += [logits[:, r, first - s :] for r, (s, _, first) in enumerate(group)]
     logits = torch.cat(parts, dim=1)  # (L, N, V)
-    targets = data[1 : n_positions + 1].to(logits.device)
-    return ExitRecords(*summarise_logits(logits, targets), targets)
+    targets = data[1 : n_positions + 1]  # on the model's device, as the windows were
+    confidences = {m: confidence(logits, m) for m in CONFIDENCE_MEASURES}  # m -> (L, N)
+    nll = -logits.log_softmax(-1).take_along_dim(targets[None, :, None], -1)[..., 0]  # (L, N)
+    return ExitRecords(confidences, logits.argmax(-1), nll, targets)
 
 def exits_at_threshold(records, measure, threshold, checked_exits):
-    """(N,): the layer each position exits at: the first checked exit above threshold, else the last."""
+    """(N,): the layer each position exits at: the first checked exit above threshold, else the
+    last. A confidence never exceeds 1, so at a threshold of 1 every position goes full depth."""
     conf = records.confidences[measure]
-    L = conf.size(0)
-    if threshold >= 1 or not checked_exits:
-        return torch.full((conf.size(1),), L - 1, dtype=torch.long, device=conf.device)
-    layers = torch.tensor(checked_exits, device=conf.device)
-    hit = conf[layers] > threshold  # (E, N)
-    first = hit.float().argmax(0)  # the first checked exit that is confident enough
-    return torch.where(hit.any(0), layers[first], L - 1)
+    layers = torch.tensor([*checked_exits, len(conf) - 1], device=conf.device)
+    hit = conf[layers] > threshold  # (E + 1, N)
+    hit[-1] = True  # the last layer always exits
+    return layers[hit.float().argmax(0)]  # the first exit that is confident enough
 
 def exit_summary(records, exits):
     """Quality and compute of emitting each position from its exit layer."""
     L, N = records.pred.shape
     cols = torch.arange(N, device=exits.device)
     pred = records.pred[exits, cols]
-    counts = torch.bincount(exits, minlength=L)
     mean_layers = (exits + 1).float().mean().item()
     return {
-        "exit_fractions": (counts.float() / N).tolist(),
+        "exit_fractions": (torch.bincount(exits, minlength=L).float() / N).tolist(),
         "mean_layers": mean_layers,
         "compute_saved": 1.0 - mean_layers / L,
         "loss": records.nll[exits, cols].mean().item(),
@@ -1140,9 +1142,9 @@ def exit_summary(records, exits):
 
 def threshold_for_exit_fraction(records, measure, checked_exits, fraction=EARLY_EXIT_FRACTION):
     """The highest threshold at which at least `fraction` of positions exit early."""
-    L = records.pred.size(0)
     for t in THRESHOLDS:
-        if (exits_at_threshold(records, measure, t, checked_exits) < L - 1).float().mean() >= fraction:
+        early = exits_at_threshold(records, measure, t, checked_exits) < len(records.pred) - 1
+        if early.float().mean() >= fraction:
             return t
     return THRESHOLDS[-1]
 
@@ -1150,12 +1152,15 @@ def threshold_for_exit_fraction(records, measure, checked_exits, fraction=EARLY_
 # Choosing the exit rule, 2: the threshold sweep on val, and a threshold calibrated with a guarantee
 
 def sweep(records, measure, checked_exits):
-    """One entry per threshold: where positions exit, compute saved, loss and disagreement with full depth."""
-    return [{"threshold": t, **exit_summary(records, exits_at_threshold(records, measure, t, checked_exits))}
+    """One entry per threshold: where positions exit, compute saved, loss and disagreement with
+    full depth."""
+    return [{"threshold": t,
+             **exit_summary(records, exits_at_threshold(records, measure, t, checked_exits))}
             for t in THRESHOLDS]
 
 def binomial_tail(k, n, epsilon):
-    """P(Binomial(n, epsilon) <= k): the p-value of 'risk > epsilon' after k failures in n trials."""
+    """P(Binomial(n, epsilon) <= k): the p-value of 'risk > epsilon' after k failures in n
+    trials."""
     i = torch.arange(k + 1, dtype=torch.float64)
     log_pmf = (math.lgamma(n + 1) - torch.lgamma(i + 1) - torch.lgamma(n - i + 1)
                + i * math.log(epsilon) + (n - i) * math.log1p(-epsilon))
@@ -1164,11 +1169,12 @@ def binomial_tail(k, n, epsilon):
 def fixed_sequence_test(failures, n, epsilon, delta):
     """Learn then Test with fixed-sequence testing (CALM, arXiv:2207.07061, section 4).
 
-    failures[i] is the number of the n calibration positions that disagree with full depth at the i-th
-    threshold, ordered most cautious first. Test H0: 'risk > epsilon' at each threshold in that order with the
-    exact binomial p-value; stop at the first that is not rejected at level delta. Returns the index of the last
-    rejected one (-1: none, so full depth). Because the order is fixed in advance, the chance that the returned
-    threshold's true risk exceeds epsilon is at most delta (for i.i.d. positions)."""
+    failures[i] is the number of the n calibration positions that disagree with full depth at the
+    i-th threshold, ordered most cautious first. Test H0: 'risk > epsilon' at each threshold in
+    that order with the exact binomial p-value; stop at the first that is not rejected at level
+    delta. Returns the index of the last rejected one (-1: none, so full depth). Because the order
+    is fixed in advance, the chance that the returned threshold's true risk exceeds epsilon is at
+    most delta (for i.i.d. positions)."""
     chosen = -1
     for i, k in enumerate(failures):
         if binomial_tail(k, n, epsilon) > delta:
@@ -1177,61 +1183,69 @@ def fixed_sequence_test(failures, n, epsilon, delta):
     return chosen
 
 def calibrate(records, measure, checked_exits, epsilon, delta):
-    """The threshold fixed-sequence testing certifies: walking THRESHOLDS from cautious (1.0) down, the last one
-    before the first whose disagreement with full depth is not certified below epsilon; 1.0 if none is."""
-    N = records.targets.numel()
+    """The threshold fixed-sequence testing certifies: walking THRESHOLDS from cautious (1.0)
+    down, the last one before the first whose disagreement with full depth is not certified below
+    epsilon; 1.0 if none is."""
+    disagree = records.pred != records.pred[-1]  # (L, N): each exit against full depth
     failures = []
     for t in THRESHOLDS:
-        exits = exits_at_threshold(records, measure, t, checked_exits)
-        failures.append(int((records.pred[exits, torch.arange(N, device=exits.device)] != records.pred[-1]).sum()))
-    chosen = fixed_sequence_test(failures, N, epsilon, delta)
-    return 1.0 if chosen < 0 else THRESHOLDS[chosen]
+        exits = exits_at_threshold(records, measure, t, checked_exits)  # (N,)
+        failures.append(int(disagree.gather(0, exits[None]).sum()))
+    chosen = fixed_sequence_test(failures, disagree.size(1), epsilon, delta)
+    return THRESHOLDS[max(chosen, 0)]  # THRESHOLDS[0] is 1.0: full depth when none is certified
 
 def calibration_report(val, test, measure, checked_exits, epsilon, delta):
-    """Calibrate on val, then report the chosen threshold's figures on test (never used to choose)."""
+    """Calibrate on val, then report the chosen threshold's figures on test (never used to
+    choose)."""
     threshold = calibrate(val, measure, checked_exits, epsilon, delta)
     keys = ("disagreement", "loss", "full_loss", "accuracy", "compute_saved", "mean_layers")
-    figures = {name: exit_summary(r, exits_at_threshold(r, measure, threshold, checked_exits))
-               for name, r in (("val", val), ("test", test))}
-    return {"measure": measure, "epsilon": epsilon, "delta": delta, "threshold": threshold,
-            **{name: {k: f[k] for k in keys} for name, f in figures.items()}}
+    report = {"measure": measure, "epsilon": epsilon, "delta": delta, "threshold": threshold}
+    for name, records in (("val", val), ("test", test)):
+        figures = exit_summary(
+            records, exits_at_threshold(records, measure, threshold, checked_exits))
+        report[name] = {k: figures[k] for k in keys}
+    return report
 
 # -----------------------------------------------------------------------------
 # Choosing the exit rule, 3: the logit lens, and what "easy" means for this model
 
 @torch.inference_mode()
 def logit_lens(model, x):
-    """Each layer read through ln_f + lm_head (never trained for it) and through its own exit head."""
+    """Each layer read through ln_f + lm_head (never trained for it) and through its own exit
+    head."""
     states = model.hidden_states(x)  # L x (B, T, C)
-    final = model.exit_logits(states[-1], model.config.n_layer - 1).float()
-    target = final.argmax(-1)  # (B, T): the final prediction
+    top = model.config.n_layer - 1
+    target = model.exit_logits(states[-1], top).argmax(-1)  # (B, T): the final prediction
     entries = []
     for l, h in enumerate(states[:-1]):
-        for readout, logits in (("ln_f + lm_head", model.exit_logits(h, model.config.n_layer - 1)),
-                                ("exit head", model.exit_logits(h, l))):
-            logits = logits.float()
+        for readout, layer in (("ln_f + lm_head", top), ("exit head", l)):
+            logits = model.exit_logits(h, layer)  # (B, T, V)
             rank = (logits > logits.gather(-1, target[..., None])).sum(-1)  # 0 when it agrees
             entries.append({"layer": l, "readout": readout,
                             "agreement": (logits.argmax(-1) == target).float().mean().item(),
                             "mean_rank": rank.float().mean().item(),
-                            "confidence": logits.softmax(-1).amax(-1).mean().item()})
+                            "confidence": confidence(logits).mean().item()})
     return entries
 
 def exit_slices(records, exits, tokenizer, data, n_top=10):
-    """Accuracy of the tokens leaving at each layer, and the characters that leave at the shallowest layer any
-    token left at (with the context they most often follow)."""
+    """Accuracy of the tokens leaving at each layer, and the characters that leave at the
+    shallowest layer any token left at (with the context they most often follow)."""
     L, N = records.pred.shape
     correct = records.pred[exits, torch.arange(N, device=exits.device)] == records.targets
-    per_layer = [{"layer": l, "tokens": int((exits == l).sum()),
-                  "accuracy": correct[exits == l].float().mean().item() if (exits == l).any() else None}
-                 for l in range(L)]
-    shallowest = int(exits.min()) if N else 0
+    per_layer = []
+    for l in range(L):
+        here = exits == l  # (N,): the positions leaving at layer l
+        accuracy = correct[here].float().mean().item() if here.any() else None
+        per_layer.append({"layer": l, "tokens": int(here.sum()), "accuracy": accuracy})
+    shallowest = int(exits.min())  # records hold at least one position
     contexts = {}
-    for i in (exits == shallowest).nonzero().flatten().tolist():  # position i predicts data[i + 1] after data[..i]
+    # position i predicts data[i + 1] after data[..i]
+    for i in (exits == shallowest).nonzero().flatten().tolist():
         ch = tokenizer.decode([int(records.targets[i])])
         contexts.setdefault(ch, []).append(tokenizer.decode(data[max(0, i - 3) : i + 1].tolist()))
     top = sorted(contexts.items(), key=lambda kv: -len(kv[1]))[:n_top]
-    chars = [{"char": ch, "exits": len(ctx), "example_context": Counter(ctx).most_common(1)[0][0]} for ch, ctx in top]
+    chars = [{"char": ch, "exits": len(ctx), "example_context": Counter(ctx).most_common(1)[0][0]}
+             for ch, ctx in top]
     return {"per_layer": per_layer, "first_exit_layer": shallowest, "earliest_chars": chars}
 
 # -----------------------------------------------------------------------------
