@@ -645,8 +645,7 @@ def kv_projection(block):
 
 def state_copy_projections(model):
     """Every layer's folded K/V projection, stacked: (L, 2C, C) and (L, 2C)."""
-    projections = [kv_projection(block) for block in model.transformer.h]
-    return tuple(torch.stack(t) for t in zip(*projections))
+    return tuple(map(torch.stack, zip(*map(kv_projection, model.transformer.h))))
 
 def write_state_copy(cache, first_layer, x, weight, bias):
     """CALM's state propagation: the K and V of layers first_layer.. computed from the exit state x
@@ -758,10 +757,10 @@ def prefill_rows(model, cache, tokens, rows, starts, n):
     m = int(n[rows[0]] - 1 - starts[rows[0]])
     idx = tokens[rows[:, None], starts[rows][:, None] + torch.arange(m, device=tokens.device)]  # (R, m)
     # a plain cache for just these rows (no per-row mask needed: they are level), then copied into place
-    level = KVCache(model.config, len(rows), tokens.device)
+    level = KVCache(replace(model.config, block_size=m), len(rows), tokens.device)
     prefill(model, level, idx, 0)
-    cache.k[:, rows, :, :m] = level.k[:, :, :, :m]
-    cache.v[:, rows, :, :m] = level.v[:, :, :, :m]
+    cache.k[:, rows, :, :m] = level.k
+    cache.v[:, rows, :, :m] = level.v
     return m * model.config.n_layer
 
 def slide_rows(model, cache, tokens, starts, n):
@@ -775,20 +774,20 @@ def slide_rows(model, cache, tokens, starts, n):
         if s != starts[b]:
             starts[b] = s
             moved.setdefault(int(n[b]) - 1 - s, []).append(b)
-    rows = [torch.tensor(group, device=tokens.device) for group in moved.values()]
-    return sum(len(r) * prefill_rows(model, cache, tokens, r, starts, n) for r in rows)
+    return sum(len(group) * prefill_rows(model, cache, tokens, torch.tensor(group, device=tokens.device),
+                                         starts, n) for group in moved.values())
 
 def draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k, generator):
     """Every row drafts with layers 0..draft_exit from its own position pos[b], max(room) steps.
     Returns the draft logits (B, k, V), the drafts (B, k), their states (B, k, C), which the verify
     pass takes up from, their slots (B, k) and the slots any row has filled: the verify pass's width."""
     k, furthest = torch.stack((room.max(), pos.max())).tolist()  # one read of the device a round
-    rows, steps = torch.arange(len(n), device=n.device), torch.arange(k, device=n.device)
+    steps = torch.arange(k, device=n.device)
     slots = pos[:, None] + steps  # (B, k)
     layouts = cache.lay_out_steps(slots, furthest)
     # a row with less room than k drafts on in spare slots at the last position; those are never kept
     wpe = model.transformer.wpe(slots.clamp(max=model.config.block_size - 1)).unbind(1)  # k x (B, C)
-    token, q, states, drafts = tokens[rows, n - 1], [], [], []
+    token, q, states, drafts = tokens.gather(1, n[:, None] - 1)[:, 0], [], [], []  # token: (B,)
     for j in range(k):
         x = (model.transformer.wte(token) + wpe[j])[:, None]  # (B, 1, C); decoding never drops out
         cache.layout = layouts[j]
@@ -800,16 +799,8 @@ def draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k, ge
         states.append(x)
         drafts.append(token)
     drafts = torch.stack(drafts, dim=1)  # (B, k)
-    tokens[rows[:, None], n[:, None] + steps] = drafts
+    tokens.scatter_(1, n[:, None] + steps, drafts)
     return torch.stack(q, dim=1), drafts, torch.cat(states, dim=1), slots, furthest + k
-
-def verify(model, cache, slots, x, draft_exit, width):
-    """The layers above the draft run once over every row's drafted states x (B, k, C) at their slots:
-    (B, k, V) logits."""
-    cache.layout = cache.lay_out(slots, width)
-    for l in range(draft_exit + 1, model.config.n_layer):
-        x = model.transformer.h[l](x, cache, l)
-    return model.exit_logits(x, model.config.n_layer - 1)  # (B, k, V)
 
 def speculative_accept(drafts, q, p, room, temperature, generator):
     """How many drafts each row keeps (at most room[b]), and the full model's token after them.
@@ -843,9 +834,13 @@ def speculative_round(model, cache, tokens, n, pos, room, draft_exit, temperatur
     """One round of every row: draft up to room[b] tokens from window position pos[b], verify them in
     one pass, keep each row's accepted prefix and write the full model's token after it. Returns
     (accepted (B,), has_next (B,)), as speculative_accept."""
-    q, drafts, states, slots, width = draft(model, cache, tokens, n, pos, room, draft_exit, temperature,
-                                            top_k, generator)
-    p = verify(model, cache, slots, states, draft_exit, width)
+    q, drafts, x, slots, width = draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k,
+                                       generator)
+    # verify: the layers above the draft run once over every row's drafted states x (B, k, C)
+    cache.layout = cache.lay_out(slots, width)
+    for l in range(draft_exit + 1, model.config.n_layer):
+        x = model.transformer.h[l](x, cache, l)
+    p = model.exit_logits(x, model.config.n_layer - 1)  # (B, k, V)
     if temperature > 0:
         q = probs_from_logits(q, temperature, top_k)
         p = probs_from_logits(p, temperature, top_k)
@@ -876,7 +871,8 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit=0, num_draf
     # num_draft spare slots past block_size: see RowKVCache
     cache = RowKVCache(replace(cfg, block_size=cfg.block_size + num_draft), B, dev)
     # a negative start: no window yet (and far enough back that the first round places one)
-    n, starts = torch.full((B,), T0, device=dev), torch.full((B,), -cfg.block_size - 1, device=dev)
+    n = torch.full((B,), T0, device=dev)
+    starts = torch.full_like(n, -cfg.block_size - 1)
     ids, rounds, prefilled = torch.arange(B, device=dev), [], 0.0
     while max_new_tokens > 0 and len(ids):  # ids (R,): the rows still in the batch
         prefilled += slide_rows(model, cache, tokens, starts, n) / B
