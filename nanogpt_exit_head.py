@@ -878,7 +878,6 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit=0, num_draf
     end = T0 + max_new_tokens
     tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens + num_draft)], dim=1)
     out_tokens = tokens[:, :end].clone()
-    # num_draft spare slots past block_size: see RowKVCache
     cache = RowKVCache(replace(cfg, block_size=cfg.block_size + num_draft), B, dev)
     # a negative start: no window yet (and far enough back that the first round places one)
     n = torch.full((B,), T0, device=dev)
@@ -887,7 +886,7 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit=0, num_draf
     while max_new_tokens > 0 and len(ids):  # ids (R,): the rows still in the batch
         prefilled += slide_rows(model, cache, tokens, starts, n) / B
         pos = n - 1 - starts  # (R,) window position of each row's first token fed this round
-        # no position past block_size
+        # (R,) how many drafts each row may keep: none past end, no position past block_size
         room = torch.minimum(end - n, cfg.block_size - pos).clamp(max=num_draft)
         accepted, has_next = speculative_round(model, cache, tokens, n, pos, room, draft_exit,
                                                temperature, top_k, generator)
