@@ -876,11 +876,11 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit=0, num_draf
         raise ValueError(f"need 0 <= draft_exit < {cfg.n_layer - 1} and num_draft >= 1, "
                          f"got draft_exit={draft_exit}, num_draft={num_draft}")
     end = T0 + max_new_tokens
-    tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens + num_draft)], dim=1)
+    tokens = F.pad(idx, (0, max_new_tokens + num_draft))  # zeros: room for the tokens and drafts
     out_tokens = tokens[:, :end].clone()
     cache = RowKVCache(replace(cfg, block_size=cfg.block_size + num_draft), B, dev)
     # a negative start: no window yet (and far enough back that the first round places one)
-    n = torch.full((B,), T0, device=dev)
+    n = idx.new_full((B,), T0)  # (R,): each row's length, the tokens it has so far
     starts = torch.full_like(n, -cfg.block_size - 1)
     ids, rounds, prefilled = torch.arange(B, device=dev), [], 0.0
     while max_new_tokens > 0 and len(ids):  # ids (R,): the rows still in the batch
@@ -909,7 +909,7 @@ def kept_drafts(ids, n, accepted, B, end, draft_exit, full_exit):
     """(B, end): draft_exit where a token is a kept draft, full_exit elsewhere. Each round of row
     ids[i] kept accepted[i] drafts from position n[i]: +1 where kept drafts begin, -1 where they
     end, summed along (kept runs never overlap)."""
-    marks = torch.zeros(B, end + 1, dtype=torch.long, device=n.device)
+    marks = n.new_zeros(B, end + 1)
     marks.index_put_((ids, n), torch.ones_like(n), accumulate=True)
     marks.index_put_((ids, n + accepted), -torch.ones_like(n), accumulate=True)
     return torch.where(marks.cumsum(1)[:, :end] > 0, draft_exit, full_exit)
