@@ -588,49 +588,50 @@ import signal
 import textwrap
 import zipfile
 from collections import Counter
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 @dataclass
 class LabConfig(Config):
-    """The lab's settings on top of the lesson's; the command line takes every field of both as --name=value."""
-    exit_threshold: float = -1.0  # -1 calibrates it on val (Learn then Test); a value in [0, 1] is used as is
+    """The lab's settings on top of the lesson's; the command line takes every field of both as
+    --name=value."""
+    exit_threshold: float = -1.0  # -1 calibrates it on val (Learn then Test); [0, 1] is used as is
     # runs
     out_dir: str = "out"  # where ckpt.pt, report.json and report.html go
-    init_from: str = "scratch"  # 'scratch' trains a new model, 'resume' continues from out_dir/ckpt.pt
+    init_from: str = "scratch"  # 'scratch' trains a new model, 'resume' continues out_dir/ckpt.pt
     device: str = "auto"  # 'auto' picks cuda, then cpu; mps only when named (--device=mps)
     compile: bool = False  # torch.compile the model for training (slow to start, faster on GPU)
-    lesson_only: bool = False  # run Part I alone: its GPT, training, threshold (0.9 for -1) and backfill
-    sample_only: bool = False  # with --init_from=resume: the samples, exit map and statistics only, no training
+    lesson_only: bool = False  # run Part I alone: its GPT, training, threshold (-1: 0.9), backfill
+    sample_only: bool = False  # with --init_from=resume: samples, exit map, statistics; no training
     # training recipes (the seed: constant, separate, 0, 1.0, 0)
-    exit_weights: str = "constant"  # per-exit loss weights: constant (alpha each), linear, geometric, layerskip
-    exit_head: str = "separate"  # 'separate' heads, one 'shared' head, or 'final': ln_f + lm_head at every exit
-    distill_weight: float = 0.1  # self-distillation: weight of KL(final || exit), the final head detached
-    distill_temperature: float = 1.0  # temperature of that distillation; higher matches more of the distribution
-    layer_dropout: float = 0.2  # LayerSkip's p_max: in training skip block l with p_max * (2^(l / (L-1)) - 1)
+    exit_weights: str = "constant"  # per-exit loss weights: constant (alpha each) or by depth
+    exit_head: str = "separate"  # 'separate' heads, one 'shared', or 'final' (ln_f + lm_head) exits
+    distill_weight: float = 0.1  # self-distillation: weight of KL(final || exit), final detached
+    distill_temperature: float = 1.0  # of distillation; higher matches more of the distribution
+    layer_dropout: float = 0.2  # LayerSkip's p_max: training skips block l w.p. p_max 2^(l/(L-1))-1
     # decoders
-    kv_strategy: str = "backfill"  # the early-exit sample's decoder: a KV strategy (backfill, ...) or self_speculative
-    exit_layers: str = "auto"  # exits checked: 'auto' (the cost-aware plan per strategy; all in samples), 'all', '1,3'
+    kv_strategy: str = "backfill"  # early-exit sample's decoder: a KV strategy or self_speculative
+    exit_layers: str = "auto"  # exits checked: 'auto' (cost-aware; all in samples), 'all', '1,3'
     draft_exit: int = 0  # self-speculative: the last layer of the draft (its exit head drafts)
     num_draft: int = 8  # self-speculative: the most tokens drafted per verify pass
     # measurement
-    quality_positions: int = 2000  # test positions decoded teacher-forced per decoder; more is steadier and slower
-    bench_prompts: int = 16  # timed workload: prompts from evenly spaced places of test (val, when choosing)
+    quality_positions: int = 2000  # test positions teacher-forced per decoder; more is steadier
+    bench_prompts: int = 16  # timed workload: prompts evenly spaced in test (val, when choosing)
     bench_prompt_len: int = 32  # characters per workload prompt
     bench_tokens: int = 100  # characters generated per prompt per timed run
-    bench_repeats: int = 3  # timed passes over the workload per decoder, interleaved; the median is reported
-    epsilon: float = 0.01  # calibration: tolerated rate of disagreement with full depth; lower is more cautious
+    bench_repeats: int = 3  # timed passes per decoder, interleaved; the median is reported
+    epsilon: float = 0.01  # calibration: tolerated disagreement with full depth; lower is cautious
     delta: float = 0.05  # calibration: allowed chance that the chosen threshold breaks epsilon
     sweep_positions: int = 20000  # val and test positions recorded for the sweep and calibration
     strategies_threshold: float = -1.0  # threshold of the strategies table; -1 chooses it on val
-    schedule_disagreement: float = 0.03  # SkipDecode: the most disagreement with full depth its schedule may cost
+    schedule_disagreement: float = 0.03  # SkipDecode: most disagreement with full depth it may cost
     # studies beyond the default run
-    compare_recipes: bool = False  # train every recipe in RECIPES at this budget and compare them (~2 min each)
-    spec_sweep: bool = False  # also time self-speculative decoding on every (draft_exit, num_draft, draft_stop)
-    bench_batch: bool = False  # also measure every batch design at batch 1, 4 and 16 (a few minutes)
+    compare_recipes: bool = False  # train and compare every recipe in RECIPES (~2 min each)
+    spec_sweep: bool = False  # also time self-speculation at every (draft_exit, num_draft, stop)
+    bench_batch: bool = False  # also measure every batch design at batch 1, 4 and 16 (minutes)
 
-EARLY_EXIT_FRACTION = 0.3  # a speed threshold is the highest at which this fraction of val positions exit early
-THRESHOLDS = tuple(round(1 - 0.01 * i, 2) for i in range(101))  # 1.00, 0.99, ..., 0.00: cautious first
+EARLY_EXIT_FRACTION = 0.3  # a speed threshold: the highest sending this fraction of val out early
+THRESHOLDS = tuple(round(1 - 0.01 * i, 2) for i in range(101))  # 1.00, 0.99, ..., 0.00: cautious
 MODES = ("greedy", "sampled")  # sampled draws with config.temperature and config.top_k
 BATCH_SIZES = (1, 4, 16)
 
@@ -638,12 +639,10 @@ BATCH_SIZES = (1, 4, 16)
 # Deferred recompute: fill the holes later, in one chunk with the next token that needs them
 
 class Deferred(Backfill):
-    """An exit parks its state; the next token that needs a layer runs the parked positions and itself
-    there as one causal chunk. Exact, like backfill, with the work postponed and batched."""
+    """An exit parks its state; the next token that needs a layer runs the parked positions and
+    itself there as one causal chunk. Exact, like backfill, with the work postponed and batched."""
     skips = True
-
-    def __init__(self):
-        self.parked = None  # (B, block_size, C): the state each position reached, for the layers it skipped
+    parked = None  # (B, block_size, C): the state each position reached, for the layers it skipped
 
     def park(self, cache, x, pos):
         if self.parked is None:
@@ -655,7 +654,8 @@ class Deferred(Backfill):
         if n == pos:  # nothing parked below this position
             return block(x, cache, layer)
         self.park(cache, x, pos)
-        self.parked[:, n : pos + 1] = block(self.parked[:, n : pos + 1], cache, layer)  # (B, pos + 1 - n, C)
+        # (B, pos + 1 - n, C): the parked positions and this one, as one causal chunk
+        self.parked[:, n : pos + 1] = block(self.parked[:, n : pos + 1], cache, layer)
         return self.parked[:, pos : pos + 1]
 
     def skip_layers(self, model, cache, x, pos, layer):
@@ -667,31 +667,29 @@ class Deferred(Backfill):
 def kv_projection(block):
     """A block's x -> (K, V) map with ln_1's gain and bias folded in: (2C, C) weight, (2C,) bias.
 
-    K and V of a state x are W_kv (g * norm(x) + beta) + b_kv = (W_kv g) norm(x) + (W_kv beta + b_kv):
-    one matrix per layer, applied to one shared norm(x)."""
-    C = block.ln_1.normalized_shape[0]
+    K and V of a state x are W_kv (g * norm(x) + beta) + b_kv
+    = (W_kv g) norm(x) + (W_kv beta + b_kv): one matrix per layer, applied to one shared norm(x)."""
+    C = block.attn.n_embd
     w = block.attn.c_attn.weight[C:]  # (2C, C): the K and V rows of the fused projection
-    bias = torch.zeros(2 * C, device=w.device, dtype=w.dtype)
-    if block.ln_1.bias is not None:
-        bias = bias + w @ block.ln_1.bias
-    if block.attn.c_attn.bias is not None:
-        bias = bias + block.attn.c_attn.bias[C:]
+    bias = w.new_zeros(2 * C)
+    if block.ln_1.bias is not None:  # config.bias gives ln_1 and c_attn their biases together
+        bias = w @ block.ln_1.bias + block.attn.c_attn.bias[C:]
     return w * block.ln_1.weight, bias
 
 def state_copy_projections(model):
     """Every layer's folded K/V projection, stacked: (L, 2C, C) and (L, 2C)."""
-    projections = [kv_projection(block) for block in model.transformer.h]
-    return tuple(torch.stack(t) for t in zip(*projections))
+    return tuple(map(torch.stack, zip(*map(kv_projection, model.transformer.h))))
 
 def write_state_copy(cache, first_layer, x, weight, bias):
-    """CALM's state propagation: the K and V of layers first_layer.. computed from the exit state x (B, 1, C),
-    written at the next position of a level cache. One batched matmul serves every skipped layer."""
-    n, nh = cache.lengths[first_layer], cache.k.size(2)
-    assert all(m == n for m in cache.lengths[first_layer:]), "state copy needs the skipped layers level"
+    """CALM's state propagation: the K and V of layers first_layer.. computed from the exit state
+    x (B, 1, C), written at the next position of a level cache. One batched matmul serves every
+    skipped layer."""
+    n = cache.lengths[first_layer]
+    assert all(m == n for m in cache.lengths[first_layer:]), "state copy needs level skipped layers"
     xn = F.layer_norm(x[:, 0], x.shape[-1:])  # (B, C): the normalisation shared by every ln_1
-    kv = torch.matmul(xn, weight[first_layer:].transpose(1, 2)) + bias[first_layer:, None]  # (J, B, 2C)
-    J, B, C2 = kv.shape
-    k, v = kv.view(J, B, 2 * nh, C2 // (2 * nh)).chunk(2, dim=2)  # (J, B, nh, hs) each
+    # (J, B, 2C): every skipped layer's K and V at once
+    kv = torch.matmul(xn, weight[first_layer:].transpose(1, 2)) + bias[first_layer:, None]
+    k, v = kv.unflatten(-1, (2 * cache.k.size(2), -1)).chunk(2, dim=2)  # (J, B, nh, hs) each
     cache.k[first_layer:, :, :, n] = k
     cache.v[first_layer:, :, :, n] = v
     for layer in range(first_layer, len(cache.lengths)):
@@ -710,13 +708,14 @@ class StateCopy(Backfill):
 # Holes: the failure case, where the skipped layers write nothing
 
 class Holes(Backfill):
-    """Later tokens attend only to the entries that exist: the skipped layers' caches just have fewer."""
+    """Later tokens attend only to the entries that exist: skipped layers' caches have fewer."""
     skips = True
 
     def skip_layers(self, model, cache, x, pos, layer):
         pass
 
-KV_STRATEGIES = {"backfill": Backfill, "deferred": Deferred, "state_copy": StateCopy, "holes": Holes}
+KV_STRATEGIES = {"backfill": Backfill, "deferred": Deferred, "state_copy": StateCopy,
+                 "holes": Holes}
 
 def kv_strategy(name):
     """The KV strategy class of a name, or a one-line error."""
@@ -725,48 +724,44 @@ def kv_strategy(name):
     return KV_STRATEGIES[name]
 
 # -----------------------------------------------------------------------------
-# Self-speculative decoding (LayerSkip): the early layers draft, the rest verify, one decoder for any batch
+# Self-speculative decoding (LayerSkip): early layers draft, the rest verify; one decoder, any batch
 
 class RowKVCache(KVCache):
-    """The KV cache with a length per row: at the start of a round, every layer of row b holds its window
-    positions [0, pos[b]), where pos[b] = n[b] - 1 - start[b] is the row's own position in its window.
+    """The KV cache with a length per row: at the start of a round, every layer of row b holds its
+    window positions [0, pos[b]), where pos[b] = n[b] - 1 - start[b] is the row's own position in
+    its window.
 
-    The rows of a batch accept different numbers of drafts, roll back on their own and slide their windows
-    at different rounds. Rolling a row back is moving its n back: the entries past its position are stale,
-    masked and then overwritten. Every block call of a step writes each row's entries at its own slots,
-    laid out once per step (lay_out); attention reads the slots any row has filled, through one mask.
-    `spare` slots past block_size take the drafts of rows with less room than others; those are always
-    rolled back."""
-    def __init__(self, config, batch_size, device, spare=0):
-        L, hs = config.n_layer, config.n_embd // config.n_head
-        shape = (L, batch_size, config.n_head, config.block_size + spare, hs)
-        self.k = torch.zeros(shape, device=device)  # (L, B, nh, block_size + spare, hs)
-        self.v = torch.zeros(shape, device=device)
-        self.lengths, self.layer_evals, self.start = [0] * L, [0] * L, 0
-        self.layout = None  # what the block calls of one step share: lay_out()
+    The rows of a batch accept different numbers of drafts, roll back on their own and slide their
+    windows at different rounds. Rolling a row back is moving its n back: the entries past its
+    position are stale, masked and then overwritten. Every block call of a step writes each row's
+    entries at its own slots, laid out once per step (lay_out); attention reads the slots any row
+    has filled, through one mask. Made with a block_size num_draft larger: those spare slots take
+    the drafts of rows with less room than others, and are always rolled back."""
+    layout = None  # what the block calls of one step share: lay_out()
 
-    def lay_out(self, slots, width=None):
-        """(slots (B, T), their scatter index, the mask of what each query may see, W), W the slots any
-        row has filled by then: attention reads no empty slot past the last. One row's slots are the last
-        T of its W: a single query needs no mask, a chunk a causal one (and append writes a slice)."""
+    def lay_out(self, slots, width):
+        """(slots (B, T), their scatter index, the mask of what each query may see, W), W the slots
+        any row has filled by then: attention reads no empty slot past the last. One row's slots are
+        the last T of its W: a single query needs no mask, a chunk a causal one (and append writes a
+        slice)."""
         B, T = slots.shape
-        if width is None:
-            width = int(slots.max()) + 1
         if B == 1:
-            mask = None if T == 1 else torch.ones(T, width, dtype=torch.bool, device=slots.device).tril(width - T)
+            mask = None
+            if T > 1:
+                mask = torch.ones(T, width, dtype=torch.bool, device=slots.device).tril(width - T)
             return slots, None, mask, width
-        seen = torch.arange(width, device=slots.device)[None, None, :] <= slots[:, :, None]  # (B, T, W)
-        mask = torch.zeros(seen.shape, device=slots.device).masked_fill_(~seen, float("-inf"))[:, None]
-        index = slots[:, None, :, None].expand(B, self.k.size(2), T, self.k.size(4))  # (B, nh, T, hs)
+        seen = torch.arange(width, device=slots.device) <= slots[:, :, None]  # (B, T, W)
+        mask = torch.where(seen, 0.0, float("-inf"))[:, None]  # (B, 1, T, W)
+        # (B, nh, T, hs): where each entry goes
+        index = slots[:, None, :, None].expand(B, self.k.size(2), T, self.k.size(4))
         return slots, index, mask, width
 
-    def lay_out_steps(self, start, k, furthest):
-        """The layouts of k one-token steps from slot start[b] (B,) on (furthest: max(start)): a list of k."""
-        widths = [furthest + 1 + j for j in range(k)]  # each step reads one slot more
-        if len(start) == 1:  # one row: a single query sees all of its slots
+    def lay_out_steps(self, slots, furthest):
+        """The layouts of k one-token steps at slots (B, k), furthest = max(slots[:, 0]): a list."""
+        widths = [furthest + 1 + j for j in range(slots.size(1))]  # each step reads one slot more
+        if len(slots) == 1:  # one row: a single query sees all of its slots
             return [(None, None, None, w) for w in widths]
-        slots = start[:, None] + torch.arange(k, device=start.device)  # (B, k)
-        _, index, mask, _ = self.lay_out(slots, furthest + k)
+        _, index, mask, _ = self.lay_out(slots, widths[-1])
         return [(slots[:, j : j + 1], index[:, :, j : j + 1], mask[:, :, j : j + 1, :w], w)
                 for j, w in enumerate(widths)]
 
@@ -776,7 +771,8 @@ class RowKVCache(KVCache):
         self.v = self.v[:, keep]
 
     def append(self, layer, k, v):
-        """Write k, v (B, nh, T, hs) at each row's laid-out slots; return the first W slots and the mask."""
+        """Write k, v (B, nh, T, hs) at each row's laid-out slots; return the first W slots and the
+        mask."""
         slots, index, mask, width = self.layout
         if index is None:  # one row: its T new entries are the last T of its W slots
             self.k[layer, :, :, width - k.size(2) : width] = k
@@ -792,49 +788,45 @@ class RowKVCache(KVCache):
 
 def prefill_rows(model, cache, tokens, rows, starts, n):
     """Re-prefill the windows of `rows`, each tokens[b, starts[b] : n[b] - 1], at full depth (equal
-    lengths). Returns the block runs, counted in layer_evals (one call serves all these rows)."""
+    lengths). Returns the block runs per row; they are not counted in cache.layer_evals."""
     m = int(n[rows[0]] - 1 - starts[rows[0]])
-    if m == 0:
-        return 0
-    window = torch.arange(m, device=tokens.device)
-    idx = tokens[rows[:, None], starts[rows][:, None] + window]  # (R, m)
-    # a plain cache for just these rows (no per-row mask needed: they are level), then copied into place
-    level = KVCache(model.config, len(rows), tokens.device)
+    idx = tokens[rows[:, None], starts[rows][:, None] + torch.arange(m, device=tokens.device)]
+    # a plain cache for just these rows (no per-row mask: they are level), then copied into place
+    level = KVCache(replace(model.config, block_size=m), len(rows), tokens.device)
     prefill(model, level, idx, 0)
-    cache.k[:, rows, :, :m] = level.k[:, :, :, :m]
-    cache.v[:, rows, :, :m] = level.v[:, :, :, :m]
-    cache.layer_evals = [a + b for a, b in zip(cache.layer_evals, level.layer_evals)]
+    cache.k[:, rows, :, :m] = level.k
+    cache.v[:, rows, :, :m] = level.v
     return m * model.config.n_layer
 
 def slide_rows(model, cache, tokens, starts, n):
-    """Each row slides its window by window_start's rule; rows that moved re-prefill together, grouped by
-    window length. Returns (block runs counted in layer_evals, block runs x rows)."""
+    """Each row slides its window by window_start's rule; rows that moved re-prefill together,
+    grouped by window length. Returns the block runs summed over rows."""
     if not bool((n - starts > model.config.block_size).any()):  # most rounds: no row moves
-        return 0, 0
+        return 0
     moved = {}
     for b in range(len(n)):
-        s = window_start(None if starts[b] < 0 else int(starts[b]), int(n[b]), model.config.block_size)
+        s = window_start(None if starts[b] < 0 else int(starts[b]), int(n[b]),
+                         model.config.block_size)
         if s != starts[b]:
             starts[b] = s
             moved.setdefault(int(n[b]) - 1 - s, []).append(b)
-    evals = row_runs = 0
-    for group in moved.values():
-        runs = prefill_rows(model, cache, tokens, torch.tensor(group, device=tokens.device), starts, n)
-        evals += runs
-        row_runs += runs * len(group)
-    return evals, row_runs
+    return sum(len(group) * prefill_rows(model, cache, tokens, torch.tensor(group, device=n.device),
+                                         starts, n)
+               for group in moved.values())
 
 def draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k, generator):
-    """Every row drafts with layers 0..draft_exit from its own position pos[b], max(room) steps. Returns
-    the draft logits (B, k, V), the drafts (B, k), their states (B, k, C), which the verify pass takes up
-    from, and the slots any row has filled: the verify pass's width."""
+    """Every row drafts with layers 0..draft_exit from its own position pos[b], max(room) steps.
+    Returns the draft logits (B, k, V), the drafts (B, k), their states (B, k, C), which the verify
+    pass takes up from, their slots (B, k), and the slots any row has filled: the verify pass's
+    width."""
     k, furthest = torch.stack((room.max(), pos.max())).tolist()  # one read of the device a round
-    rows, steps = torch.arange(len(n), device=n.device), torch.arange(k, device=n.device)
-    layouts = cache.lay_out_steps(pos, k, furthest)
-    # a row with less room than k drafts on in spare slots at the last position; those are never kept
-    wpos = (pos[:, None] + steps).clamp(max=model.config.block_size - 1)  # (B, k)
-    wpe = model.transformer.wpe(wpos).unbind(1)  # k x (B, C)
-    token, q, states, drafts = tokens[rows, n - 1], [], [], []
+    steps = torch.arange(k, device=n.device)
+    slots = pos[:, None] + steps  # (B, k)
+    layouts = cache.lay_out_steps(slots, furthest)
+    # k x (B, C): a row with less room than k drafts on at the last position, in spare slots;
+    # those drafts are never kept
+    wpe = model.transformer.wpe(slots.clamp(max=model.config.block_size - 1)).unbind(1)
+    token, q, states, drafts = tokens.gather(1, n[:, None] - 1)[:, 0], [], [], []  # token: (B,)
     for j in range(k):
         x = (model.transformer.wte(token) + wpe[j])[:, None]  # (B, 1, C); decoding never drops out
         cache.layout = layouts[j]
@@ -843,115 +835,114 @@ def draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k, ge
         logits = model.exit_logits(x[:, 0], draft_exit)  # (B, V)
         token = sample(logits, temperature, top_k, generator)
         q.append(logits)
-        states.append(x[:, 0])
+        states.append(x)
         drafts.append(token)
-    cache.layout = None
     drafts = torch.stack(drafts, dim=1)  # (B, k)
-    tokens[rows[:, None], n[:, None] + steps] = drafts
-    return torch.stack(q, dim=1), drafts, torch.stack(states, dim=1), furthest + k
-
-def verify(model, cache, pos, x, draft_exit, width):
-    """The layers above the draft run once over every row's drafted states x (B, k, C): (B, k, V) logits."""
-    slots = pos[:, None] + torch.arange(x.size(1), device=pos.device)  # (B, k)
-    cache.layout = cache.lay_out(slots, width)
-    for l in range(draft_exit + 1, model.config.n_layer):
-        x = model.transformer.h[l](x, cache, l)
-    cache.layout = None
-    return model.exit_logits(x, model.config.n_layer - 1)  # (B, k, V)
+    tokens.scatter_(1, n[:, None] + steps, drafts)
+    return torch.stack(q, dim=1), drafts, torch.cat(states, dim=1), slots, furthest + k
 
 def speculative_accept(drafts, q, p, room, temperature, generator):
     """How many drafts each row keeps (at most room[b]), and the full model's token after them.
 
-    Greedy (q, p logits): keep the longest prefix that matches the full model's argmax, then take the
-    full model's choice. Sampled (q, p probabilities): keep draft d with probability min(1, p(d) / q(d));
-    at the first rejection draw from max(p - q, 0), renormalised. Either way each emitted token has
-    exactly the full model's distribution (speculative sampling: Leviathan et al. 2023, Chen et al. 2023).
-    drafts (B, k), q, p (B, k, V). Returns (accepted (B,), next token (B,), has_next (B,)): has_next is
-    false where a row kept all it could; room (B,) is how many drafts each row may keep (None: all k)."""
+    Greedy (q, p logits): keep the longest prefix that matches the full model's argmax, then take
+    the full model's choice. Sampled (q, p probabilities): keep draft d with probability
+    min(1, p(d) / q(d)); at the first rejection draw from max(p - q, 0), renormalised. Either way
+    each emitted token has exactly the full model's distribution (speculative sampling: Leviathan
+    et al. 2023, Chen et al. 2023). drafts (B, k), q, p (B, k, V), room (B,): how many drafts each
+    row may keep. Returns (accepted (B,), next token (B,), has_next (B,)): has_next is false where
+    a row kept all it could."""
     B, k = drafts.shape
     rows = torch.arange(B, device=drafts.device)
     if temperature == 0:
         target = p.argmax(-1)  # (B, k)
         keep = target == drafts
     else:
-        d = drafts[..., None]
-        ratio = (p.gather(-1, d) / q.gather(-1, d))[..., 0]  # (B, k)
+        ratio = (p / q).gather(-1, drafts[..., None])[..., 0]  # (B, k): p(d) / q(d), q(d) > 0
         keep = torch.rand(B, k, generator=generator, device=drafts.device) < ratio
-    if room is not None:
-        keep &= torch.arange(k, device=drafts.device)[None] < room[:, None]  # (B, k)
+    keep &= torch.arange(k, device=drafts.device) < room[:, None]  # (B, k)
     accepted = keep.long().cumprod(1).sum(1)  # (B,)
-    has_next = accepted < (k if room is None else room)
+    has_next = accepted < room
     at = accepted.clamp(max=k - 1)
     if temperature == 0:
         return accepted, target[rows, at], has_next
     if not bool(has_next.any()):  # no row rejected: nothing to draw
         return accepted, drafts[:, -1], has_next
-    residual = (p - q)[rows, at].clamp_min(0) + (~has_next)[:, None]  # rows without a rejection: unused
+    # + 1 on rows without a rejection: their draw is unused, but must not divide by zero
+    residual = (p - q)[rows, at].clamp_min(0) + (~has_next)[:, None]
     return accepted, draw(residual / residual.sum(-1, keepdim=True), generator), has_next
 
-def speculative_round(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k, generator):
-    """One round of every row: draft up to room[b] tokens from window position pos[b], verify them in one
-    pass, keep each row's accepted prefix and write the full model's token after it. Returns (accepted
-    (B,), has_next (B,)), as speculative_accept."""
-    q, drafts, states, width = draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k,
-                                     generator)
-    p = verify(model, cache, pos, states, draft_exit, width)
+def speculative_round(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k,
+                      generator):
+    """One round of every row: draft up to room[b] tokens from window position pos[b], verify them
+    in one pass, keep each row's accepted prefix and write the full model's token after it. Returns
+    (accepted (B,), has_next (B,)), as speculative_accept."""
+    q, drafts, x, slots, width = draft(model, cache, tokens, n, pos, room, draft_exit, temperature,
+                                       top_k, generator)
+    # verify: the layers above the draft run once over every row's drafted states x (B, k, C)
+    cache.layout = cache.lay_out(slots, width)
+    for l in range(draft_exit + 1, model.config.n_layer):
+        x = model.transformer.h[l](x, cache, l)
+    p = model.exit_logits(x, model.config.n_layer - 1)  # (B, k, V)
     if temperature > 0:
         q = probs_from_logits(q, temperature, top_k)
         p = probs_from_logits(p, temperature, top_k)
     accepted, nxt, has_next = speculative_accept(drafts, q, p, room, temperature, generator)
     rows = torch.arange(len(n), device=n.device)
-    tokens[rows, n + accepted] = nxt  # a row that kept all it could writes a slot its next round overwrites
+    # a row that kept all it could writes a slot its next round overwrites
+    tokens[rows, n + accepted] = nxt
     return accepted, has_next
 
 @dataclass
 class SpeculativeGeneration(Generation):
-    stats: dict = None  # rounds (verify passes), drafted (drafts a row could keep), accepted, rejected
+    stats: dict = None  # rounds (verify passes), drafted (keepable drafts), accepted, num_draft
 
 @torch.inference_mode()
-def generate_self_speculative(model, idx, max_new_tokens, draft_exit=0, num_draft=8, temperature=0.0,
-                              top_k=0, generator=None):
-    """Self-speculative decoding of B rows at once (B = 1 included): each round every row drafts up to
-    num_draft tokens with layers 0..draft_exit, the layers above verify them in one pass, and each row
-    keeps its own accepted prefix, rolls back and slides its window on its own; a row that is done leaves
-    the batch. Every row's tokens are those it would get alone at full depth (greedy), or have their
-    distribution (sampled)."""
+def generate_self_speculative(model, idx, max_new_tokens, draft_exit=0, num_draft=8,
+                              temperature=0.0, top_k=0, generator=None):
+    """Self-speculative decoding of B rows at once (B = 1 included): each round every row drafts up
+    to num_draft tokens with layers 0..draft_exit, the layers above verify them in one pass, and
+    each row keeps its own accepted prefix, rolls back and slides its window on its own; a row that
+    is done leaves the batch. Every row's tokens are those it would get alone at full depth
+    (greedy), or have their distribution (sampled)."""
     cfg, (B, T0), dev = model.config, idx.shape, idx.device
     if not 0 <= draft_exit < cfg.n_layer - 1 or num_draft < 1:
         raise ValueError(f"need 0 <= draft_exit < {cfg.n_layer - 1} and num_draft >= 1, "
                          f"got draft_exit={draft_exit}, num_draft={num_draft}")
     end = T0 + max_new_tokens
-    tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens + num_draft)], dim=1)
-    out_tokens, cache = tokens[:, :end].clone(), RowKVCache(cfg, B, dev, spare=num_draft)
+    tokens = F.pad(idx, (0, max_new_tokens + num_draft))  # zeros: room for the tokens and drafts
+    out_tokens = tokens[:, :end].clone()
+    cache = RowKVCache(replace(cfg, block_size=cfg.block_size + num_draft), B, dev)
     # a negative start: no window yet (and far enough back that the first round places one)
-    n, starts = torch.full((B,), T0, device=dev), torch.full((B,), -cfg.block_size - 1, device=dev)
-    ids, rounds, evals, prefilled = torch.arange(B, device=dev), [], 0, 0.0
+    n = idx.new_full((B,), T0)  # (R,): each row's length, the tokens it has so far
+    starts = torch.full_like(n, -cfg.block_size - 1)
+    ids, rounds, prefilled = torch.arange(B, device=dev), [], 0.0
     while max_new_tokens > 0 and len(ids):  # ids (R,): the rows still in the batch
-        e, row_runs = slide_rows(model, cache, tokens, starts, n)
-        evals, prefilled = evals + e, prefilled + row_runs / B
+        prefilled += slide_rows(model, cache, tokens, starts, n) / B
         pos = n - 1 - starts  # (R,) window position of each row's first token fed this round
-        room = torch.minimum(end - n, cfg.block_size - pos).clamp(max=num_draft)  # no position past block_size
-        accepted, has_next = speculative_round(model, cache, tokens, n, pos, room, draft_exit, temperature,
-                                               top_k, generator)
-        rounds.append((ids, n, accepted, has_next, room))
-        n = n + accepted + has_next  # moving n back past a rejected draft rolls the row's cache back
+        # (R,) how many drafts each row may keep: none past end, no position past block_size
+        room = torch.minimum(end - n, cfg.block_size - pos).clamp(max=num_draft)
+        accepted, has_next = speculative_round(model, cache, tokens, n, pos, room, draft_exit,
+                                               temperature, top_k, generator)
+        rounds.append((ids, n, accepted, room))
+        n = n + accepted + has_next  # n back past a rejected draft: the row's cache rolls back
         done = n >= end  # rows that are done leave: the next rounds run on the rest only
         if bool(done.any()):
             out_tokens[ids[done]] = tokens[done, :end]
             tokens, n, starts, ids = tokens[~done], n[~done], starts[~done], ids[~done]
             cache.keep_rows(~done)
-    ids, n, accepted, has_next, room = (torch.cat(t) for t in zip(*rounds)) if rounds else [idx[0, :0]] * 5
+    ids, n, accepted, room = map(torch.cat, zip(*rounds)) if rounds else [idx[0, :0]] * 4
     stats = {"rounds": len(rounds), "drafted": int(room.sum()), "accepted": int(accepted.sum()),
-             "rejected": int(has_next.sum()), "num_draft": num_draft}
+             "num_draft": num_draft}
     exited_at = kept_drafts(ids, n, accepted, B, end, draft_exit, cfg.n_layer - 1)[:, T0:]
-    layers_run = sum(cache.layer_evals) - evals
-    return SpeculativeGeneration(out_tokens, exited_at, None, layers_run, prefilled, stats)
+    # layers run: the re-prefills ran in caches of their own, so cache.layer_evals has none of them
+    return SpeculativeGeneration(out_tokens, exited_at, None, sum(cache.layer_evals), prefilled,
+                                 stats)
 
 def kept_drafts(ids, n, accepted, B, end, draft_exit, full_exit):
-    """(B, end): draft_exit where a token is a kept draft, full_exit elsewhere. Each round of row ids[i]
-    kept accepted[i] drafts from position n[i]: +1 where kept drafts begin, -1 where they end, summed along
-    (kept runs never overlap)."""
-    marks = torch.zeros(B, end + 1, dtype=torch.long, device=n.device)
+    """(B, end): draft_exit where a token is a kept draft, full_exit elsewhere. Each round of row
+    ids[i] kept accepted[i] drafts from position n[i]: +1 where kept drafts begin, -1 where they
+    end, summed along (kept runs never overlap)."""
+    marks = n.new_zeros(B, end + 1)
     marks.index_put_((ids, n), torch.ones_like(n), accumulate=True)
     marks.index_put_((ids, n + accepted), -torch.ones_like(n), accumulate=True)
     return torch.where(marks.cumsum(1)[:, :end] > 0, draft_exit, full_exit)
