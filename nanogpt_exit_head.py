@@ -578,6 +578,7 @@ def run_lesson(config, device):
 
 import argparse
 import difflib
+import html
 import inspect
 import itertools
 import json
@@ -627,7 +628,7 @@ class LabConfig(Config):
     schedule_disagreement: float = 0.03  # SkipDecode: most disagreement with full depth it may cost
     # studies beyond the default run
     compare_recipes: bool = False  # train and compare every recipe in RECIPES (~2 min each)
-    spec_sweep: bool = False  # also time self-speculation at every (draft_exit, num_draft, stop)
+    spec_sweep: bool = False  # also time self-speculation at every (draft_exit, num_draft)
     bench_batch: bool = False  # also measure every batch design at batch 1, 4 and 16 (minutes)
 
 EARLY_EXIT_FRACTION = 0.3  # a speed threshold: the highest sending this fraction of val out early
@@ -948,7 +949,7 @@ def kept_drafts(ids, n, accepted, B, end, draft_exit, full_exit):
     return torch.where(marks.cumsum(1)[:, :end] > 0, draft_exit, full_exit)
 
 # -----------------------------------------------------------------------------
-# Training recipes: exits that agree with the final head draft well (layer dropout, self-distillation)
+# Training recipes: exits that agree with the final head draft well (layer dropout, distillation)
 
 def exit_loss_weights(config):
     """(weight of each exit's CE, weight of the final CE) under config.exit_weights.
@@ -1240,7 +1241,7 @@ def exit_slices(records, exits, tokenizer, data, n_top=10):
     return {"per_layer": per_layer, "first_exit_layer": shallowest, "earliest_chars": chars}
 
 # -----------------------------------------------------------------------------
-# Measurement, 1: every decoder on one workload, quality teacher-forced, then wall-clock, at any batch size
+# Measurement, 1: every decoder on one workload, quality teacher-forced, then wall-clock
 
 def workload(data, n_prompts, prompt_len):
     """n_prompts prompts of prompt_len characters from evenly spaced places of a split:
@@ -1512,7 +1513,7 @@ def sweep_speculative(model, prompts, config):
     return speculation_costs(model, prompts, config, 1, cells)
 
 # -----------------------------------------------------------------------------
-# Batches: a batch runs as deep as its deepest row, unless a schedule (SkipDecode) or speculation decides
+# Batches: a batch runs as deep as its deepest row, unless a schedule (SkipDecode) or drafts decide
 
 def expected_batch_depth(exited_at, batch_sizes, n_layer):
     """Mean of the deepest exit among B independent draws from the recorded per-token exit layers:
@@ -1622,7 +1623,8 @@ def measure_batches(model, splits, config, device, plans, val_records, unit_cost
         chosen[B] = {"num_draft": drafts, "auto": auto, "speculation_costs": entries}
         spec = {(e["mode"], e["num_draft"]): e for e in entries}
         decoders = batch_decoders(model, config, plan, schedule, drafts, auto)
-        batch_rows = measure_decoders(decoders, splits["test"].to(device), test_prompts, config, B)[0]
+        test = splits["test"].to(device)
+        batch_rows = measure_decoders(decoders, test, test_prompts, config, B)[0]
         rows += [dict(r, **batch_predictions(r, plan, skip, depth, spec)) for r in batch_rows]
     return {"entries": rows, "schedule": schedule, "plan": plan, "drafts": chosen}
 
@@ -1909,8 +1911,7 @@ def swatch(layer, n_layer):
 
 def esc(text):
     """Text made safe inside HTML and its attributes."""
-    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace(
-        '"', "&quot;")
+    return html.escape(str(text))
 
 def datum(key, value):
     """The attributes that tie a number on the page to its place in report.json (a test checks)."""
