@@ -2505,59 +2505,59 @@ def pick_device(name):
 
 def choose_exit_rule(model, tokenizer, splits, config, device):
     """Sweep on val, calibrate per measure, report on test; the logit lens and the exit slices."""
-    val, test = (record_exits(model, splits[s].to(device), config.sweep_positions) for s in ("val", "test"))
-    checked_exits = parse_exit_layers(config.exit_layers, config.n_layer)
-    by_measure = {m: sweep(val, m, checked_exits) for m in CONFIDENCE_MEASURES}
-    cals = [calibration_report(val, test, m, checked_exits, config.epsilon, config.delta)
-            for m in CONFIDENCE_MEASURES]
-    rule = {"sweep": by_measure[config.confidence_measure],
-            "sweep_by_measure": [{"measure": m, "entries": e} for m, e in by_measure.items()],
-            "calibration": next(c for c in cals if c["measure"] == config.confidence_measure),
-            "calibration_by_measure": cals}
-    starts = range(0, len(splits["val"]) - config.block_size, config.block_size)[:64]  # up to 64 windows
-    windows = torch.stack([splits["val"][i : i + config.block_size] for i in starts]).to(device)  # (<= 64, T)
-    rule["logit_lens"] = logit_lens(model, windows)
-    threshold = rule["calibration"]["threshold"]
-    exits = exits_at_threshold(test, config.confidence_measure, threshold, checked_exits)
-    rule["slices"] = exit_slices(test, exits, tokenizer, splits["test"])
-    return rule
+    val, test = (record_exits(model, splits[s].to(device), config.sweep_positions)
+                 for s in ("val", "test"))
+    checked = parse_exit_layers(config.exit_layers, config.n_layer)
+    measure = config.confidence_measure
+    sweeps = {m: sweep(val, m, checked) for m in CONFIDENCE_MEASURES}
+    cals = {m: calibration_report(val, test, m, checked, config.epsilon, config.delta)
+            for m in CONFIDENCE_MEASURES}
+    T = config.block_size
+    # (<= 64, T): back-to-back windows of val, each character followed by one more
+    windows = splits["val"][:-1].unfold(0, T, T)[:64].to(device)
+    lens = logit_lens(model, windows)
+    exits = exits_at_threshold(test, measure, cals[measure]["threshold"], checked)
+    return {"sweep": sweeps[measure],
+            "sweep_by_measure": [{"measure": m, "entries": e} for m, e in sweeps.items()],
+            "calibration": cals[measure], "calibration_by_measure": list(cals.values()),
+            "logit_lens": lens, "slices": exit_slices(test, exits, tokenizer, splits["test"])}
 
 def sample_decoder(model, config, threshold):
     """The early-exit sample's decoder (--kv_strategy), its label and the exits it checks."""
     if config.kv_strategy == "self_speculative":
-        drafters = f"layers 0..{config.draft_exit} draft"
-        label = f"self_speculative, {drafters} up to {config.num_draft} a round, the rest verify"
-        return decoder(model, "self_speculative", spec=(config.draft_exit, config.num_draft)), label, ()
+        spec = (config.draft_exit, config.num_draft)
+        label = f"self_speculative, layer {spec[0]} drafts up to {spec[1]} a round, the rest verify"
+        return decoder(model, "self_speculative", spec=spec), label, ()
     checked = parse_exit_layers(config.exit_layers, config.n_layer)
     plan = {"threshold": threshold, "checked_exits": checked}
     label = f"{config.kv_strategy}, {config.confidence_measure} > {threshold:g}"
     return decoder(model, config.kv_strategy, plan, config.confidence_measure), label, checked
 
-def sample_confidences(model, early, T0, config):
-    """The confidence of the head each character of the sample left from, every exit recorded at once in
-    the decoder's windows with an exact cache (what backfill and deferred read; state copy and holes, whose
-    caches differ, read a little differently)."""
-    records = record_exits(model, early.tokens[0], early.tokens.size(1) - 1)
-    positions = torch.arange(T0 - 1, early.tokens.size(1) - 1, device=early.tokens.device)
-    return records.confidences[config.confidence_measure][early.exited_at[0], positions]
-
 def generation_report(model, tokenizer, idx, samples, threshold, config):
     """The early-exit sample's exit map (printed) and the report.json entry of both samples."""
     (full, full_speed), (early, speed) = samples.values()
-    T0, L = idx.size(1), config.n_layer
-    text, exited_at = tokenizer.decode(early.tokens[0, T0:].tolist()), early.exited_at[0].tolist()
-    print("\n" + colour_text(text, exited_at, L, sys.stdout.isatty()))
-    counts = torch.bincount(early.exited_at[0], minlength=L).tolist()
-    return {"exit_threshold": threshold, "kv_strategy": config.kv_strategy, "exit_counts": counts,
-            "mean_layers": sum((l + 1) * c for l, c in enumerate(counts)) / sum(counts),
-            "layers_run_per_token": early.layers_run / config.max_new_tokens, "tokens_per_second": speed,
-            "full_depth_tokens_per_second": full_speed, "sample": text, "exited_at": exited_at,
+    T0 = idx.size(1)
+    exited_at = early.exited_at[0]  # (max_new_tokens,)
+    text = tokenizer.decode(early.tokens[0, T0:].tolist())
+    print("\n" + colour_text(text, exited_at.tolist(), config.n_layer, sys.stdout.isatty()))
+    # the confidence of the head each character left from, every exit recorded at once in the
+    # decoder's windows with an exact cache (what backfill and deferred read; state copy and
+    # holes, whose caches differ, read a little differently)
+    records = record_exits(model, early.tokens[0], early.tokens.size(1) - 1)
+    confidences = records.confidences[config.confidence_measure][:, T0 - 1 :]  # (L, max_new_tokens)
+    return {"exit_threshold": threshold, "kv_strategy": config.kv_strategy,
+            "exit_counts": torch.bincount(exited_at, minlength=config.n_layer).tolist(),
+            "mean_layers": sum(l + 1 for l in exited_at.tolist()) / len(exited_at),
+            "layers_run_per_token": early.layers_run / config.max_new_tokens,
+            "tokens_per_second": speed, "full_depth_tokens_per_second": full_speed,
+            "sample": text, "exited_at": exited_at.tolist(),
             "full_depth_sample": tokenizer.decode(full.tokens[0, T0:].tolist()),
-            "confidences": sample_confidences(model, early, T0, config).tolist()}
+            "confidences": confidences.gather(0, exited_at[None])[0].tolist()}
 
 def speculation_map(model, tokenizer, idx, samples, config):
-    """The self-speculative sample from the same prompt and seed (the early-exit one, if it was drawn so):
-    which characters were drafts the full model accepted, and which its own tokens where it rejected one."""
+    """The self-speculative sample from the same prompt and seed (the early-exit one, if it was
+    drawn so): which characters were drafts the full model accepted, and which its own tokens
+    where it rejected one."""
     spec = samples["early-exit"][0]
     if not isinstance(spec, SpeculativeGeneration):
         gen = torch.Generator(device=idx.device).manual_seed(config.seed)
@@ -2565,14 +2565,15 @@ def speculation_map(model, tokenizer, idx, samples, config):
                                          config.num_draft, config.temperature, config.top_k, gen)
     drafted = (spec.exited_at[0] < config.n_layer - 1).tolist()
     s = spec.stats
-    entry = {"sample": tokenizer.decode(spec.tokens[0, idx.size(1) :].tolist()), "drafted": drafted,
-             "acceptance_rate": s["accepted"] / max(1, s["drafted"]), "rounds": s["rounds"],
-             "draft_exit": config.draft_exit, "num_draft": config.num_draft}
-    print("\n" + textwrap.fill(f"the verifier at work (report.html draws it): a self-speculative sample from "
-                               f"the same prompt and seed kept {entry['acceptance_rate']:.0%} of its drafts; "
-                               f"{sum(drafted)} of {len(drafted)} characters are accepted drafts, the rest "
-                               f"the full model's own, in {s['rounds']} verify passes", WIDTH))
-    return entry
+    rate = s["accepted"] / max(1, s["drafted"])
+    note = (f"the verifier at work (report.html draws it): a self-speculative sample from the "
+            f"same prompt and seed kept {rate:.0%} of its drafts; {sum(drafted)} of {len(drafted)} "
+            f"characters are accepted drafts, the rest the full model's own, in {s['rounds']} "
+            f"verify passes")
+    print("\n" + textwrap.fill(note, WIDTH))
+    return {"sample": tokenizer.decode(spec.tokens[0, idx.size(1) :].tolist()), "drafted": drafted,
+            "acceptance_rate": rate, "rounds": s["rounds"], "draft_exit": config.draft_exit,
+            "num_draft": config.num_draft}
 
 def measure_strategies(model, splits, config, device):
     """The strategies table on the workload, costs and plans, batch depth, and (--spec_sweep) the
@@ -2580,54 +2581,62 @@ def measure_strategies(model, splits, config, device):
     entries, quality, plans, costs, val_records = compare_strategies(model, splits, config, device)
     depths = expected_batch_depth(quality["backfill"]["exited_at"], BATCH_SIZES, config.n_layer)
     print_strategies(entries, quality, config, costs, depths)
+    # batch_depth's keys, batch sizes, become strings in the JSON
     report = {"strategies": entries, "exit_plans": plans, "decode_costs": costs,
-              "exit_check_cost": costs["check"] / costs["block"],
-              "batch_depth": {str(b): d for b, d in depths.items()},
-              "workload": {"split": "test", "prompts": config.bench_prompts, "prompt_len": config.bench_prompt_len,
-                           "tokens": config.bench_tokens, "repeats": config.bench_repeats, "chosen_on": "val"}}
+              "exit_check_cost": costs["check"] / costs["block"], "batch_depth": depths,
+              "workload": {"split": "test", "prompts": config.bench_prompts,
+                           "prompt_len": config.bench_prompt_len, "tokens": config.bench_tokens,
+                           "repeats": config.bench_repeats, "chosen_on": "val"}}
     if config.bench_batch:
-        report["batched"] = measure_batches(model, splits, config, device, plans, val_records, costs)
+        report["batched"] = measure_batches(model, splits, config, device, plans, val_records,
+                                            costs)
         print_batches(report["batched"], config)
     if config.spec_sweep:
-        val_prompts = workload(splits["val"], config.bench_prompts, config.bench_prompt_len).to(device)
-        report["spec_sweep"] = sweep_speculative(model, val_prompts, config)
+        val_prompts = workload(splits["val"], config.bench_prompts, config.bench_prompt_len)
+        report["spec_sweep"] = sweep_speculative(model, val_prompts.to(device), config)
         print_spec_sweep(report["spec_sweep"])
     return report
 
 def run_recipe_comparison(config, device):
-    """--compare_recipes=1: every recipe trained and judged alike; a table, and recipes.json in out_dir."""
-    tokenizer, splits = load_data(config)
-    prompts = workload(splits["val"], config.bench_prompts, config.bench_prompt_len).to(device)  # choosing: val
+    """--compare_recipes=1: every recipe trained and judged alike; a table, and recipes.json in
+    out_dir (which validate made)."""
+    _, splits = load_data(config)
+    # choosing is done on val
+    prompts = workload(splits["val"], config.bench_prompts, config.bench_prompt_len).to(device)
     entries = compare_recipes(config, splits, device, prompts)
     print_recipes(entries, config)
-    os.makedirs(config.out_dir, exist_ok=True)
-    write_json(entries, os.path.join(config.out_dir, "recipes.json"))
-    write_html_report({"config": asdict(config), "recipes": entries}, os.path.join(config.out_dir, "report.html"))
-    print(f"\nrecipes: {os.path.join(config.out_dir, 'recipes.json')}")
-    return entries
+    path = os.path.join(config.out_dir, "recipes.json")
+    write_json(entries, path)
+    write_html_report({"config": asdict(config), "recipes": entries},
+                      os.path.join(config.out_dir, "report.html"))
+    print(f"\nrecipes: {path}")
 
 def lesson_config(config):
-    """Part I's Config from the lab's fields, with Part I's own threshold where the lab's says 'calibrate'."""
-    values = {f.name: getattr(config, f.name) for f in fields(Config)}
-    if values["exit_threshold"] < 0:
-        values["exit_threshold"] = Config.exit_threshold
-    return Config(**values)
+    """Part I's Config from the lab's fields, with Part I's own threshold where the lab's says
+    'calibrate'."""
+    lesson = Config(**{f.name: getattr(config, f.name) for f in fields(Config)})
+    if lesson.exit_threshold < 0:
+        lesson.exit_threshold = Config.exit_threshold
+    return lesson
 
 def write_report(report, config, name):
-    write_json(report, os.path.join(config.out_dir, f"{name}.json"))
-    write_html_report(report, os.path.join(config.out_dir, f"{name}.html"))
-    print(f"\nreport: {os.path.join(config.out_dir, name + '.json')} and {name}.html beside it")
+    path = os.path.join(config.out_dir, name)
+    write_json(report, path + ".json")
+    write_html_report(report, path + ".html")
+    print(f"\nreport: {path}.json and {name}.html beside it")
 
 def run_lab(model, tokenizer, splits, config, device, report):
-    """Part I's samples from the lab's model, threshold and decoder, then every analysis of the lab."""
+    """Part I's samples from the lab's model, threshold and decoder, then every analysis of the
+    lab."""
     rule = None
     threshold = config.exit_threshold
     if threshold < 0:  # calibrate on val (Learn then Test)
         rule = choose_exit_rule(model, tokenizer, splits, config, device)
         threshold = rule["calibration"]["threshold"]
         print(f"\nthe early-exit sample uses the threshold calibrated on val ({threshold:g})")
-    early_exit, label, checked = sample_decoder(model, config, threshold)
-    idx, samples = show_samples(model, tokenizer, config, device, early_exit, label, checked)
+    # sample_decoder gives show_samples its (early_exit, label, checked_exits)
+    idx, samples = show_samples(model, tokenizer, config, device,
+                                *sample_decoder(model, config, threshold))
     report["generation"] = generation_report(model, tokenizer, idx, samples, threshold, config)
     report["speculation"] = speculation_map(model, tokenizer, idx, samples, config)
     if config.sample_only:  # sampling leaves the trained run's report alone: samples.*
@@ -2640,8 +2649,8 @@ def run_lab(model, tokenizer, splits, config, device, report):
     write_report(report, config, "report")
 
 def run(config, overridden):
-    """The default job: the lab's model (trained, resumed or loaded), its samples and every analysis;
-    --lesson_only runs Part I alone, --compare_recipes the recipe comparison."""
+    """The default job: the lab's model (trained, resumed or loaded), its samples and every
+    analysis; --lesson_only runs Part I alone, --compare_recipes the recipe comparison."""
     torch.manual_seed(config.seed)
     if config.lesson_only:
         return run_lesson(lesson_config(config), pick_device(config.device))
@@ -2661,7 +2670,6 @@ def run(config, overridden):
         torch.distributed.destroy_process_group()
     if model is not None:  # None: a torchrun rank above 0; only rank 0 analyses, prints and writes
         run_lab(model, tokenizer, splits, config, device, report)
-    return report
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
@@ -2674,7 +2682,8 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Interrupted as e:
-        print(f"\ninterrupted: every finished step is in {e} (continue with --init_from=resume)", file=sys.stderr)
+        print(f"\ninterrupted: every finished step is in {e} (continue with --init_from=resume)",
+              file=sys.stderr)
         return 130
     return 0
 
