@@ -176,7 +176,7 @@ class GPT(nn.Module):
     """nanoGPT with exit_heads[l] after block l < n_layer - 1; the last exit is ln_f + lm_head."""
     def __init__(self, config):
         super().__init__()
-        # Part II's recipes read more fields (exit_weights, exit_head, distill_*, layer_dropout)
+        # Part II's recipes read more fields (distill_*, layer_dropout)
         self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
@@ -604,9 +604,7 @@ class LabConfig(Config):
     compile: bool = False  # torch.compile the model for training (slow to start, faster on GPU)
     lesson_only: bool = False  # run Part I alone: its GPT, training, threshold (-1: 0.9), backfill
     sample_only: bool = False  # with --init_from=resume: samples, exit map, statistics; no training
-    # training recipes (the seed: constant, separate, 0, 1.0, 0)
-    exit_weights: str = "constant"  # per-exit loss weights: constant (alpha each) or by depth
-    exit_head: str = "separate"  # 'separate' heads, one 'shared', or 'final' (ln_f + lm_head) exits
+    # training recipes (the seed recipe: distill_weight 0, distill_temperature 1, layer_dropout 0)
     distill_weight: float = 0.1  # self-distillation: weight of KL(final || exit), final detached
     distill_temperature: float = 1.0  # of distillation; higher matches more of the distribution
     layer_dropout: float = 0.2  # LayerSkip's p_max: training skips block l w.p. p_max 2^(l/(L-1))-1
@@ -951,21 +949,6 @@ def kept_drafts(ids, n, accepted, B, end, draft_exit, full_exit):
 # -----------------------------------------------------------------------------
 # Training recipes: exits that agree with the final head draft well (layer dropout, distillation)
 
-def exit_loss_weights(config):
-    """(weight of each exit's CE, weight of the final CE) under config.exit_weights.
-
-    constant: alpha each (the seed); linear / geometric: alpha * (L - 1) spread as l + 1 or 2^l;
-    layerskip: alpha * sum_{i<=l} i per exit, (L - 1) + sum_{i<L-1} i = L (L - 1) / 2 for the last,
-    normalised (LayerSkip eq. 5)."""
-    L, alpha = config.n_layer, config.alpha
-    if config.exit_weights == "constant":
-        return [alpha] * (L - 1), 1.0
-    if config.exit_weights == "layerskip":
-        e = [alpha * l * (l + 1) / 2 for l in range(L - 1)] + [L * (L - 1) / 2]
-        return [w / sum(e) for w in e[:-1]], e[-1] / sum(e)
-    shape = range(1, L) if config.exit_weights == "linear" else [2.0**l for l in range(L - 1)]
-    return [alpha * (L - 1) * s / sum(shape) for s in shape], 1.0
-
 def layer_dropout_prob(layer, config):
     """LayerSkip's rate for block `layer`: 0 at the bottom, rising exponentially to layer_dropout
     at the top."""
@@ -980,24 +963,11 @@ def distillation(logits, teacher_log_probs, temperature):
     return temperature**2 * kl
 
 class RecipeGPT(GPT):
-    """The lesson's GPT trained with a recipe of LabConfig: exit-loss weights, one shared head or
-    the final head at every exit, self-distillation toward the final head, LayerSkip's layer
-    dropout. The seed recipe (SEED_RECIPE) computes exactly GPT's loss; the default,
-    dropout_distill, won the recipe comparison."""
-    def __init__(self, config):
-        super().__init__(config)
-        if config.exit_head == "shared":  # one head at every exit: its parameters count once
-            head = ExitHead(config).apply(self._init_weights)
-            self.exit_heads = nn.ModuleList([head] * (config.n_layer - 1))
-        if config.exit_head == "final":  # no exit heads at all: see exit_logits
-            self.exit_heads = nn.ModuleList()
-
-    def exit_logits(self, x, layer):
-        """exit_head='final' reads every exit through ln_f + lm_head."""
-        if self.config.exit_head == "final":
-            layer = self.config.n_layer - 1
-        return super().exit_logits(x, layer)
-
+    """The lesson's GPT trained with a recipe of LabConfig: self-distillation toward the final head
+    and LayerSkip's layer dropout. The seed recipe (SEED_RECIPE) computes exactly GPT's loss; the
+    default, dropout_distill, won the recipe comparison (docs/RESULTS.md has it, with the recipes
+    that lost: CALM's and LayerSkip's depth-weighted exit losses, one shared head, the final head
+    at every exit)."""
     def hidden_states(self, idx):
         """GPT's, with LayerSkip's layer dropout in training: each sequence skips block l with its
         rate."""
@@ -1012,19 +982,18 @@ class RecipeGPT(GPT):
         return states
 
     def joint_loss(self, states, logits, targets):
-        """The recipe's joint loss: weighted exit CEs, plus KL toward the detached final head when
-        distilling. Exits with nothing to learn (alpha = 0, no distillation) are not computed."""
+        """The seed's joint loss, plus KL toward the detached final head when distilling. Exits with
+        nothing to learn (alpha = 0, no distillation) are not computed."""
         cfg = self.config
-        w_exits, w_final = exit_loss_weights(cfg)
-        loss = w_final * cross_entropy(logits, targets)
+        loss = cross_entropy(logits, targets)
         teacher = None
         if cfg.distill_weight > 0:  # the final head's distribution, detached: the exits chase it
             teacher = (logits.detach().float() / cfg.distill_temperature).log_softmax(-1)
-        for l, w in enumerate(w_exits):
-            if w == 0 and teacher is None:
+        for l in range(cfg.n_layer - 1):
+            if cfg.alpha == 0 and teacher is None:
                 continue
             exit_logits = self.exit_logits(states[l], l)
-            loss = loss + w * cross_entropy(exit_logits, targets)
+            loss = loss + cfg.alpha * cross_entropy(exit_logits, targets)
             if teacher is not None:
                 kl = distillation(exit_logits, teacher, cfg.distill_temperature)
                 loss = loss + cfg.distill_weight * kl
@@ -1036,17 +1005,12 @@ def count_params(model):
     heads = sum(p.numel() for p in model.exit_heads.parameters())
     return sum(p.numel() for p in model.parameters()) - heads, heads
 
-SEED_RECIPE = {"alpha": 0.3, "exit_weights": "constant", "exit_head": "separate",
-               "distill_weight": 0.0, "distill_temperature": 1.0, "layer_dropout": 0.0}
+SEED_RECIPE = {"alpha": 0.3, "distill_weight": 0.0, "distill_temperature": 1.0,
+               "layer_dropout": 0.0}
 RECIPES = {  # each is the seed recipe with these fields changed
     "baseline": {"alpha": 0.0},  # a plain GPT: no exit is trained
     "seed": {},
-    "linear": {"exit_weights": "linear"},
-    "geometric": {"exit_weights": "geometric"},
-    "layerskip": {"exit_weights": "layerskip", "exit_head": "final", "layer_dropout": 0.2},
     "distill": {"distill_weight": 0.2},
-    "shared_head": {"exit_head": "shared"},
-    "final_head": {"exit_head": "final"},
     "layer_dropout": {"layer_dropout": 0.2},
     "dropout_distill": {"layer_dropout": 0.2, "distill_weight": 0.1},  # the comparison's winner
 }
@@ -2186,7 +2150,7 @@ def write_html_report(report, path):
 # -----------------------------------------------------------------------------
 # Checkpoints: written to a temporary file, then renamed; resume, Ctrl-C, torchrun
 
-ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "exit_head")  # forced on resume
+ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias")  # forced on resume
 PROGRESS = ("vocab", "iter_num", "train_seconds", "train_log")  # a run's plain data
 CHECKPOINT_KEYS = {"model", "optimizer", "config", "rng", *PROGRESS}
 
@@ -2299,7 +2263,7 @@ def print_setup(model, config, tokenizer, splits, device, world):
     print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: "
           f"{sizes} characters | processes: {world}")
     print(f"parameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in {config.n_layer - 1} "
-          f"exit heads ({config.exit_head}; {100 * heads / base:.2f}% overhead)")
+          f"exit heads ({100 * heads / base:.2f}% overhead)")
     print(f"losses while training: each split's mean over {config.eval_iters} batches of "
           f"{config.batch_size} x {config.block_size} characters; 'val loss' is full depth's")
 
@@ -2381,8 +2345,6 @@ RANGES = {  # the numbers each field takes: [ or ] includes that end, ( or ) lea
     "[-1, 1]": ("exit_threshold", "strategies_threshold"),  # -1 chooses on val; not in (-1, 0)
 }
 CHOICES = {"init_from": ("scratch", "resume"),
-           "exit_weights": ("constant", "linear", "geometric", "layerskip"),
-           "exit_head": ("separate", "shared", "final"),
            "kv_strategy": (*KV_STRATEGIES, "self_speculative"),
            "confidence_measure": tuple(CONFIDENCE_MEASURES)}
 
