@@ -2500,8 +2500,9 @@ def generation_report(model, tokenizer, idx, samples, threshold, config):
     (full, full_speed), (early, speed) = samples.values()
     T0 = idx.size(1)
     exited_at = early.exited_at[0]  # (max_new_tokens,)
+    layers = exited_at.tolist()
     text = tokenizer.decode(early.tokens[0, T0:].tolist())
-    print("\n" + colour_text(text, exited_at.tolist(), config.n_layer, sys.stdout.isatty()))
+    print("\n" + colour_text(text, layers, config.n_layer, sys.stdout.isatty()))
     # the confidence of the head each character left from, every exit recorded at once in the
     # decoder's windows with an exact cache (what backfill and deferred read; state copy and
     # holes, whose caches differ, read a little differently)
@@ -2509,10 +2510,10 @@ def generation_report(model, tokenizer, idx, samples, threshold, config):
     confidences = records.confidences[config.confidence_measure][:, T0 - 1 :]  # (L, max_new_tokens)
     return {"exit_threshold": threshold, "kv_strategy": config.kv_strategy,
             "exit_counts": torch.bincount(exited_at, minlength=config.n_layer).tolist(),
-            "mean_layers": sum(l + 1 for l in exited_at.tolist()) / len(exited_at),
+            "mean_layers": sum(l + 1 for l in layers) / len(layers),
             "layers_run_per_token": early.layers_run / config.max_new_tokens,
             "tokens_per_second": speed, "full_depth_tokens_per_second": full_speed,
-            "sample": text, "exited_at": exited_at.tolist(),
+            "sample": text, "exited_at": layers,
             "full_depth_sample": tokenizer.decode(full.tokens[0, T0:].tolist()),
             "confidences": confidences.gather(0, exited_at[None])[0].tolist()}
 
