@@ -668,7 +668,7 @@ def kv_projection(block):
 
     K and V of a state x are W_kv (g * norm(x) + beta) + b_kv
     = (W_kv g) norm(x) + (W_kv beta + b_kv): one matrix per layer, applied to one shared norm(x)."""
-    C = block.attn.n_embd
+    C = block.ln_1.weight.numel()
     w = block.attn.c_attn.weight[C:]  # (2C, C): the K and V rows of the fused projection
     bias = w.new_zeros(2 * C)
     if block.ln_1.bias is not None:  # config.bias gives ln_1 and c_attn their biases together

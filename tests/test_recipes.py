@@ -48,21 +48,6 @@ def test_the_default_recipe_differs_from_the_seed_only_where_it_says():
     assert changed == set(m.RECIPES["dropout_distill"])
 
 
-@pytest.mark.parametrize("scheme,weights,final_weight", [
-    ("linear", [0.15, 0.30, 0.45], 1.0),  # total 0.3 * 3 spread as 1:2:3
-    ("geometric", [0.9 / 7, 1.8 / 7, 3.6 / 7], 1.0),  # spread as 1:2:4
-    ("layerskip", [0.0, 0.3 / 7.2, 0.9 / 7.2], 6 / 7.2),  # e = 0.3 * (0, 1, 3) and 3 + 3, normalised
-])
-def test_exit_weight_schemes(scheme, weights, final_weight):
-    model = tiny_model()
-    loss = loss_with(model, exit_weights=scheme)
-    final, exits = per_exit_ce(model, *batch())
-    expected = final_weight * final + sum(w * e for w, e in zip(weights, exits))
-    assert torch.allclose(loss, expected, atol=1e-6)
-    w, wf = m.exit_loss_weights(model.config)
-    assert w == pytest.approx(weights) and wf == pytest.approx(final_weight)
-
-
 def test_self_distillation_term():
     model = tiny_model()
     loss = loss_with(model, distill_weight=0.5, distill_temperature=2.0)
@@ -87,25 +72,6 @@ def test_distillation_does_not_pull_the_final_head():
         model(idx, y)[1].backward()
         grads.append(model.transformer.ln_f.weight.grad.clone())
     assert torch.allclose(grads[0], grads[1])  # the teacher is detached
-
-
-def test_shared_head_is_one_set_of_parameters():
-    model = tiny_model(exit_head="shared")
-    assert model.exit_heads[0] is model.exit_heads[2]
-    C = model.config.n_embd
-    assert m.count_params(model)[1] == C + C * V
-    model.exit_heads[0].ln.weight.data.mul_(2)
-    assert torch.equal(model.exit_heads[1].ln.weight, model.exit_heads[0].ln.weight)
-
-
-def test_final_head_reads_every_exit():
-    model = tiny_model(exit_head="final")
-    assert m.count_params(model)[1] == 0 and len(model.exit_heads) == 0
-    x = torch.randn(2, 5, model.config.n_embd)
-    assert torch.equal(model.exit_logits(x, 0), model.lm_head(model.transformer.ln_f(x)))
-    loss = loss_with(model)
-    final, exits = per_exit_ce(model, *batch())
-    assert torch.allclose(loss, final + 0.3 * sum(exits), atol=1e-6)
 
 
 def test_layer_dropout_skips_blocks_in_training_only():

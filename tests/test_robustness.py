@@ -23,8 +23,8 @@ TINY = ["--n_layer=2", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_
 BAD_VALUES = {
     "out_dir": "FILE", "init_from": "restart", "input_path": "/nonexistent/input.txt", "seed": "-1",
     "device": "tpu", "compile": "maybe", "sample_only": "maybe", "lesson_only": "maybe", "n_layer": "1", "n_head": "0", "n_embd": "0",
-    "block_size": "1", "dropout": "1.0", "bias": "maybe", "alpha": "-1", "exit_weights": "cubic",
-    "exit_head": "none", "distill_weight": "-0.1", "distill_temperature": "0", "layer_dropout": "1",
+    "block_size": "1", "dropout": "1.0", "bias": "maybe", "alpha": "-1",
+    "distill_weight": "-0.1", "distill_temperature": "0", "layer_dropout": "1",
     "batch_size": "0", "max_iters": "-5", "learning_rate": "0", "min_lr": "-1", "warmup_iters": "-1",
     "weight_decay": "-0.1", "beta1": "1", "beta2": "-0.5", "grad_clip": "-1", "eval_interval": "0",
     "eval_iters": "0", "prompt": "", "max_new_tokens": "0", "temperature": "-1", "top_k": "-3",
