@@ -622,11 +622,9 @@ class LabConfig(Config):
     epsilon: float = 0.01  # calibration: tolerated disagreement with full depth; lower is cautious
     delta: float = 0.05  # calibration: allowed chance that the chosen threshold breaks epsilon
     sweep_positions: int = 20000  # val and test positions recorded for the sweep and calibration
-    strategies_threshold: float = -1.0  # threshold of the strategies table; -1 chooses it on val
     schedule_disagreement: float = 0.03  # SkipDecode: most disagreement with full depth it may cost
     # studies beyond the default run
     compare_recipes: bool = False  # train and compare every recipe in RECIPES (~2 min each)
-    spec_sweep: bool = False  # also time self-speculation at every (draft_exit, num_draft)
     bench_batch: bool = False  # also measure every batch design at batch 1, 4 and 16 (minutes)
 
 EARLY_EXIT_FRACTION = 0.3  # a speed threshold: the highest sending this fraction of val out early
@@ -1307,12 +1305,9 @@ def table_row(name, mode, speed, quality, config, batch_size=1):
     # s: tokens_per_second, mean_layers, prefill_layers, repetition (and outputs, left out)
     row = {"batch_size": batch_size, "name": name, "mode": mode, **s,
            "speedup": s["tokens_per_second"] / full["tokens_per_second"],
-           "ideal_speedup": config.n_layer / s["mean_layers"],
            "test_loss": q["test_loss"], "test_accuracy": q["test_accuracy"],
            "agreement": (q["pred"] == quality["full"]["pred"]).float().mean().item(),
-           "quality_from": "full depth (exact by construction)", "identical_to_full": None}
-    if name in quality:
-        row["quality_from"] = "teacher-forced test positions"
+           "identical_to_full": None}
     del row["outputs"]
     if name in SPECULATIVE:
         row.update(spec_stats(s["outputs"], full["outputs"], mode), draft_exit=config.draft_exit)
@@ -1408,12 +1403,11 @@ def plan_exits(records, measure, costs, strategy, n_layer, threshold=None, subse
 def strategy_plans(val_records, costs, config):
     """Per KV strategy: the exits it checks (the best subset under exit_layers=auto), their
     threshold and the predicted speed-up, chosen on val."""
-    fixed = None if config.strategies_threshold < 0 else config.strategies_threshold
     subsets = None  # auto: every subset
     if config.exit_layers != "auto":
         subsets = [parse_exit_layers(config.exit_layers, config.n_layer)]
     return {name: plan_exits(val_records, config.confidence_measure, costs, name, config.n_layer,
-                             fixed, subsets)[0] for name in KV_STRATEGIES}
+                             subsets=subsets)[0] for name in KV_STRATEGIES}
 
 def speculation_costs(model, prompts, config, batch_size, cells):
     """Self-speculation on a workload at batch_size, every (draft_exit, num_draft) cell beside full
@@ -1467,14 +1461,6 @@ def compare_strategies(model, splits, config, device):
         if row["name"] == "self_speculative":
             row["predicted_speedup"] = predicted[row["mode"]]["speedup"]
     return rows, quality, plans, costs, val_records
-
-SPEC_EXITS = (0, 1, 2)  # --spec_sweep's draft_exit values (those below the last layer)
-SPEC_DRAFTS = (4, 6, 8, 12)  # --spec_sweep's num_draft values
-
-def sweep_speculative(model, prompts, config):
-    """--spec_sweep: every (draft_exit, num_draft) on the val workload, greedy and sampled."""
-    cells = [(E, k) for E in SPEC_EXITS if E < config.n_layer - 1 for k in SPEC_DRAFTS]
-    return speculation_costs(model, prompts, config, 1, cells)
 
 # -----------------------------------------------------------------------------
 # Batches: a batch runs as deep as its deepest row, unless a schedule (SkipDecode) or drafts decide
@@ -1612,7 +1598,6 @@ def evaluate_recipe(name, model, splits, config, device, prompts):
             "compute_saved": cal["test"]["compute_saved"], "test_loss": cal["test"]["loss"],
             "test_full_loss": cal["test"]["full_loss"], "spec_speedup": greedy["speedup"],
             "spec_acceptance_rate": greedy["acceptance_rate"],
-            "spec_identical_to_full": greedy["identical_to_full"],
             "spec_speedup_sampled": sampled["speedup"],
             "spec_acceptance_rate_sampled": sampled["acceptance_rate"]}
 
@@ -1787,23 +1772,6 @@ def print_strategies(entries, quality, config, costs, depths):
     print_table(STRATEGY_TABLE, entries, f"{config.bench_prompts} test prompts of "
                 f"{config.bench_prompt_len} characters, {config.bench_tokens} more each, batch 1, "
                 f"median of {config.bench_repeats} interleaved runs", notes)
-
-SPEC_SWEEP_TABLE = table("""Which draft_exit and num_draft?
-mode              | mode      | {}      | greedy, or sampled
-draft_exit        | E         | {}      | the draft's last layer
-num_draft         | k         | {}      | the most drafts a round
-speedup           | speed-up  | {:.2f}x | over full depth in the same mode, interleaved
-acceptance_rate   | accept    | {:.3f}  | the share of drafts kept
-tokens_per_verify | tokens    | {:.2f}  | tokens a verify pass
-repetition        | repeats   | {:.2f}  | the share of 4-grams repeating an earlier one
-identical_to_full | identical | {}      | greedy output equal to full depth's on every prompt""")
-
-def print_spec_sweep(grid):
-    best = [max((g for g in grid if g["mode"] == mode), key=lambda g: g["speedup"])
-            for mode in MODES]
-    print_table(SPEC_SWEEP_TABLE, grid, "The self-speculative sweep on the val workload",
-                [f"best {b['mode']}: draft_exit={b['draft_exit']}, num_draft={b['num_draft']} "
-                 f"({b['speedup']:.2f}x)" for b in best])
 
 def batch_notes(batched, cfg):
     """The notes under the batch table; cfg: the config as a dict (report.json's)."""
@@ -2021,28 +1989,24 @@ def sample_spans(text, marks):
                     for ch, (attrs, title) in zip(text, marks))
     return spans.replace("\n</span>", "&#8629;</span>\n")  # the line breaks after the span
 
-EXIT_COUNTS_TABLE = table("""Where do the tokens leave?
-layer  | layer      | {} | where a character of the early-exit sample left the network
-tokens | characters | {} | how many left there""")
-
 def html_generation(report):
-    """The early-exit sample on the colours of its exit layers, full depth's beside it."""
+    """The early-exit sample on the colours of its exit layers, full depth's beside it; the legend
+    counts the characters that left at each layer."""
     g, L = report["generation"], report["config"]["n_layer"]
-    legend = "".join(f"<span {swatch(l, L)}>layer {l}</span>" for l in range(L))
+    counts = enumerate(g["exit_counts"])
+    legend = "".join(f"<span {swatch(l, L)}>layer {l}: <b {datum(f'generation.exit_counts.{l}', c)}"
+                     f">{c}</b></span>" for l, c in counts)
     marks = [(f'{swatch(l, L)} data-layer="{l}"', f"layer {l}, confidence {c:.2f}")
              for l, c in zip(g["exited_at"], g["confidences"])]
-    counts = [{"layer": str(l), "tokens": c} for l, c in enumerate(g["exit_counts"])]
-    sample = section(
+    return section(
         "sample", "What does early exit look like?", f"<p class='legend'>{legend}</p><p "
         f"class='muted'>Each character of the early-exit sample ({esc(g['kv_strategy'])}, "
         f"threshold {g['exit_threshold']:g}) sits on the colour of the layer it left at, dark "
-        f"(layer 0) to light (layer {L - 1}, full depth); hover for its layer and the head's "
-        "confidence.</p><div class='row'><div><h3>early exit</h3><pre class='sample'>\n"
+        f"(layer 0) to light (layer {L - 1}, full depth); the legend counts the characters that "
+        "left at each layer; hover for a character's layer and the head's confidence.</p><div "
+        "class='row'><div><h3>early exit</h3><pre class='sample'>\n"
         f"{sample_spans(g['sample'], marks)}</pre></div><div><h3>full depth</h3><pre "
         f"class='sample'>\n{esc(g['full_depth_sample'])}</pre></div></div>")
-    key = "generation.exit_counts.{}".format
-    counts_table = html_table(EXIT_COUNTS_TABLE, counts, key)
-    return sample + section("exits", EXIT_COUNTS_TABLE[0], counts_table)
 
 SPECULATION_MARKS = ("the full model's token, where it rejected a draft",
                      "a draft the full model accepted")  # by whether the character was drafted
@@ -2123,9 +2087,6 @@ def html_batches(report):
     return section("batches", BATCH_TABLE[0], *charts,
                    html_table(BATCH_TABLE, rows, "batched.entries.{}.{}".format, notes))
 
-def html_spec_sweep(report):
-    return rows_section(report, "spec_sweep", SPEC_SWEEP_TABLE)
-
 def html_recipes(report):
     return rows_section(report, "recipes", RECIPE_TABLE)
 
@@ -2134,7 +2095,7 @@ HTML_SECTIONS = (("generation", html_generation), ("speculation", html_speculati
                  ("sweep", html_sweep), ("calibration_by_measure", html_calibration),
                  ("logit_lens", html_lens), ("slices", html_slices),
                  ("strategies", html_strategies), ("batched", html_batches),
-                 ("spec_sweep", html_spec_sweep), ("recipes", html_recipes))
+                 ("recipes", html_recipes))
 
 def write_html_report(report, path):
     """out_dir/report.html: report.json's numbers on a page that reads on a phone."""
@@ -2342,7 +2303,7 @@ RANGES = {  # the numbers each field takes: [ or ] includes that end, ( or ) lea
     "[0, 1)": ("dropout", "beta1", "beta2", "layer_dropout"),
     "(0, 1)": ("epsilon", "delta"),
     "[0, 1]": ("schedule_disagreement",),
-    "[-1, 1]": ("exit_threshold", "strategies_threshold"),  # -1 chooses on val; not in (-1, 0)
+    "[-1, 1]": ("exit_threshold",),  # -1 calibrates on val; not in (-1, 0)
 }
 CHOICES = {"init_from": ("scratch", "resume"),
            "kv_strategy": (*KV_STRATEGIES, "self_speculative"),
@@ -2408,8 +2369,6 @@ def validate(config):
             (config.min_lr > config.learning_rate,
              f"min_lr={config.min_lr} is above learning_rate={config.learning_rate}"),
             (-1 < config.exit_threshold < 0, "exit_threshold: -1 (calibrate on val) or in [0, 1]"),
-            (-1 < config.strategies_threshold < 0,
-             "strategies_threshold: -1 (choose on val) or in [0, 1]"),
             (config.draft_exit >= config.n_layer - 1,
              f"draft_exit={config.draft_exit}: a layer below the last, 0..{config.n_layer - 2}"),
             (not config.prompt, "--prompt must hold at least one character")):
@@ -2471,7 +2430,6 @@ def choose_exit_rule(model, tokenizer, splits, config, device):
                  for s in ("val", "test"))
     checked = parse_exit_layers(config.exit_layers, config.n_layer)
     measure = config.confidence_measure
-    sweeps = {m: sweep(val, m, checked) for m in CONFIDENCE_MEASURES}
     cals = {m: calibration_report(val, test, m, checked, config.epsilon, config.delta)
             for m in CONFIDENCE_MEASURES}
     T = config.block_size
@@ -2479,8 +2437,7 @@ def choose_exit_rule(model, tokenizer, splits, config, device):
     windows = splits["val"][:-1].unfold(0, T, T)[:64].to(device)
     lens = logit_lens(model, windows)
     exits = exits_at_threshold(test, measure, cals[measure]["threshold"], checked)
-    return {"sweep": sweeps[measure],
-            "sweep_by_measure": [{"measure": m, "entries": e} for m, e in sweeps.items()],
+    return {"sweep": sweep(val, measure, checked),
             "calibration": cals[measure], "calibration_by_measure": list(cals.values()),
             "logit_lens": lens, "slices": exit_slices(test, exits, tokenizer, splits["test"])}
 
@@ -2510,7 +2467,6 @@ def generation_report(model, tokenizer, idx, samples, threshold, config):
     confidences = records.confidences[config.confidence_measure][:, T0 - 1 :]  # (L, max_new_tokens)
     return {"exit_threshold": threshold, "kv_strategy": config.kv_strategy,
             "exit_counts": torch.bincount(exited_at, minlength=config.n_layer).tolist(),
-            "mean_layers": sum(l + 1 for l in layers) / len(layers),
             "layers_run_per_token": early.layers_run / config.max_new_tokens,
             "tokens_per_second": speed, "full_depth_tokens_per_second": full_speed,
             "sample": text, "exited_at": layers,
@@ -2539,14 +2495,14 @@ def speculation_map(model, tokenizer, idx, samples, config):
             "num_draft": config.num_draft}
 
 def measure_strategies(model, splits, config, device):
-    """The strategies table on the workload, costs and plans, batch depth, and (--spec_sweep) the
-    self-speculative grid and (--bench_batch) the batch table."""
+    """The strategies table on the workload, costs and plans, batch depth, and (--bench_batch) the
+    batch table."""
     entries, quality, plans, costs, val_records = compare_strategies(model, splits, config, device)
     depths = expected_batch_depth(quality["backfill"]["exited_at"], BATCH_SIZES, config.n_layer)
     print_strategies(entries, quality, config, costs, depths)
     # batch_depth's keys, batch sizes, become strings in the JSON
     report = {"strategies": entries, "exit_plans": plans, "decode_costs": costs,
-              "exit_check_cost": costs["check"] / costs["block"], "batch_depth": depths,
+              "batch_depth": depths,
               "workload": {"split": "test", "prompts": config.bench_prompts,
                            "prompt_len": config.bench_prompt_len, "tokens": config.bench_tokens,
                            "repeats": config.bench_repeats, "chosen_on": "val"}}
@@ -2554,10 +2510,6 @@ def measure_strategies(model, splits, config, device):
         report["batched"] = measure_batches(model, splits, config, device, plans, val_records,
                                             costs)
         print_batches(report["batched"], config)
-    if config.spec_sweep:
-        val_prompts = workload(splits["val"], config.bench_prompts, config.bench_prompt_len)
-        report["spec_sweep"] = sweep_speculative(model, val_prompts.to(device), config)
-        print_spec_sweep(report["spec_sweep"])
     return report
 
 def run_recipe_comparison(config, device):

@@ -16,7 +16,7 @@ from conftest import m
 
 ARGS = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--eval_iters=1",
         "--max_iters=2", "--max_new_tokens=40", "--device=cpu", "--quality_positions=48", "--bench_tokens=12",
-        "--bench_repeats=1", "--bench_prompts=2", "--bench_prompt_len=8", "--sweep_positions=500", "--spec_sweep=1"]
+        "--bench_repeats=1", "--bench_prompts=2", "--bench_prompt_len=8", "--sweep_positions=500"]
 
 
 class Numbers(HTMLParser):
@@ -54,7 +54,7 @@ def test_every_number_on_the_page_is_the_reports(page):
     parser = Numbers()
     parser.feed(path.read_text())
     keys = {k.split(".")[0] for k, _ in parser.data}
-    assert {"generation", "sweep", "calibration", "calibration_by_measure", "strategies", "spec_sweep", "logit_lens",
+    assert {"generation", "sweep", "calibration", "calibration_by_measure", "strategies", "logit_lens",
             "slices", "speculation", "val_loss"} <= keys
     # the Learn-then-Test table: every measure's test figures, and the summary's headline figures
     tagged = {k for k, _ in parser.data}
@@ -71,8 +71,8 @@ def test_the_page_is_self_contained_and_has_both_schemes(page):
     html = page[0].read_text()
     assert "<script" not in html and "http://" not in html and "https://" not in html and "<link" not in html
     assert "prefers-color-scheme: dark" in html and "<svg" in html
-    for question in ("What does early exit look like?", "Where do the tokens leave?", "Which threshold?",
-                     "What does each KV strategy buy?", "Which draft_exit", "Does an exit need a trained head?",
+    for question in ("What does early exit look like?", "Which threshold?",
+                     "What does each KV strategy buy?", "Does an exit need a trained head?",
                      "What does the verifier do?", "Which threshold, with a guarantee?", "What does &#x27;easy&#x27;"
                      if "&#x27;" in html else "What does 'easy' mean"):
         assert question in html
@@ -157,7 +157,7 @@ def test_the_summary_opens_the_page_and_links_every_section(page):
     summary = html.split("<div id='summary'>")[1].split("</div>")[0]
     assert html.index("<div id='summary'>") < html.index("<h2")
     anchors = re.findall(r"<section id='([^']+)'>", html)
-    assert len(anchors) >= 9 and all(f"href='#{a}'" in summary for a in anchors)
+    assert len(anchors) >= 7 and all(f"href='#{a}'" in summary for a in anchors)
     report = page[1]
     assert f"{report['calibration']['test']['compute_saved']:.1%}" in summary
     assert "move with its load" in summary and "val loss" in summary
@@ -184,7 +184,7 @@ def test_the_page_reads_on_a_phone(page):
     assert '<meta name="viewport" content="width=device-width, initial-scale=1">' in html
     assert ".scroll { overflow-x: auto; }" in html
     tables = html.count("<table")
-    assert tables >= 7 and html.count("<div class='scroll'><table>") == tables, "every table scrolls sideways"
+    assert tables >= 5 and html.count("<div class='scroll'><table>") == tables, "every table scrolls sideways"
 
 
 def console_table(capsys, table, rows):
