@@ -2285,10 +2285,6 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
                   train_loss=losses["train"][-1], train_log=progress["train_log"], processes=world)
     return model.eval()
 
-def load_trained(config, tokenizer, device, overridden=()):
-    """The lab's build_model for --sample_only: the checkpoint's model, no training."""
-    return new_or_resumed(config, tokenizer, device, overridden)[0].eval()
-
 # -----------------------------------------------------------------------------
 # Command line: every Config field as --name=value (argparse), and the rules it checks
 
@@ -2467,7 +2463,6 @@ def generation_report(model, tokenizer, idx, samples, threshold, config):
     confidences = records.confidences[config.confidence_measure][:, T0 - 1 :]  # (L, max_new_tokens)
     return {"exit_threshold": threshold, "kv_strategy": config.kv_strategy,
             "exit_counts": torch.bincount(exited_at, minlength=config.n_layer).tolist(),
-            "layers_run_per_token": early.layers_run / config.max_new_tokens,
             "tokens_per_second": speed, "full_depth_tokens_per_second": full_speed,
             "sample": text, "exited_at": layers,
             "full_depth_sample": tokenizer.decode(full.tokens[0, T0:].tolist()),
@@ -2501,7 +2496,7 @@ def measure_strategies(model, splits, config, device):
     depths = expected_batch_depth(quality["backfill"]["exited_at"], BATCH_SIZES, config.n_layer)
     print_strategies(entries, quality, config, costs, depths)
     # batch_depth's keys, batch sizes, become strings in the JSON
-    report = {"strategies": entries, "exit_plans": plans, "decode_costs": costs,
+    report = {"strategies": entries, "decode_costs": costs,
               "batch_depth": depths,
               "workload": {"split": "test", "prompts": config.bench_prompts,
                            "prompt_len": config.bench_prompt_len, "tokens": config.bench_tokens,
@@ -2578,7 +2573,7 @@ def run(config, overridden):
     if config.sample_only:
         if config.init_from != "resume":
             raise ValueError("--sample_only=1 samples from a checkpoint: add --init_from=resume")
-        model = load_trained(config, tokenizer, device, overridden)
+        model = new_or_resumed(config, tokenizer, device, overridden)[0].eval()  # no training
     else:
         model = train_or_resume(config, tokenizer, splits, device, overridden, rank, world, report)
     if world > 1:
