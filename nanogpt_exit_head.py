@@ -466,7 +466,7 @@ def estimate_loss(model, splits, config, device):
                 logits = model.all_exit_logits(x)  # (L, B, T, V)
             losses += torch.stack([cross_entropy(lg, y) for lg in logits]).cpu()
         out[name] = (losses / config.eval_iters).tolist()
-    model.train(was_training)  # back to the mode it came in: no layer dropout is left on
+    model.train(was_training)  # back to the mode it came in (evaluation ran without dropout)
     return out
 
 def format_eval(it, losses):
@@ -807,9 +807,11 @@ def slide_rows(model, cache, tokens, starts, n):
         if s != starts[b]:
             starts[b] = s
             moved.setdefault(int(n[b]) - 1 - s, []).append(b)
-    return sum(len(group) * prefill_rows(model, cache, tokens, torch.tensor(group, device=n.device),
-                                         starts, n)
-               for group in moved.values())
+    runs = 0
+    for group in moved.values():
+        rows = torch.tensor(group, device=n.device)
+        runs += len(group) * prefill_rows(model, cache, tokens, rows, starts, n)
+    return runs
 
 def draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k, generator):
     """Every row drafts with layers 0..draft_exit from its own position pos[b], max(room) steps.
@@ -1306,8 +1308,7 @@ def table_row(name, mode, speed, quality, config, batch_size=1):
     row = {"batch_size": batch_size, "name": name, "mode": mode, **s,
            "speedup": s["tokens_per_second"] / full["tokens_per_second"],
            "test_loss": q["test_loss"], "test_accuracy": q["test_accuracy"],
-           "agreement": (q["pred"] == quality["full"]["pred"]).float().mean().item(),
-           "identical_to_full": None}
+           "agreement": (q["pred"] == quality["full"]["pred"]).float().mean().item()}
     del row["outputs"]
     if name in SPECULATIVE:
         row.update(spec_stats(s["outputs"], full["outputs"], mode), draft_exit=config.draft_exit)
@@ -1411,12 +1412,13 @@ def strategy_plans(val_records, costs, config):
 
 def speculation_costs(model, prompts, config, batch_size, cells):
     """Self-speculation on a workload at batch_size, every (draft_exit, num_draft) cell beside full
-    depth, both modes, interleaved: an entry per cell and mode. The cost model is per round: a
-    round costs ms_per_round (its drafts, the verify pass, the accept rule, its share of
+    depth, both modes, interleaved: an entry per cell and mode. Speculation is costed per round:
+    a round takes ms_per_round (its drafts, the verify pass, the accept rule, its share of
     re-prefills) and emits tokens_per_verify over the batch (kept drafts and the full model's
     token: fewer at window edges, and a batch waits for its slowest row); the speed-up is full
-    depth's time per token over a round's. Timed on val, it is the prediction beside test's
-    speed-ups and what auto chooses by."""
+    depth's time per token over a round's time per token emitted, which is the speed-up measured
+    on this workload. Timed on val, it is the prediction beside test's speed-ups (how well val's
+    speed carries over to test) and what auto chooses by."""
     decoders = {cell: dict.fromkeys(MODES, decoder(model, "self_speculative", spec=cell))
                 for cell in cells}
     speed = time_decoders({"full": dict.fromkeys(MODES, decoder(model, "full")), **decoders},
@@ -1722,17 +1724,14 @@ def format_cell(value, fmt):
         return "-"
     return fmt.format(value)
 
-def print_title(question):
-    """A table's question as its title, '=== ... ===', wrapped to WIDTH."""
-    print("\n=== " + "\n    ".join(textwrap.wrap(question, WIDTH - 8)) + " ===")
-
 def print_table(table, rows, conditions="", notes=()):
     """A table under its question and the conditions it was measured in, then legend and notes."""
     question, columns = table
     lines = [[header for _, header, _, _ in columns]]
     lines += [[format_cell(field(row, key), fmt) for key, _, fmt, _ in columns] for row in rows]
     widths = [max(map(len, column)) for column in zip(*lines)]
-    print_title(f"{question} {conditions}")
+    # the question as the title, '=== ... ===', wrapped to WIDTH
+    print("\n=== " + "\n    ".join(textwrap.wrap(f"{question} {conditions}", WIDTH - 8)) + " ===")
     for line in lines:
         print("  ".join(v.rjust(w) for v, w in zip(line, widths)))
     for note in (legend(columns), *notes):
@@ -1757,8 +1756,9 @@ def print_strategies(entries, quality, config, costs, depths):
         impossible = f", IMPOSSIBLE ({L} blocks): so after {costs['attempts']} measurements"
     notes += [f"Chosen on val: exits and thr (exit_layers={config.exit_layers!r}: the highest "
               f"threshold sending {EARLY_EXIT_FRACTION:.0%} of val positions out early), and "
-              "self_speculative's prediction, from the per-round cost model. Re-prefilling the "
-              "window every block_size/2 tokens adds "
+              "self_speculative's prediction, its speed-up timed on val (per round: a round's time "
+              "over the tokens it emits). Prefilling the prompt and re-prefilling the window every "
+              "block_size/2 tokens adds "
               + " to ".join(f"{p:.2f}" for p in prefill) + " per token for every decoder. Sampled: "
               f"temperature {config.temperature:g}, top_k {config.top_k}.",
               f"test loss, agree: {config.quality_positions} test positions teacher-forced; the "
@@ -2099,7 +2099,7 @@ HTML_SECTIONS = (("generation", html_generation), ("speculation", html_speculati
 
 def write_html_report(report, path):
     """out_dir/report.html: report.json's numbers on a page that reads on a phone."""
-    body = "".join(draw(report) for part, draw in HTML_SECTIONS if report.get(part))
+    body = "".join(render(report) for part, render in HTML_SECTIONS if report.get(part))
     found = re.findall(r"<section id='([^']+)'><h2>([^<]+)</h2>", body)
     write_text('<!doctype html><html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
                'content="width=device-width, initial-scale=1"><meta name="color-scheme" '
@@ -2367,7 +2367,12 @@ def validate(config):
             (-1 < config.exit_threshold < 0, "exit_threshold: -1 (calibrate on val) or in [0, 1]"),
             (config.draft_exit >= config.n_layer - 1,
              f"draft_exit={config.draft_exit}: a layer below the last, 0..{config.n_layer - 2}"),
-            (not config.prompt, "--prompt must hold at least one character")):
+            (not config.prompt, "--prompt must hold at least one character"),
+            (config.bench_batch and config.quality_positions < max(BATCH_SIZES),
+             f"--bench_batch needs quality_positions >= {max(BATCH_SIZES)}: a position a row"),
+            (config.lesson_only and (config.init_from == "resume" or config.sample_only
+                                     or config.compare_recipes),
+             "--lesson_only is Part I alone: it trains anew, with no resume, samples or recipes")):
         if bad:
             raise ValueError(message)
     parse_exit_layers(config.exit_layers, config.n_layer)
@@ -2383,10 +2388,11 @@ def check_text(config):
         text = Path(config.input_path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:  # no such file, or not UTF-8 (iconv -t UTF-8 it)
         raise ValueError(f"--input_path={config.input_path!r}: {e}") from None
-    need = max(config.block_size, config.bench_prompt_len) + 2
+    need = max(config.block_size, config.bench_prompt_len, config.quality_positions) + 2
     if min(map(len, split_data(text).values())) < need:
         raise ValueError(f"--input_path={config.input_path!r} ({len(text):,} characters) is too "
-                         f"short: each split needs {need} for block_size and bench_prompt_len")
+                         f"short: each split needs {need} for block_size, bench_prompt_len and "
+                         "quality_positions")
     unknown = "".join(sorted(set(config.prompt) - set(text)))
     if unknown:
         raise ValueError(f"--prompt has characters not in the vocabulary of "

@@ -43,7 +43,7 @@ def tables(stdout):
     return blocks
 
 
-def test_tables_fit_120_columns_and_carry_a_legend(default_run):
+def test_tables_fit_the_console_width_and_carry_a_legend(default_run):
     blocks = tables(default_run[0])
     titles = {b[0].split("?")[0] for b in blocks}
     assert {"=== Which threshold", "=== What does each KV strategy buy", "=== Does early exit still save in a batch",
