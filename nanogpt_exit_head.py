@@ -578,6 +578,7 @@ def run_lesson(config, device):
 
 import argparse
 import difflib
+import gc
 import html
 import inspect
 import itertools
@@ -1266,6 +1267,8 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed, top_k):
     text is, and the last pass's Generations."""
     batches = prompts.view(-1, batch_size, prompts.size(1))  # (n_batches, B, T0)
     times, outputs = {key: [] for key in decoders}, {}
+    # no garbage collection while timing: a collection lands on whichever decoder runs then
+    gc.disable()
     for _ in range(repeats):
         for key, (decode, temperature) in decoders.items():
             synchronize(prompts.device)
@@ -1276,6 +1279,7 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed, top_k):
                             for i, batch in enumerate(batches)]
             synchronize(prompts.device)
             times[key].append(time.perf_counter() - t0)
+    gc.enable()
     steps = len(batches) * n_tokens  # layers_run and prefill_runs count per row
     return {key: {"tokens_per_second": len(prompts) * n_tokens / float(np.median(times[key])),
                   "mean_layers": sum(o.layers_run for o in outs) / steps,
@@ -2501,9 +2505,7 @@ def measure_strategies(model, splits, config, device):
     entries, quality, plans, costs, val_records = compare_strategies(model, splits, config, device)
     depths = expected_batch_depth(quality["backfill"]["exited_at"], BATCH_SIZES, config.n_layer)
     print_strategies(entries, quality, config, costs, depths)
-    # batch_depth's keys, batch sizes, become strings in the JSON
     report = {"strategies": entries, "decode_costs": costs,
-              "batch_depth": depths,
               "workload": {"split": "test", "prompts": config.bench_prompts,
                            "prompt_len": config.bench_prompt_len, "tokens": config.bench_tokens,
                            "repeats": config.bench_repeats, "chosen_on": "val"}}
@@ -2514,18 +2516,14 @@ def measure_strategies(model, splits, config, device):
     return report
 
 def run_recipe_comparison(config, device):
-    """--compare_recipes=1: every recipe trained and judged alike; a table, and recipes.json in
-    out_dir (which validate made)."""
+    """--compare_recipes=1: every recipe trained and judged alike; a table, and recipes.json and
+    recipes.html in out_dir (which validate made)."""
     _, splits = load_data(config)
     # choosing is done on val
     prompts = workload(splits["val"], config.bench_prompts, config.bench_prompt_len).to(device)
     entries = compare_recipes(config, splits, device, prompts)
     print_recipes(entries, config)
-    path = os.path.join(config.out_dir, "recipes.json")
-    write_json(entries, path)
-    write_html_report({"config": asdict(config), "recipes": entries},
-                      os.path.join(config.out_dir, "report.html"))
-    print(f"\nrecipes: {path}")
+    write_report({"config": asdict(config), "recipes": entries}, config, "recipes")
 
 def lesson_config(config):
     """Part I's Config from the lab's fields, with Part I's own threshold where the lab's says

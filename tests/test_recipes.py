@@ -96,13 +96,13 @@ def test_compare_recipes_writes_the_table(tmp_path, capsys):
             "--max_iters=3", "--device=cpu", "--draft_exit=0", "--sweep_positions=200", "--bench_tokens=10",
             "--bench_repeats=1", "--compare_recipes=1", f"--out_dir={tmp_path}"]
     assert m.main(args) == 0
-    rows = json.loads((tmp_path / "recipes.json").read_text())
+    rows = json.loads((tmp_path / "recipes.json").read_text())["recipes"]
     assert [r["recipe"] for r in rows] == list(m.RECIPES)
     keys = {"recipe", "val_loss_final", "val_loss_exits", "compute_saved", "test_loss", "spec_speedup",
             "spec_acceptance_rate"}
     assert all(keys <= set(r) for r in rows)
     assert "Which training recipe? Every recipe at the same budget" in capsys.readouterr().out
-    html = (tmp_path / "report.html").read_text()  # the comparison's own page: its table, numbers from recipes.json
+    html = (tmp_path / "recipes.html").read_text()  # the comparison's own page: its table, numbers from recipes.json
     assert "Which training recipe?" in html
     for i, r in enumerate(rows):
         assert f'data-key="recipes.{i}.val_loss_final" data-value="{r["val_loss_final"]!r}"' in html
