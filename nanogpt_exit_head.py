@@ -276,12 +276,15 @@ class KVCache:
 # -----------------------------------------------------------------------------
 # Decoding: confidence, sampling, the context window, and the gated step with backfill
 
-# name -> a map of (B, V) probabilities to (B,) confidences; the lab adds margin and entropy
-CONFIDENCE_MEASURES = {"top1": lambda probs: probs.amax(-1)}
+# name -> a rule: (B, V) probabilities and the step's state -> (B,) confidences. The state holds
+# the layer, its output h and input below, and what a rule keeps from the exits below (the lab's
+# rules read it; it adds margin, entropy, patience, saturation and a learned rule)
+CONFIDENCE_MEASURES = {"top1": lambda probs, state: probs.amax(-1)}
 
-def confidence(logits, measure="top1"):
-    """How sure a head is, in [0, 1], higher is surer: (B, V) logits -> (B,)."""
-    return CONFIDENCE_MEASURES[measure](logits.float().softmax(-1))
+def confidence(logits, measure="top1", state=None):
+    """How sure a head is, higher is surer: (B, V) logits -> (B,). measure: a name, or a rule."""
+    rule = CONFIDENCE_MEASURES[measure] if isinstance(measure, str) else measure
+    return rule(logits.float().softmax(-1), {} if state is None else state)
 
 def probs_from_logits(logits, temperature, top_k):
     """The distribution a sampler draws from: temperature, then the top_k most likely only."""
@@ -356,12 +359,15 @@ def decode_step(model, cache, idx, pos, strategy, exit_threshold=1.0, checked_ex
     x = model.embed(idx, pos)  # (B, 1, C)
     logits, exited = None, None
     exit_layer = torch.full((idx.size(0),), L - 1, device=idx.device)  # (B,) int64
+    state = {}  # what the rule sees of this step (CONFIDENCE_MEASURES)
     for l, block in enumerate(model.transformer.h):
+        below = x[:, 0]
         x = strategy.run_layer(block, cache, l, x, pos)
         if l == L - 1 or l not in checks:
             continue
         head_logits = model.exit_logits(x[:, 0], l)  # (B, V): the newest position only
-        conf = confidence(head_logits, measure)  # (B,)
+        state.update(layer=l, below=below, h=x[:, 0])
+        conf = confidence(head_logits, measure, state)  # (B,)
         # the common case: nobody is sure, known at the cost of one host sync
         if exit_threshold > 0 and conf.max().item() <= exit_threshold:
             continue
@@ -382,6 +388,7 @@ class Generation:
     logits: torch.Tensor  # (B, N, V) emitted logits when teacher-forced, else None
     layers_run: int  # block runs per row over all decode steps, catch-up included, prefill excluded
     prefill_runs: float = 0.0  # block runs per row spent re-prefilling the window at full depth
+    clock: list = None  # (seconds, row 0's length) at the start and after each step
 
 @torch.inference_mode()
 def generate(model, idx, max_new_tokens, strategy=Backfill, exit_threshold=1.0, checked_exits=None,
@@ -395,6 +402,7 @@ def generate(model, idx, max_new_tokens, strategy=Backfill, exit_threshold=1.0, 
     tokens = F.pad(idx, (0, max_new_tokens))  # (B, T0 + N): the prompt, then room for the rest
     exits, emitted, prefilled = idx.new_zeros(B, max_new_tokens), [], 0
     cache, start = KVCache(cfg, B, idx.device), None
+    clock = [(time.perf_counter(), T0)]  # the tail's timer, the device synchronised
     for i in range(max_new_tokens):
         n = T0 + i
         start, runs = slide_window(model, cache, tokens, start, n)
@@ -406,8 +414,10 @@ def generate(model, idx, max_new_tokens, strategy=Backfill, exit_threshold=1.0, 
             emitted.append(logits.float())
         else:
             tokens[:, n] = sample(logits, temperature, top_k, generator)
+        synchronize(idx.device)
+        clock.append((time.perf_counter(), n + 1))
     logits = torch.stack(emitted, dim=1) if emitted else None
-    return Generation(tokens, exits, logits, sum(cache.layer_evals) - prefilled, prefilled)
+    return Generation(tokens, exits, logits, sum(cache.layer_evals) - prefilled, prefilled, clock)
 
 # -----------------------------------------------------------------------------
 # Exit statistics: where the tokens left, as the seed prints them
@@ -620,6 +630,7 @@ class LabConfig(Config):
     bench_prompt_len: int = 32  # characters per workload prompt
     bench_tokens: int = 100  # characters generated per prompt per timed run
     bench_repeats: int = 3  # timed passes per decoder, interleaved; the median is reported
+    shift_path: str = "shift.txt"  # text of another kind, read at val's threshold ('' skips it)
     epsilon: float = 0.01  # calibration: tolerated disagreement with full depth; lower is cautious
     delta: float = 0.05  # calibration: allowed chance that the chosen threshold breaks epsilon
     sweep_positions: int = 20000  # val and test positions recorded for the sweep and calibration
@@ -627,8 +638,8 @@ class LabConfig(Config):
     # studies beyond the default run
     compare_recipes: bool = False  # train and compare every recipe in RECIPES (~2 min each)
     bench_batch: bool = False  # also measure every batch design at batch 1, 4 and 16 (minutes)
+    compare_depths: bool = False  # train a plain GPT of every depth below n_layer, not only one
 
-EARLY_EXIT_FRACTION = 0.3  # a speed threshold: the highest sending this fraction of val out early
 THRESHOLDS = tuple(round(1 - 0.01 * i, 2) for i in range(101))  # 1.00, 0.99, ..., 0.00: cautious
 MODES = ("greedy", "sampled")  # sampled draws with config.temperature and config.top_k
 BATCH_SIZES = (1, 4, 16)
@@ -899,11 +910,11 @@ class SpeculativeGeneration(Generation):
 @torch.inference_mode()
 def generate_self_speculative(model, idx, max_new_tokens, draft_exit=0, num_draft=8,
                               temperature=0.0, top_k=0, generator=None):
-    """Self-speculative decoding of B rows at once (B = 1 included): each round every row drafts up
-    to num_draft tokens with layers 0..draft_exit, the layers above verify them in one pass, and
-    each row keeps its own accepted prefix, rolls back and slides its window on its own; a row that
-    is done leaves the batch. Every row's tokens are those it would get alone at full depth
-    (greedy), or have their distribution (sampled)."""
+    """Self-speculative decoding of B rows at once: each round every row drafts up to num_draft
+    tokens with layers 0..draft_exit, the layers above verify them in one pass, and each row keeps
+    its accepted prefix, rolls back and slides its window on its own; a row that is done leaves.
+    Every row's tokens are those it would get alone at full depth (greedy), or have their
+    distribution (sampled)."""
     cfg, (B, T0), dev = model.config, idx.shape, idx.device
     if not 0 <= draft_exit < cfg.n_layer - 1 or num_draft < 1:
         raise ValueError(f"need 0 <= draft_exit < {cfg.n_layer - 1} and num_draft >= 1, "
@@ -912,10 +923,9 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit=0, num_draf
     tokens = F.pad(idx, (0, max_new_tokens + num_draft))  # zeros: room for the tokens and drafts
     out_tokens = tokens[:, :end].clone()
     cache = RowKVCache(replace(cfg, block_size=cfg.block_size + num_draft), B, dev)
-    # a negative start: no window yet (and far enough back that the first round places one)
     n = idx.new_full((B,), T0)  # (R,): each row's length, the tokens it has so far
-    starts = torch.full_like(n, -cfg.block_size - 1)
-    ids, rounds, prefilled = torch.arange(B, device=dev), [], 0.0
+    starts = torch.full_like(n, -cfg.block_size - 1)  # no window yet: the first round places one
+    ids, rounds, prefilled, clock = torch.arange(B, device=dev), [], 0.0, [(time.perf_counter(), T0)]
     while max_new_tokens > 0 and len(ids):  # ids (R,): the rows still in the batch
         prefilled += slide_rows(model, cache, tokens, starts, n) / B
         pos = n - 1 - starts  # (R,) window position of each row's first token fed this round
@@ -925,6 +935,8 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit=0, num_draf
                                                temperature, top_k, generator)
         rounds.append((ids, n, accepted, room))
         n = n + accepted + has_next  # n back past a rejected draft: the row's cache rolls back
+        synchronize(dev)
+        clock.append((time.perf_counter(), min(int(n[0]), end)))
         done = n >= end  # rows that are done leave: the next rounds run on the rest only
         if bool(done.any()):
             out_tokens[ids[done]] = tokens[done, :end]
@@ -936,7 +948,7 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit=0, num_draf
     exited_at = kept_drafts(ids, n, accepted, B, end, draft_exit, cfg.n_layer - 1)[:, T0:]
     # layers run: the re-prefills ran in caches of their own, so cache.layer_evals has none of them
     return SpeculativeGeneration(out_tokens, exited_at, None, sum(cache.layer_evals), prefilled,
-                                 stats)
+                                 clock, stats)
 
 def kept_drafts(ids, n, accepted, B, end, draft_exit, full_exit):
     """(B, end): draft_exit where a token is a kept draft, full_exit elsewhere. Each round of row
@@ -1019,22 +1031,57 @@ RECIPES = {  # each is the seed recipe with these fields changed
 # -----------------------------------------------------------------------------
 # Choosing the exit rule, 1: record every exit once, teacher-forced, then sweep without the model
 
-def margin(probs):
+def margin(probs, state):
     """Top-1 minus top-2 probability: (..., V) -> (...)."""
     top2 = probs.topk(2).values  # (..., 2)
     return top2[..., 0] - top2[..., 1]
 
-def normalised_entropy(probs):
+def normalised_entropy(probs, state):
     """1 - H / log V: 1 for a one-hot distribution, 0 for a uniform one. (..., V) -> (...)."""
     entropy = -(probs * probs.clamp_min(1e-12).log()).sum(-1)
     return 1.0 - entropy / math.log(probs.size(-1))
 
-CONFIDENCE_MEASURES.update(margin=margin, entropy=normalised_entropy)
+def patience(probs, state):
+    """PABEE's patience: run / (run + 1), where the exits so far agree on the top-1 run times in a
+    row; above (k - 1) / k means at least k agree. It keeps the top-1 and the run in the state."""
+    pred = probs.argmax(-1)
+    run = 1 + state.get("run", 0) * (pred == state.get("pred", -1))
+    state.update(pred=pred, run=run)
+    return run / (run + 1.0)
+
+def saturation(probs, state):
+    """CALM's hidden-state saturation: the cosine between the layer's output and its input."""
+    return F.cosine_similarity(state["h"], state["below"], dim=-1)
+
+CONFIDENCE_MEASURES.update(margin=margin, entropy=normalised_entropy, patience=patience,
+                           saturation=saturation)
+
+def exit_features(probs, state):
+    """The learned rule's features (..., F): four rules' confidences, agreement with the exit
+    below, a bias, and which character this exit predicts (one-hot)."""
+    pred = probs.argmax(-1)
+    agree = (pred == state.get("pred", -1)).float()
+    state["pred"] = pred
+    cheap = [CONFIDENCE_MEASURES[m](probs, state) for m in ("top1", "margin", "entropy",
+                                                             "saturation")]
+    one_hot = F.one_hot(pred, probs.size(-1)).to(probs.dtype)
+    return torch.cat([torch.stack([*cheap, agree, torch.ones_like(agree)], -1), one_hot], -1)
+
+def learned(weights, probs, state):
+    """The learned rule: per exit, a logistic model's P(this exit's top-1 is full depth's)."""
+    return torch.sigmoid(exit_features(probs, state) @ weights[state["layer"]])
+
+def exit_rules(model):
+    """name -> rule: CONFIDENCE_MEASURES, and the learned rule once fit_exit_predictor ran."""
+    weights = getattr(model, "exit_predictor", None)
+    if weights is None:
+        return CONFIDENCE_MEASURES
+    return {**CONFIDENCE_MEASURES, "learned": partial(learned, weights)}
 
 @dataclass
 class ExitRecords:
     """What every exit says at each position of a text, read in the decoder's own windows."""
-    confidences: dict  # measure -> (L, N): each exit's confidence in its top prediction
+    confidences: dict  # rule -> (L, N): how sure each exit is, by that rule
     pred: torch.Tensor  # (L, N): each exit's top prediction
     nll: torch.Tensor  # (L, N): -log p(true next character) at each exit
     targets: torch.Tensor  # (N,): the true next characters
@@ -1049,14 +1096,29 @@ def decoder_windows(n_positions, block_size):
         yield start, end, i
         i = end
 
+def read_exits(model, x, rules):
+    """Every exit's logits on x (b, W): (L, b, W, V), and each rule's confidences, rule -> (L, b,
+    W), each rule reading the exits bottom up with a state of its own, as decode_step does."""
+    states = [model.embed(x), *model.hidden_states(x)]  # L + 1 x (b, W, C)
+    logits = torch.stack([model.exit_logits(h, l) for l, h in enumerate(states[1:])]).float()
+    read = {}
+    for name, rule in rules.items():
+        state, read[name] = {}, []
+        for l, layer_logits in enumerate(logits):
+            state.update(layer=l, below=states[l], h=states[l + 1])
+            read[name].append(confidence(layer_logits, rule, state))
+    return logits, {name: torch.stack(c) for name, c in read.items()}
+
 @torch.inference_mode()
-def record_exits(model, data, n_positions, batch_size=64):
-    """One parallel pass: what every exit predicts for data[1 : n_positions + 1].
+def record_exits(model, data, n_positions, rules=None, batch_size=64):
+    """One parallel pass: what every exit predicts for data[1 : n_positions + 1], and how sure it
+    is by each rule (exit_rules(model) unless given).
 
     The windows are exactly those of sequential decoding fed data[0], data[1], ...
     (window_start), so a decoder that keeps its cache exact (backfill, deferred) makes exactly
     these predictions; that is tested. Windows of equal length run together, batch_size at a
     time."""
+    rules = rules or exit_rules(model)
     n_positions = min(n_positions, len(data) - 1)
     # every window is block_size long but perhaps the last: run the others batch_size at a time
     *full, last = decoder_windows(n_positions, model.config.block_size)
@@ -1064,13 +1126,30 @@ def record_exits(model, data, n_positions, batch_size=64):
     parts = []
     for group in groups:
         x = torch.stack([data[s:e] for s, e, _ in group])  # (b, W)
-        logits = model.all_exit_logits(x).float()  # (L, b, W, V)
-        parts += [logits[:, r, first - s :] for r, (s, _, first) in enumerate(group)]
-    logits = torch.cat(parts, dim=1)  # (L, N, V)
+        read = read_exits(model, x, rules)  # logits (L, b, W, V) and rule -> (L, b, W)
+        parts += [[t[:, r, first - s :] for t in (read[0], *read[1].values())]
+                  for r, (s, _, first) in enumerate(group)]
+    logits, *confidences = [torch.cat(p, dim=1) for p in zip(*parts)]  # (L, N, V), (L, N) each
     targets = data[1 : n_positions + 1]  # on the model's device, as the windows were
-    confidences = {m: confidence(logits, m) for m in CONFIDENCE_MEASURES}  # m -> (L, N)
     nll = -logits.log_softmax(-1).take_along_dim(targets[None, :, None], -1)[..., 0]  # (L, N)
-    return ExitRecords(confidences, logits.argmax(-1), nll, targets)
+    return ExitRecords(dict(zip(rules, confidences)), logits.argmax(-1), nll, targets)
+
+def fit_exit_predictor(model, data, n_positions, l2=0.01, steps=20):
+    """The learned rule's weights (L, F), also kept as model.exit_predictor: per exit, a logistic
+    model of whether its top-1 is full depth's, fitted by Newton's method on the exits recorded on
+    data (the train split). The last exit's row is 0: it always exits."""
+    records = record_exits(model, data, n_positions, {"features": exit_features})
+    X = records.confidences["features"][:-1].double()  # (L - 1, N, F)
+    y = (records.pred[:-1] == records.pred[-1]).double()  # (L - 1, N): agrees with full depth
+    w = X.new_zeros(X.size(0), X.size(2), 1)
+    ridge = l2 * torch.eye(X.size(2), dtype=X.dtype, device=X.device)
+    for _ in range(steps):
+        p = torch.sigmoid(X @ w)[..., 0]  # (L - 1, N)
+        grad = X.transpose(1, 2) @ (p - y)[..., None] + l2 * w  # (L - 1, F, 1)
+        hess = X.transpose(1, 2) @ (X * (p * (1 - p))[..., None]) + ridge  # (L - 1, F, F)
+        w = w - torch.linalg.solve(hess, grad)
+    model.exit_predictor = F.pad(w[..., 0], (0, 0, 0, 1)).float()
+    return model.exit_predictor
 
 def exits_at_threshold(records, measure, threshold, checked_exits):
     """(N,): the layer each position exits at: the first checked exit above threshold, else the
@@ -1093,17 +1172,10 @@ def exit_summary(records, exits):
         "compute_saved": 1.0 - mean_layers / L,
         "loss": records.nll[exits, cols].mean().item(),
         "full_loss": records.nll[-1].mean().item(),
+        "excess_loss": (records.nll[exits, cols] - records.nll[-1]).mean().item(),
         "accuracy": (pred == records.targets).float().mean().item(),
         "disagreement": (pred != records.pred[-1]).float().mean().item(),
     }
-
-def threshold_for_exit_fraction(records, measure, checked_exits, fraction=EARLY_EXIT_FRACTION):
-    """The highest threshold at which at least `fraction` of positions exit early."""
-    for t in THRESHOLDS:
-        early = exits_at_threshold(records, measure, t, checked_exits) < len(records.pred) - 1
-        if early.float().mean() >= fraction:
-            return t
-    return THRESHOLDS[-1]
 
 # -----------------------------------------------------------------------------
 # Choosing the exit rule, 2: the threshold sweep on val, and a threshold calibrated with a guarantee
@@ -1151,17 +1223,55 @@ def calibrate(records, measure, checked_exits, epsilon, delta):
     chosen = fixed_sequence_test(failures, disagree.size(1), epsilon, delta)
     return THRESHOLDS[max(chosen, 0)]  # THRESHOLDS[0] is 1.0: full depth when none is certified
 
-def calibration_report(val, test, measure, checked_exits, epsilon, delta):
-    """Calibrate on val, then report the chosen threshold's figures on test (never used to
-    choose)."""
+def oracle(records, checked_exits, epsilon):
+    """The most any rule could skip at disagreement <= epsilon: each position leaves at the first
+    checked exit whose top-1 is full depth's, and the epsilon * N that would run deepest leave at
+    the first checked exit anyway, wrong but cheapest."""
+    layers = torch.tensor([*checked_exits, len(records.pred) - 1], device=records.pred.device)
+    agree = records.pred[layers] == records.pred[-1]  # (E + 1, N): the last row is all True
+    exits = layers[agree.float().argmax(0)]  # (N,)
+    deepest = exits.float().topk(int(epsilon * exits.numel())).indices
+    return exit_summary(records, exits.index_fill(0, deepest, layers[0]))
+
+def calibration_report(val, test, shifted, measure, checked_exits, epsilon, delta):
+    """Calibrate on val, then report the chosen threshold's figures on test (never used to choose)
+    and on the shifted text (None: none), whether epsilon held there, and test's saving as a
+    share of the oracle's. Patience's threshold is also given as k, the exits that must agree."""
     threshold = calibrate(val, measure, checked_exits, epsilon, delta)
-    keys = ("disagreement", "loss", "full_loss", "accuracy", "compute_saved", "mean_layers")
+    keys = ("disagreement", "loss", "full_loss", "accuracy", "compute_saved", "mean_layers",
+            "exit_fractions")
     report = {"measure": measure, "epsilon": epsilon, "delta": delta, "threshold": threshold}
-    for name, records in (("val", val), ("test", test)):
-        figures = exit_summary(
-            records, exits_at_threshold(records, measure, threshold, checked_exits))
-        report[name] = {k: figures[k] for k in keys}
+    if measure == "patience" and threshold < 1:
+        report["k"] = math.floor(threshold / (1 - threshold)) + 1  # run / (run + 1) > threshold
+    for name, records in (("val", val), ("test", test), ("shift", shifted)):
+        if records is not None:
+            figures = exit_summary(
+                records, exits_at_threshold(records, measure, threshold, checked_exits))
+            report[name] = {k: figures[k] for k in keys}
+            report[name]["held"] = figures["disagreement"] <= epsilon
+    best = oracle(test, checked_exits, epsilon)["compute_saved"]
+    report["test"]["oracle_share"] = report["test"]["compute_saved"] / max(best, 1e-9)
     return report
+
+def exit_calibration(records, bins=10):
+    """Per exit: the expected calibration error (ECE) of its top-1 confidence against the data
+    and against full depth's top-1 (not for full depth itself), and its reliability table: per
+    confidence bin, the mean confidence, accuracy, agreement with full depth and positions."""
+    conf = records.confidences["top1"]  # (L, N)
+    which = (conf * bins).long().clamp(max=bins - 1)  # (L, N): each position's bin
+    rows = []
+    for l, pred in enumerate(records.pred):
+        count = torch.bincount(which[l], minlength=bins).float()  # (bins,)
+        sums = torch.stack([torch.bincount(which[l], v.float(), bins) for v in
+                            (conf[l], pred == records.targets, pred == records.pred[-1])])
+        mean = sums / count.clamp_min(1)  # (3, bins): confidence, accuracy, agreement
+        ece = ((mean[1:] - mean[0]).abs() * count).sum(-1) / conf.size(1)  # (2,)
+        rows.append({"layer": l, "ece_data": ece[0].item(), "ece_full": ece[1].item(), "bins": [
+            dict(zip(("confidence", "accuracy", "agreement", "positions"), b))
+            for b in zip(*mean.tolist(), count.tolist())], "reliability": " ".join(
+                f"{a:.2f}" if n else "-" for a, n in zip(mean[1].tolist(), count.tolist()))})
+    rows[-1]["ece_full"] = None  # full depth always agrees with itself
+    return rows
 
 # -----------------------------------------------------------------------------
 # Choosing the exit rule, 3: the logit lens, and what "easy" means for this model
@@ -1184,26 +1294,36 @@ def logit_lens(model, x):
                             "confidence": confidence(logits).mean().item()})
     return entries
 
-def exit_slices(records, exits, tokenizer, data, n_top=10):
-    """Accuracy of the tokens leaving at each layer, and the characters that leave at the
-    shallowest layer any token left at (with the context they most often follow)."""
+KINDS = ("lowercase", "capital", "space", "punctuation", "newline")
+
+def character_kind(ch):
+    """lowercase, capital, space, newline, or punctuation (the rest)."""
+    if ch.isalpha():
+        return KINDS[ch.isupper()]
+    return {" ": "space", "\n": "newline"}.get(ch, "punctuation")
+
+def share(mask):
+    return mask.float().mean().item() if mask.numel() else None
+
+def exit_slices(records, exits, tokenizer):
+    """At these exits: the accuracy of the positions leaving at each layer, and per kind of
+    character to predict, how deep it runs, how often it disagrees with full depth and the
+    accuracy it loses against full depth."""
     L, N = records.pred.shape
-    correct = records.pred[exits, torch.arange(N, device=exits.device)] == records.targets
-    per_layer = []
-    for l in range(L):
-        here = exits == l  # (N,): the positions leaving at layer l
-        accuracy = correct[here].float().mean().item() if here.any() else None
-        per_layer.append({"layer": l, "tokens": int(here.sum()), "accuracy": accuracy})
-    shallowest = int(exits.min())  # records hold at least one position
-    contexts = {}
-    # position i predicts data[i + 1] after data[..i]
-    for i in (exits == shallowest).nonzero().flatten().tolist():
-        ch = tokenizer.decode([int(records.targets[i])])
-        contexts.setdefault(ch, []).append(tokenizer.decode(data[max(0, i - 3) : i + 1].tolist()))
-    top = sorted(contexts.items(), key=lambda kv: -len(kv[1]))[:n_top]
-    chars = [{"char": ch, "exits": len(ctx), "example_context": Counter(ctx).most_common(1)[0][0]}
-             for ch, ctx in top]
-    return {"per_layer": per_layer, "first_exit_layer": shallowest, "earliest_chars": chars}
+    pred = records.pred[exits, torch.arange(N, device=exits.device)]
+    right, full_right = pred == records.targets, records.pred[-1] == records.targets
+    kinds = [character_kind(ch) for ch in tokenizer.decode(records.targets.tolist())]
+    per_layer = [{"layer": l, "tokens": int((exits == l).sum()), "accuracy": share(right[exits == l])}
+                 for l in range(L)]
+    per_kind = []
+    for kind in KINDS:
+        here = torch.tensor([k == kind for k in kinds], device=exits.device)
+        if here.any():
+            per_kind.append({"kind": kind, "positions": int(here.sum()),
+                             "mean_layers": (exits[here] + 1).float().mean().item(),
+                             "disagreement": share((pred != records.pred[-1])[here]),
+                             "accuracy_lost": share(full_right[here]) - share(right[here])})
+    return {"per_layer": per_layer, "per_kind": per_kind}
 
 # -----------------------------------------------------------------------------
 # Measurement, 1: every decoder on one workload, quality teacher-forced, then wall-clock
@@ -1303,6 +1423,18 @@ def spec_stats(outputs, full_outputs, mode):
             "tokens_per_verify": sum(o.exited_at.numel() for o in outputs) / rounds,
             "num_draft": runs[0]["num_draft"], "identical_to_full": same}
 
+def tail(outputs):
+    """Batch 1's latency from its Generations' clocks, in ms: a token's at the mean, p50, p95 and
+    p99 (a step's or round's time shared by the tokens it emitted), and p95 of a prompt's whole."""
+    per_token, per_prompt = [], []
+    for out in outputs:
+        for (t0, n0), (t1, n1) in zip(out.clock, out.clock[1:]):
+            per_token += [1e3 * (t1 - t0) / (n1 - n0)] * (n1 - n0)
+        per_prompt.append(1e3 * (out.clock[-1][0] - out.clock[0][0]))
+    p50, p95, p99 = np.percentile(per_token, [50, 95, 99])
+    return {"ms_mean": np.mean(per_token), "ms_p50": p50, "ms_p95": p95, "ms_p99": p99,
+            "prompt_ms_p95": np.percentile(per_prompt, 95)}
+
 def table_row(name, mode, speed, quality, config, batch_size=1):
     """One row of a decoder table: speed over full depth at the same batch size and mode, quality
     beside it; a speculative decoder's quality is full depth's by construction."""
@@ -1314,6 +1446,8 @@ def table_row(name, mode, speed, quality, config, batch_size=1):
            "test_loss": q["test_loss"], "test_accuracy": q["test_accuracy"],
            "agreement": (q["pred"] == quality["full"]["pred"]).float().mean().item()}
     del row["outputs"]
+    if batch_size == 1:
+        row.update(tail(s["outputs"]))
     if name in SPECULATIVE:
         row.update(spec_stats(s["outputs"], full["outputs"], mode), draft_exit=config.draft_exit)
     return row
@@ -1338,14 +1472,15 @@ def measure_decoders(decoders, test, prompts, config, batch_size=1):
 
 @torch.inference_mode()
 def decode_costs(model, prompts, n_tokens, repeats=200, attempts=3):
-    """Seconds, one new token at batch 1 (medians): a block, an exit check (head, confidence and
-    the host sync that decides), a state-copy write, the final head, and a whole full-depth token
+    """Seconds, one new token at batch 1 (medians): a block, an exit check by each rule (head,
+    confidence and the host sync that decides), a state-copy write, the final head, and a whole full-depth token
     on these prompts, by the same full-depth decoder the speed-ups divide by. A token cheaper than
     n_layer blocks is impossible (a busy machine): measured again, up to `attempts` times."""
     cfg, device = model.config, prompts.device
     cache, x = KVCache(cfg, 1, device), torch.zeros(1, 1, cfg.n_embd, device=device)
     stages = {"block": partial(model.transformer.h[0], x, cache, 0),
-              "check": partial(exit_check, model, x),
+              **{f"check {name}": partial(exit_check, model, x, rule)
+                 for name, rule in exit_rules(model).items()},
               "state_copy": partial(write_state_copy, cache, 1, x, *state_copy_projections(model)),
               "final_head": partial(model.exit_logits, x[:, 0], cfg.n_layer - 1)}
     full = {"full": (decoder(model, "full"), 0.0)}  # the full-depth token, greedy
@@ -1365,10 +1500,11 @@ def decode_costs(model, prompts, n_tokens, repeats=200, attempts=3):
             break
     return costs
 
-def exit_check(model, x):
-    """What decode_step does at a checked exit: the head, its confidence and the host sync that
-    decides."""
-    return bool((confidence(model.exit_logits(x[:, 0], 0)) > 0.9).any())
+def exit_check(model, x, rule):
+    """What decode_step does at a checked exit: the head, the rule's confidence and the host sync
+    that decides."""
+    state = {"layer": 0, "below": x[:, 0], "h": x[:, 0]}
+    return bool((confidence(model.exit_logits(x[:, 0], 0), rule, state) > 0.9).any())
 
 def predict_speedup(records, measure, threshold, checked_exits, costs, strategy, n_layer):
     """Full depth's measured time per token over the predicted time of a strategy checking these
@@ -1384,35 +1520,32 @@ def predict_speedup(records, measure, threshold, checked_exits, costs, strategy,
     saved = 0.0
     if strategy != "backfill":
         saved = (n_layer - 1 - exits).mean().item() * costs["block"] + early * costs["final_head"]
-    extra = checks * costs["check"]
+    extra = checks * costs[f"check {measure}"]
     if strategy == "state_copy":
         extra += early * costs["state_copy"]
     return costs["token"] / (costs["token"] - saved + extra)
 
-def plan_exits(records, measure, costs, strategy, n_layer, threshold=None, subsets=None):
-    """The cost-aware exit plan: every subset of exits (or the given subsets), each at its
-    threshold (given, or the highest with EARLY_EXIT_FRACTION of val positions exiting early),
-    ranked by predicted speed-up; best first."""
+def plan_exits(records, measure, costs, strategy, n_layer, threshold, subsets=None):
+    """The cost-aware exit plan: every subset of exits (or the given subsets) at the threshold,
+    ranked by predicted speed-up; best first. A subset keeps the threshold's guarantee: a position
+    leaves at the same exit as with all checked, or at full depth."""
     if subsets is None:
         subsets = [list(s) for r in range(1, n_layer)
                    for s in itertools.combinations(range(n_layer - 1), r)]
-    plans = []
-    for subset in subsets:
-        t = threshold
-        if t is None:
-            t = threshold_for_exit_fraction(records, measure, subset)
-        plans.append({"checked_exits": subset, "threshold": t, "predicted_speedup":
-                      predict_speedup(records, measure, t, subset, costs, strategy, n_layer)})
+    plans = [{"checked_exits": subset, "threshold": threshold, "predicted_speedup":
+              predict_speedup(records, measure, threshold, subset, costs, strategy, n_layer)}
+             for subset in subsets]
     return sorted(plans, key=lambda p: -p["predicted_speedup"])
 
-def strategy_plans(val_records, costs, config):
-    """Per KV strategy: the exits it checks (the best subset under exit_layers=auto), their
-    threshold and the predicted speed-up, chosen on val."""
+def strategy_plans(val_records, costs, config, threshold):
+    """Per KV strategy: the exits it checks (the best subset under exit_layers=auto) at the
+    threshold, and the predicted speed-up, chosen on val. Patience and the learned rule read the
+    exit below, so they check every exit."""
     subsets = None  # auto: every subset
-    if config.exit_layers != "auto":
+    if config.exit_layers != "auto" or config.confidence_measure in ("patience", "learned"):
         subsets = [parse_exit_layers(config.exit_layers, config.n_layer)]
     return {name: plan_exits(val_records, config.confidence_measure, costs, name, config.n_layer,
-                             subsets=subsets)[0] for name in KV_STRATEGIES}
+                             threshold, subsets)[0] for name in KV_STRATEGIES}
 
 def speculation_costs(model, prompts, config, batch_size, cells):
     """Self-speculation on a workload at batch_size, every (draft_exit, num_draft) cell beside full
@@ -1447,18 +1580,21 @@ def workloads(splits, config, device):
     return [workload(splits[s], config.bench_prompts, config.bench_prompt_len).to(device)
             for s in ("val", "test")]
 
-def compare_strategies(model, splits, config, device):
+def compare_strategies(model, splits, config, device, fixed, threshold):
     """The strategies table at batch 1: exit plans chosen on val, quality teacher-forced on test,
-    speed on the test workload, greedy and sampled."""
+    speed on the test workload, greedy and sampled, at the sample's threshold; fixed: depth -> a
+    plain GPT, timed beside."""
     val_prompts, test_prompts = workloads(splits, config, device)
     val_records = record_exits(model, splits["val"].to(device), config.quality_positions)
     costs = decode_costs(model, val_prompts[:4], config.bench_tokens)
-    plans = strategy_plans(val_records, costs, config)
+    plans = strategy_plans(val_records, costs, config, threshold)
     spec = (config.draft_exit, config.num_draft)
     predicted = dict(zip(MODES, speculation_costs(model, val_prompts, config, 1, [spec])))
     decoders = {name: dict.fromkeys(MODES, decoder(model, name, plans.get(name),
                                                    config.confidence_measure, spec))
                 for name in ("full", *KV_STRATEGIES, "self_speculative")}
+    decoders.update({f"{d}-layer GPT": dict.fromkeys(MODES, decoder(small, "full"))
+                     for d, small in fixed.items()})
     rows, quality = measure_decoders(decoders, splits["test"].to(device), test_prompts, config)
     for row in rows:
         plan = plans.get(row["name"])
@@ -1656,10 +1792,12 @@ mean_layers   | layers                 | {:.2f} | mean layers run per position
 compute_saved | val saved              | {:.1%} | the share of layer runs skipped
 loss          | val loss               | {:.4f} | the loss of the head each position leaves at
 disagreement  | disagree               | {:.2%} | the share whose top-1 is not full depth's""")
-CALIBRATION_TABLE = table("""Which threshold, with a guarantee?
-measure            | measure      | {}     | how a head's confidence is read
-threshold          | threshold    | {:.2f} | the threshold Learn then Test chooses on val
+CALIBRATION_TABLE = table("""Which exit rule, with a guarantee, and how near the best possible?
+measure            | rule         | {}     | how sure an exit is (oracle: it knows full depth's top-1)
+k                  | k            | {}     | patience: the exits in a row that must agree
+threshold          | threshold    | {:.3g} | the threshold Learn then Test chooses on val
 test.compute_saved | test saved   | {:.1%} | the share of layer runs it skips on test
+test.oracle_share  | of oracle    | {:.0%} | that share over the oracle's at the same epsilon
 test.disagreement  | disagree     | {:.2%} | the share whose top-1 is not full depth's
 test.loss          | test loss    | {:.4f} | the loss of the heads the positions leave at
 test.full_loss     | full depth's | {:.4f} | full depth's loss on the same positions
@@ -1670,14 +1808,51 @@ readout    | readout       | {}     | its own exit head, or the final one (untra
 agreement  | top-1 = final | {:.3f} | how often its top-1 is the final prediction
 mean_rank  | mean rank     | {:.2f} | how many characters it ranks above the final top-1
 confidence | confidence    | {:.3f} | its mean top-1 probability""")
+PATIENCE_TABLE = table("""How patient? (patience on val, k swept)
+k             | k         | {}     | the exits in a row that must agree on the top-1
+mean_layers   | layers    | {:.2f} | mean layers run per position
+compute_saved | val saved | {:.1%} | the share of layer runs skipped
+disagreement  | disagree  | {:.2%} | the share whose top-1 is not full depth's""")
+EXIT_CALIBRATION_TABLE = table("""Does one confidence mean the same at every exit?
+layer       | layer    | {:}    | the exit read (the last: full depth)
+ece_data    | ECE data | {:.3f} | expected calibration error of its top-1 confidence, against the data
+ece_full    | ECE full | {:.3f} | and against full depth's top-1
+reliability | accuracy in the confidence bins 0-0.1, ..., 0.9-1 | {} | '-': an empty bin""")
+SHIFT_TABLE = table("""Does the guarantee hold on text of another kind?
+measure             | rule        | {}     | the rule, at its threshold calibrated on val
+test.compute_saved  | test saved  | {:.1%} | the share of layer runs skipped on test
+shift.compute_saved | shift saved | {:.1%} | and on the shifted text
+test.disagreement   | test dis.   | {:.2%} | the share whose top-1 is not full depth's, on test
+shift.disagreement  | shift dis.  | {:.2%} | and on the shifted text
+shift.held          | held        | {}     | shift dis. within epsilon
+shift.loss          | shift loss  | {:.4f} | the loss of the exits on the shifted text
+shift.full_loss     | full depth's| {:.4f} | full depth's loss there""")
+KINDS_TABLE = table("""Who pays for the disagreement?
+kind          | kind      | {}      | the kind of the character to predict
+positions     | positions | {:,}    | test positions of that kind
+mean_layers   | layers    | {:.2f}  | mean layers run
+disagreement  | disagree  | {:.2%}  | the share whose top-1 is not full depth's
+accuracy_lost | acc. lost | {:+.3f} | full depth's accuracy minus the exits'""")
+TAIL_TABLE = table("""Average or tail?
+mode          | mode       | {}     | greedy, or sampled
+name          | decoder    | {}     | as in the strategies table
+ms_mean       | mean       | {:.2f} | ms a token
+ms_p50        | p50        | {:.2f} | the median token's ms
+ms_p95        | p95        | {:.2f} | 95% of tokens took at most this many ms
+ms_p99        | p99        | {:.2f} | and 99%
+prompt_ms_p95 | prompt p95 | {:.0f} | ms for a prompt's whole continuation, 95th percentile""")
+DEPTH_TABLE = table("""Would a smaller model do as well?
+layers            | layers     | {}      | a plain GPT of this depth (alpha 0)
+test_loss         | test loss  | {:.4f}  | on the test positions the exit rules are reported on
+excess_loss       | above full | {:+.4f} | over the full model's loss there
+test_accuracy     | accuracy   | {:.3f}  | how often its top-1 is the next character
+tokens_per_second | tok/s      | {:,.0f} | greedy, batch 1, the test workload
+speedup           | greedy     | {:.2f}x | over the full model, as in the strategies table
+speedup_sampled   | sampled    | {:.2f}x | and sampled""")
 SLICES_TABLE = table("""What does 'easy' mean for this model?
 layer    | layer    | {}     | where a test position leaves
 tokens   | tokens   | {}     | how many leave there
 accuracy | accuracy | {:.3f} | how often their exit's top-1 is the next character""")
-EASY_CHARS_TABLE = table("""Which characters leave first?
-char            | character       | {!r} | a character that leaves at the shallowest exit used
-exits           | times           | {}   | how often it left there
-example_context | typically after | {!r} | the context it most often follows""")
 STRATEGY_TABLE = table("""What does each KV strategy buy?
 mode              | mode      | {}      | greedy, or sampled
 name              | decoder   | {}      | how the skipped layers' cache is filled
@@ -1758,18 +1933,18 @@ def print_strategies(entries, quality, config, costs, depths):
     impossible = ""
     if costs["token"] < L * b:
         impossible = f", IMPOSSIBLE ({L} blocks): so after {costs['attempts']} measurements"
-    notes += [f"Chosen on val: exits and thr (exit_layers={config.exit_layers!r}: the highest "
-              f"threshold sending {EARLY_EXIT_FRACTION:.0%} of val positions out early), and "
-              "self_speculative's prediction, its speed-up timed on val (per round: a round's time "
+    notes += [f"Chosen on val: exits (exit_layers={config.exit_layers!r}) at the sample's "
+              "threshold, and self_speculative's prediction, its speed-up timed on val (per round: a round's time "
               "over the tokens it emits). Prefilling the prompt and re-prefilling the window every "
               "block_size/2 tokens adds "
               + " to ".join(f"{p:.2f}" for p in prefill) + " per token for every decoder. Sampled: "
               f"temperature {config.temperature:g}, top_k {config.top_k}.",
-              f"test loss, agree: {config.quality_positions} test positions teacher-forced; the "
-              "Learn-then-Test guarantee covers none of these rows.",
+              f"test loss, agree: {config.quality_positions} test positions teacher-forced. A "
+              "calibrated threshold's guarantee covers backfill and deferred (an exact cache), not "
+              "state_copy or holes.",
               f"Where test tokens exit, layer 0 first (teacher-forced): {exits}.",
               f"Measured at batch 1: a block {1e6 * b:.0f} us; in blocks, an exit check "
-              f"{costs['check'] / b:.2f}, a state-copy write {costs['state_copy'] / b:.2f}, the "
+              f"{costs['check ' + config.confidence_measure] / b:.2f} ({config.confidence_measure}), a state-copy write {costs['state_copy'] / b:.2f}, the "
               f"final head {costs['final_head'] / b:.2f}, a full-depth token "
               f"{costs['token'] / b:.1f}{impossible}.",
               f"A batch runs as deep as its deepest row; expected layers a step (of {L}): {depth}."]
@@ -1797,9 +1972,39 @@ def print_batches(batched, config):
                 f"{', '.join(map(str, BATCH_SIZES))}, median of {config.bench_repeats} interleaved "
                 "runs", batch_notes(batched, asdict(config)))
 
+ORACLE_NOTE = ("Teacher-forced, with an exact cache. The oracle leaves at the first exit whose top-1 "
+               "is full depth's and spends epsilon where that saves most: no rule saves more.")
+
 def guarantee(cal, positions):
     return (f"Learn then Test: disagreement <= {cal['epsilon']:.0%} with probability >= "
             f"{1 - cal['delta']:.0%}, chosen on val, reported on {positions:,} test positions")
+
+def calibration_note(rows):
+    """One sentence: do the exits mean the same thing by the same confidence?"""
+    top = [r["bins"][-1]["agreement"] for r in rows[:-1] if r["bins"][-1]["positions"]] or [0.0]
+    ece = [r["ece_data"] for r in rows]
+    differ = max(top) - min(top) > 0.02
+    return (f"Where an exit is 90-100% sure, its top-1 is full depth's {min(top):.1%} to "
+            f"{max(top):.1%} of the time, and its ECE against the data runs {min(ece):.3f} to "
+            f"{max(ece):.3f}: " + ("the exits differ, so one threshold does not mean the same at "
+                                   "every exit." if differ else "one threshold means about the "
+                                   "same at every exit."))
+
+def shift_notes(cal, path):
+    """The monitor line and the plain answer: did epsilon hold on the shifted text?"""
+    t, sh = cal["test"], cal["shift"]
+    return [f"share leaving at layer 0 ({cal['measure']}): test {t['exit_fractions'][0]:.1%}, "
+            f"shifted {sh['exit_fractions'][0]:.1%}",
+            f"On {path}, epsilon {'held' if sh['held'] else 'was BROKEN'} for {cal['measure']}: "
+            f"{sh['disagreement']:.2%} disagreement against {cal['epsilon']:.0%}. The guarantee "
+            "covers text like val, and nothing else."]
+
+def tail_note(rows):
+    full = {r["mode"]: r["ms_p99"] for r in rows if r["name"] == "full"}
+    worse = [f"{r['name']} {r['mode']}" for r in rows if r["ms_p99"] > full[r["mode"]]]
+    return (f"p99 above full depth's (a worse tail): {', '.join(worse) or 'none'}. Each step "
+            "timed with the device synchronised, in the last timed pass; a round of speculation "
+            "is shared by the tokens it emits.")
 
 def print_exit_rule(rule, config):
     """The analysis of choosing the exit rule, each part under the question it answers."""
@@ -1810,13 +2015,19 @@ def print_exit_rule(rule, config):
                 f"({config.confidence_measure}): compute saved against quality",
                 [f"full depth's val loss on these positions: {rule['sweep'][0]['full_loss']:.4f}"])
     print_table(CALIBRATION_TABLE, rule["calibration_by_measure"],
-                guarantee(cal, config.sweep_positions), ["teacher-forced, with an exact cache"])
+                guarantee(cal, config.sweep_positions), [ORACLE_NOTE])
+    print_table(PATIENCE_TABLE, rule["patience"], f"{n} val positions")
+    print_table(EXIT_CALIBRATION_TABLE, rule["exit_calibration"], f"{n} test positions",
+                [calibration_note(rule["exit_calibration"])])
+    if "shift" in cal:
+        print_table(SHIFT_TABLE, rule["calibration_by_measure"], f"{config.shift_path}, up to {n} "
+                    "positions", shift_notes(cal, config.shift_path))
     print_table(LENS_TABLE, rule["logit_lens"], "The logit lens on up to 64 val windows: each "
                 "layer through the final head and through its own exit head")
     print_table(SLICES_TABLE, slices["per_layer"], f"The {n} test positions by the layer they "
                 f"leave at (calibrated threshold {cal['threshold']:g})")
-    print_table(EASY_CHARS_TABLE, slices["earliest_chars"], "The test positions leaving at layer "
-                f"{slices['first_exit_layer']}")
+    print_table(KINDS_TABLE, slices["per_kind"], f"The {n} test positions by the kind of the "
+                "character to predict, at the calibrated threshold")
 
 def print_recipes(entries, config):
     print_table(RECIPE_TABLE, entries, f"Every recipe at the same budget ({config.max_iters} "
@@ -2068,6 +2279,21 @@ def html_calibration(report):
     return rows_section(report, "calibration_by_measure", CALIBRATION_TABLE,
                         f"<p>{conditions}, teacher-forced, with an exact cache.</p>")
 
+def html_patience(report):
+    return rows_section(report, "patience", PATIENCE_TABLE)
+
+def html_exit_calibration(report):
+    note = calibration_note(report["exit_calibration"])
+    return rows_section(report, "exit_calibration", EXIT_CALIBRATION_TABLE, f"<p>{esc(note)}</p>")
+
+def html_shift(report):
+    cal, rows = report["calibration"], report["calibration_by_measure"]
+    if "shift" not in cal:
+        return ""
+    notes = shift_notes(cal, report["config"]["shift_path"])
+    return section("shift", SHIFT_TABLE[0], html_table(SHIFT_TABLE, rows,
+                                                       "calibration_by_measure.{}.{}".format, notes))
+
 def html_lens(report):
     return rows_section(report, "logit_lens", LENS_TABLE)
 
@@ -2075,13 +2301,32 @@ def html_slices(report):
     sl = report["slices"]
     return section("easy", SLICES_TABLE[0],
                    html_table(SLICES_TABLE, sl["per_layer"], "slices.per_layer.{}.{}".format),
-                   f"<h3>{EASY_CHARS_TABLE[0]} (layer {sl['first_exit_layer']})</h3>",
-                   html_table(EASY_CHARS_TABLE, sl["earliest_chars"],
-                              "slices.earliest_chars.{}.{}".format))
+                   f"<h3>{KINDS_TABLE[0]}</h3>",
+                   html_table(KINDS_TABLE, sl["per_kind"], "slices.per_kind.{}.{}".format))
 
 def html_strategies(report):
     chart = html_speedups(report["strategies"], "strategies", 1)
     return rows_section(report, "strategies", STRATEGY_TABLE, chart)
+
+def html_tail(report):
+    rows = report["strategies"]
+    return section("tail", TAIL_TABLE[0], html_table(TAIL_TABLE, rows, "strategies.{}.{}".format,
+                                                      [tail_note(rows)]))
+
+def html_depths(report):
+    """Test loss above the full model's against layers run a token: early exit's threshold curve
+    (test), the fixed models as points; the verdict; the table."""
+    rows, L = report["depths"]["rows"], report["config"]["n_layer"]
+    curve = [(e["mean_layers"] / L, e["excess_loss"], f"test_sweep.{j}.excess_loss",
+              f"threshold {e['threshold']:.2f}: {e['mean_layers']:.2f} layers, "
+              f"{e['excess_loss']:+.4f}") for j, e in enumerate(report["test_sweep"])]
+    fixed = [(r["layers"] / L, r["excess_loss"], f"depths.rows.{j}.excess_loss",
+              f"a {r['layers']}-layer GPT: {r['excess_loss']:+.4f}") for j, r in enumerate(rows)]
+    chart = svg_chart([("early exit, by threshold", "a", curve), ("a smaller GPT", "b", fixed)],
+                      {f"{l}": l / L for l in range(1, L + 1)},
+                      ("layers run per token", "test loss above the full model's"), "{:.2f}")
+    return section("depths", DEPTH_TABLE[0], chart, f"<p>{esc(report['depths']['verdict'])}</p>",
+                   html_table(DEPTH_TABLE, rows, "depths.rows.{}.{}".format))
 
 def html_batches(report):
     rows = report["batched"]["entries"]
@@ -2097,8 +2342,10 @@ def html_recipes(report):
 # the page's sections in reading order, each drawn where its part of the report is there
 HTML_SECTIONS = (("generation", html_generation), ("speculation", html_speculation),
                  ("sweep", html_sweep), ("calibration_by_measure", html_calibration),
-                 ("logit_lens", html_lens), ("slices", html_slices),
-                 ("strategies", html_strategies), ("batched", html_batches),
+                 ("patience", html_patience), ("exit_calibration", html_exit_calibration),
+                 ("calibration", html_shift), ("logit_lens", html_lens), ("slices", html_slices),
+                 ("strategies", html_strategies), ("strategies", html_tail),
+                 ("depths", html_depths), ("batched", html_batches),
                  ("recipes", html_recipes))
 
 def write_html_report(report, path):
@@ -2307,7 +2554,7 @@ RANGES = {  # the numbers each field takes: [ or ] includes that end, ( or ) lea
 }
 CHOICES = {"init_from": ("scratch", "resume"),
            "kv_strategy": (*KV_STRATEGIES, "self_speculative"),
-           "confidence_measure": tuple(CONFIDENCE_MEASURES)}
+           "confidence_measure": (*CONFIDENCE_MEASURES, "learned")}
 
 def boolean(text):
     """An argparse type: true/false or 1/0."""
@@ -2386,21 +2633,32 @@ def validate(config):
     except OSError as e:
         raise ValueError(f"--out_dir={config.out_dir!r} cannot be a folder: {e.strerror}") from None
 
-def check_text(config):
-    """The input file is UTF-8 text long enough for every split, holding the prompt's characters."""
+def read_text(config, name):
+    """The UTF-8 text of the file a field names (no such file, or not UTF-8: iconv -t UTF-8 it)."""
     try:
-        text = Path(config.input_path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:  # no such file, or not UTF-8 (iconv -t UTF-8 it)
-        raise ValueError(f"--input_path={config.input_path!r}: {e}") from None
+        return Path(getattr(config, name)).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--{name}={getattr(config, name)!r}: {e}") from None
+
+def check_text(config):
+    """The input file is UTF-8 text long enough for every split; the prompt's and the shifted
+    text's characters are in its vocabulary."""
+    text = read_text(config, "input_path")
     need = max(config.block_size, config.bench_prompt_len, config.quality_positions) + 2
     if min(map(len, split_data(text).values())) < need:
         raise ValueError(f"--input_path={config.input_path!r} ({len(text):,} characters) is too "
                          f"short: each split needs {need} for block_size, bench_prompt_len and "
                          "quality_positions")
-    unknown = "".join(sorted(set(config.prompt) - set(text)))
-    if unknown:
-        raise ValueError(f"--prompt has characters not in the vocabulary of "
-                         f"{config.input_path!r}: {unknown!r}")
+    others = {"--prompt": config.prompt}
+    if config.shift_path:
+        others["--shift_path ('' skips it)"] = read_text(config, "shift_path")
+        if len(others["--shift_path ('' skips it)"]) < 2:  # a character to read, one to predict
+            raise ValueError(f"--shift_path={config.shift_path!r} holds under 2 characters")
+    for name, other in others.items():
+        unknown = "".join(sorted(set(other) - set(text)))
+        if unknown:
+            raise ValueError(f"{name} has characters not in the vocabulary of "
+                             f"{config.input_path!r}: {unknown!r}")
 
 def parse_exit_layers(text, n_layer):
     """'all' or '0,2' -> the sorted layers (below the last) whose exit head is checked; 'auto' is
@@ -2431,21 +2689,32 @@ def pick_device(name):
 # Main: the lesson, then the lab, every analysis under the question it answers
 
 def choose_exit_rule(model, tokenizer, splits, config, device):
-    """Sweep on val, calibrate per measure, report on test; the logit lens and the exit slices."""
-    val, test = (record_exits(model, splits[s].to(device), config.sweep_positions)
-                 for s in ("val", "test"))
+    """Sweep on val; calibrate every rule on val, report it on test and on the shifted text beside
+    the oracle; patience's k swept on val; each exit's calibration, the logit lens, the slices."""
+    texts = {s: splits[s] for s in ("val", "test")}
+    if config.shift_path:
+        texts["shift"] = torch.tensor(tokenizer.encode(read_text(config, "shift_path")))
+    records = {s: record_exits(model, t.to(device), config.sweep_positions) for s, t in texts.items()}
+    val, test, shifted = records["val"], records["test"], records.get("shift")
     checked = parse_exit_layers(config.exit_layers, config.n_layer)
     measure = config.confidence_measure
-    cals = {m: calibration_report(val, test, m, checked, config.epsilon, config.delta)
-            for m in CONFIDENCE_MEASURES}
+    cals = {m: calibration_report(val, test, shifted, m, checked, config.epsilon, config.delta)
+            for m in exit_rules(model)}
+    best = {s: oracle(records[s], checked, config.epsilon) for s in records if s != "val"}
+    best["test"]["oracle_share"] = 1.0
+    patience = [{"k": k, **exit_summary(val, exits_at_threshold(val, "patience", (k - 1) / k,
+                                                                checked))}
+                for k in range(1, config.n_layer + 1)]  # at most k - 1 agreeing: never leaves
     T = config.block_size
     # (<= 64, T): back-to-back windows of val, each character followed by one more
     windows = splits["val"][:-1].unfold(0, T, T)[:64].to(device)
     lens = logit_lens(model, windows)
     exits = exits_at_threshold(test, measure, cals[measure]["threshold"], checked)
-    return {"sweep": sweep(val, measure, checked),
-            "calibration": cals[measure], "calibration_by_measure": list(cals.values()),
-            "logit_lens": lens, "slices": exit_slices(test, exits, tokenizer, splits["test"])}
+    return {"sweep": sweep(val, measure, checked), "test_sweep": sweep(test, measure, checked),
+            "calibration": cals[measure],
+            "calibration_by_measure": [*cals.values(), {"measure": "oracle", **best}],
+            "patience": patience, "exit_calibration": exit_calibration(test),
+            "logit_lens": lens, "slices": exit_slices(test, exits, tokenizer)}
 
 def sample_decoder(model, config, threshold):
     """The early-exit sample's decoder (--kv_strategy), its label and the exits it checks."""
@@ -2499,12 +2768,14 @@ def speculation_map(model, tokenizer, idx, samples, config):
             "acceptance_rate": rate, "rounds": s["rounds"], "draft_exit": config.draft_exit,
             "num_draft": config.num_draft}
 
-def measure_strategies(model, splits, config, device):
+def measure_strategies(model, splits, config, device, fixed, threshold):
     """The strategies table on the workload, costs and plans, batch depth, and (--bench_batch) the
     batch table."""
-    entries, quality, plans, costs, val_records = compare_strategies(model, splits, config, device)
+    entries, quality, plans, costs, val_records = compare_strategies(model, splits, config, device,
+                                                                     fixed, threshold)
     depths = expected_batch_depth(quality["backfill"]["exited_at"], BATCH_SIZES, config.n_layer)
     print_strategies(entries, quality, config, costs, depths)
+    print_table(TAIL_TABLE, entries, "Batch 1, the test workload", [tail_note(entries)])
     report = {"strategies": entries, "decode_costs": costs,
               "workload": {"split": "test", "prompts": config.bench_prompts,
                            "prompt_len": config.bench_prompt_len, "tokens": config.bench_tokens,
@@ -2525,6 +2796,48 @@ def run_recipe_comparison(config, device):
     print_recipes(entries, config)
     write_report({"config": asdict(config), "recipes": entries}, config, "recipes")
 
+def train_fixed_depths(config, splits, device, depths):
+    """depth -> a plain GPT (alpha 0) of that depth: the same width, steps and data."""
+    fixed = {}
+    for d in depths:
+        print(f"\n--- a {d}-layer GPT trained as a plain model (alpha 0: its exit heads untrained "
+              "and unused), with the same width, steps and data ---")
+        config_d = replace(lesson_config(config), n_layer=d, alpha=0.0)
+        fixed[d] = train_new_model(config_d, splits, device)
+    return fixed
+
+def depth_rows(fixed, splits, config, device, strategies, full_loss):
+    """Each fixed model on the test positions the exit rules are reported on (its loss, and above
+    full_loss, the full model's), and its speed-ups from the strategies table."""
+    rows = []
+    for d, small in fixed.items():
+        r = record_exits(small, splits["test"].to(device), config.sweep_positions)
+        speed = {e["mode"]: e for e in strategies if e["name"] == f"{d}-layer GPT"}
+        loss = r.nll[-1].mean().item()
+        rows.append({"layers": d, "test_loss": loss, "excess_loss": loss - full_loss,
+                     "test_accuracy": share(r.pred[-1] == r.targets),
+                     "tokens_per_second": speed["greedy"]["tokens_per_second"],
+                     "speedup": speed["greedy"]["speedup"],
+                     "speedup_sampled": speed["sampled"]["speedup"]})
+    return rows
+
+def verdict(cal, strategies, row):
+    """The line that answers 'worth it?': early exit at the calibrated threshold, and as
+    self-speculation, against the fixed model nearest its depth; losses on the same test
+    positions, speed-ups on the same workload."""
+    spec = {e["mode"]: e["speedup"] for e in strategies if e["name"] == "self_speculative"}
+    t = cal["test"]
+    faster = spec["greedy"] >= row["speedup"] and spec["sampled"] >= row["speedup_sampled"]
+    wins = {(True, True): "early exit, as self-speculation, is both faster and better",
+            (False, False): "the smaller model is both faster and better"}
+    return (f"Worth it? Early exit at {t['mean_layers']:.2f} layers a token ({cal['measure']} > "
+            f"{cal['threshold']:g}): test loss {t['loss']:.4f}; as self-speculation it keeps full "
+            f"depth's {t['full_loss']:.4f} at {spec['greedy']:.2f}x greedy, {spec['sampled']:.2f}x "
+            f"sampled. A {row['layers']}-layer GPT: test loss {row['test_loss']:.4f}, "
+            f"{row['speedup']:.2f}x greedy, {row['speedup_sampled']:.2f}x sampled. So "
+            + wins.get((faster, t["full_loss"] <= row["test_loss"]),
+                       "neither is both faster and better") + ".")
+
 def lesson_config(config):
     """Part I's Config from the lab's fields, with Part I's own threshold where the lab's says
     'calibrate'."""
@@ -2542,6 +2855,7 @@ def write_report(report, config, name):
 def run_lab(model, tokenizer, splits, config, device, report):
     """Part I's samples from the lab's model, threshold and decoder, then every analysis of the
     lab."""
+    fit_exit_predictor(model, splits["train"].to(device), config.sweep_positions)  # learned rule
     rule = None
     threshold = config.exit_threshold
     if threshold < 0:  # calibrate on val (Learn then Test)
@@ -2559,7 +2873,17 @@ def run_lab(model, tokenizer, splits, config, device, report):
         rule = choose_exit_rule(model, tokenizer, splits, config, device)
     print_exit_rule(rule, config)
     report.update(rule)
-    report.update(measure_strategies(model, splits, config, device))
+    L, cal = config.n_layer, rule["calibration"]
+    nearest = min(max(round(cal["test"]["mean_layers"]), 1), L - 1)  # to the calibrated depth
+    fixed = train_fixed_depths(config, splits, device,
+                               range(1, L) if config.compare_depths else [nearest])
+    report.update(measure_strategies(model, splits, config, device, fixed, threshold))
+    rows = depth_rows(fixed, splits, config, device, report["strategies"],
+                      cal["test"]["full_loss"])
+    report["depths"] = {"rows": rows, "verdict": verdict(cal, report["strategies"],
+                                                         rows[list(fixed).index(nearest)])}
+    print_table(DEPTH_TABLE, rows, f"Plain GPTs, {config.sweep_positions:,} test positions",
+                [report["depths"]["verdict"]])
     write_report(report, config, "report")
 
 def run(config, overridden):
