@@ -390,6 +390,11 @@ class Generation:
     prefill_runs: float = 0.0  # block runs per row spent re-prefilling the window at full depth
     clock: list = None  # (seconds, row 0's length) at the start and after each step
 
+def tick(device, length):
+    """A clock entry of a Generation: (seconds, row 0's length) once the device is done."""
+    synchronize(device)
+    return time.perf_counter(), length
+
 @torch.inference_mode()
 def generate(model, idx, max_new_tokens, strategy=Backfill, exit_threshold=1.0, checked_exits=None,
              measure="top1", temperature=1.0, top_k=0, generator=None, forced=None):
@@ -402,7 +407,7 @@ def generate(model, idx, max_new_tokens, strategy=Backfill, exit_threshold=1.0, 
     tokens = F.pad(idx, (0, max_new_tokens))  # (B, T0 + N): the prompt, then room for the rest
     exits, emitted, prefilled = idx.new_zeros(B, max_new_tokens), [], 0
     cache, start = KVCache(cfg, B, idx.device), None
-    clock = [(time.perf_counter(), T0)]  # the tail's timer, the device synchronised
+    clock = [tick(idx.device, T0)]
     for i in range(max_new_tokens):
         n = T0 + i
         start, runs = slide_window(model, cache, tokens, start, n)
@@ -414,8 +419,7 @@ def generate(model, idx, max_new_tokens, strategy=Backfill, exit_threshold=1.0, 
             emitted.append(logits.float())
         else:
             tokens[:, n] = sample(logits, temperature, top_k, generator)
-        synchronize(idx.device)
-        clock.append((time.perf_counter(), n + 1))
+        clock.append(tick(idx.device, n + 1))
     logits = torch.stack(emitted, dim=1) if emitted else None
     return Generation(tokens, exits, logits, sum(cache.layer_evals) - prefilled, prefilled, clock)
 
@@ -599,7 +603,6 @@ import re
 import signal
 import textwrap
 import zipfile
-from collections import Counter
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
@@ -636,7 +639,6 @@ class LabConfig(Config):
     sweep_positions: int = 20000  # val and test positions recorded for the sweep and calibration
     schedule_disagreement: float = 0.03  # SkipDecode: most disagreement with full depth it may cost
     # studies beyond the default run
-    compare_recipes: bool = False  # train and compare every recipe in RECIPES (~2 min each)
     bench_batch: bool = False  # also measure every batch design at batch 1, 4 and 16 (minutes)
     compare_depths: bool = False  # train a plain GPT of every depth below n_layer, not only one
 
@@ -665,7 +667,8 @@ class Deferred(Backfill):
         self.park(cache, x, pos)
         # (B, pos + 1 - n, C): the parked positions and this one, as one causal chunk
         self.parked[:, n : pos + 1] = block(self.parked[:, n : pos + 1], cache, layer)
-        return self.parked[:, pos : pos + 1]
+        return self.parked[:, pos : pos + 1].clone()  # not a view: a rule reads it after the next
+
 
     def skip_layers(self, model, cache, x, pos, layer):
         self.park(cache, x, pos)  # the state the skipped layers will start from
@@ -923,9 +926,9 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit=0, num_draf
     tokens = F.pad(idx, (0, max_new_tokens + num_draft))  # zeros: room for the tokens and drafts
     out_tokens = tokens[:, :end].clone()
     cache = RowKVCache(replace(cfg, block_size=cfg.block_size + num_draft), B, dev)
-    n = idx.new_full((B,), T0)  # (R,): each row's length, the tokens it has so far
-    starts = torch.full_like(n, -cfg.block_size - 1)  # no window yet: the first round places one
-    ids, rounds, prefilled, clock = torch.arange(B, device=dev), [], 0.0, [(time.perf_counter(), T0)]
+    n = idx.new_full((B,), T0)  # (R,): each row's length; no window yet (start far back)
+    starts = torch.full_like(n, -cfg.block_size - 1)
+    ids, rounds, prefilled, clock = torch.arange(B, device=dev), [], 0.0, [tick(dev, T0)]
     while max_new_tokens > 0 and len(ids):  # ids (R,): the rows still in the batch
         prefilled += slide_rows(model, cache, tokens, starts, n) / B
         pos = n - 1 - starts  # (R,) window position of each row's first token fed this round
@@ -935,8 +938,7 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit=0, num_draf
                                                temperature, top_k, generator)
         rounds.append((ids, n, accepted, room))
         n = n + accepted + has_next  # n back past a rejected draft: the row's cache rolls back
-        synchronize(dev)
-        clock.append((time.perf_counter(), min(int(n[0]), end)))
+        clock.append(tick(dev, min(int(n[0]), end)))  # row 0's length: the tail at batch 1
         done = n >= end  # rows that are done leave: the next rounds run on the rest only
         if bool(done.any()):
             out_tokens[ids[done]] = tokens[done, :end]
@@ -977,10 +979,10 @@ def distillation(logits, teacher_log_probs, temperature):
 
 class RecipeGPT(GPT):
     """The lesson's GPT trained with a recipe of LabConfig: self-distillation toward the final head
-    and LayerSkip's layer dropout. The seed recipe (SEED_RECIPE) computes exactly GPT's loss; the
-    default, dropout_distill, won the recipe comparison (docs/RESULTS.md has it, with the recipes
-    that lost: CALM's and LayerSkip's depth-weighted exit losses, one shared head, the final head
-    at every exit)."""
+    and LayerSkip's layer dropout. The seed recipe (distill_weight 0, layer_dropout 0) computes
+    exactly GPT's loss; the default (layer dropout 0.2, distillation 0.1) won a comparison of
+    recipes that docs/RESULTS.md keeps, with those that lost: CALM's and LayerSkip's depth-weighted
+    exit losses, one shared head, the final head at every exit."""
     def hidden_states(self, idx):
         """GPT's, with LayerSkip's layer dropout in training: each sequence skips block l with its
         rate."""
@@ -1018,15 +1020,6 @@ def count_params(model):
     heads = sum(p.numel() for p in model.exit_heads.parameters())
     return sum(p.numel() for p in model.parameters()) - heads, heads
 
-SEED_RECIPE = {"alpha": 0.3, "distill_weight": 0.0, "distill_temperature": 1.0,
-               "layer_dropout": 0.0}
-RECIPES = {  # each is the seed recipe with these fields changed
-    "baseline": {"alpha": 0.0},  # a plain GPT: no exit is trained
-    "seed": {},
-    "distill": {"distill_weight": 0.2},
-    "layer_dropout": {"layer_dropout": 0.2},
-    "dropout_distill": {"layer_dropout": 0.2, "distill_weight": 0.1},  # the comparison's winner
-}
 
 # -----------------------------------------------------------------------------
 # Choosing the exit rule, 1: record every exit once, teacher-forced, then sweep without the model
@@ -1266,10 +1259,10 @@ def exit_calibration(records, bins=10):
                             (conf[l], pred == records.targets, pred == records.pred[-1])])
         mean = sums / count.clamp_min(1)  # (3, bins): confidence, accuracy, agreement
         ece = ((mean[1:] - mean[0]).abs() * count).sum(-1) / conf.size(1)  # (2,)
-        rows.append({"layer": l, "ece_data": ece[0].item(), "ece_full": ece[1].item(), "bins": [
-            dict(zip(("confidence", "accuracy", "agreement", "positions"), b))
-            for b in zip(*mean.tolist(), count.tolist())], "reliability": " ".join(
-                f"{a:.2f}" if n else "-" for a, n in zip(mean[1].tolist(), count.tolist()))})
+        table = dict(zip(("confidence", "accuracy", "agreement", "positions"), [*mean, count]))
+        rows.append({"layer": l, "ece_data": ece[0].item(), "ece_full": ece[1].item(),
+                     "bins": {k: v.tolist() for k, v in table.items()}, "reliability": " ".join(
+                         f"{a:.2f}" if n else "-" for a, n in zip(table["accuracy"], count))})
     rows[-1]["ece_full"] = None  # full depth always agrees with itself
     return rows
 
@@ -1306,24 +1299,20 @@ def share(mask):
     return mask.float().mean().item() if mask.numel() else None
 
 def exit_slices(records, exits, tokenizer):
-    """At these exits: the accuracy of the positions leaving at each layer, and per kind of
-    character to predict, how deep it runs, how often it disagrees with full depth and the
-    accuracy it loses against full depth."""
-    L, N = records.pred.shape
-    pred = records.pred[exits, torch.arange(N, device=exits.device)]
+    """At these exits, per kind of character to predict: how deep it runs, how often it disagrees
+    with full depth, and the accuracy it loses against full depth."""
+    pred = records.pred[exits, torch.arange(len(exits), device=exits.device)]
     right, full_right = pred == records.targets, records.pred[-1] == records.targets
     kinds = [character_kind(ch) for ch in tokenizer.decode(records.targets.tolist())]
-    per_layer = [{"layer": l, "tokens": int((exits == l).sum()), "accuracy": share(right[exits == l])}
-                 for l in range(L)]
-    per_kind = []
+    rows = []
     for kind in KINDS:
         here = torch.tensor([k == kind for k in kinds], device=exits.device)
         if here.any():
-            per_kind.append({"kind": kind, "positions": int(here.sum()),
-                             "mean_layers": (exits[here] + 1).float().mean().item(),
-                             "disagreement": share((pred != records.pred[-1])[here]),
-                             "accuracy_lost": share(full_right[here]) - share(right[here])})
-    return {"per_layer": per_layer, "per_kind": per_kind}
+            rows.append({"kind": kind, "positions": int(here.sum()),
+                         "mean_layers": (exits[here] + 1).float().mean().item(),
+                         "disagreement": share((pred != records.pred[-1])[here]),
+                         "accuracy_lost": share(full_right[here]) - share(right[here])})
+    return rows
 
 # -----------------------------------------------------------------------------
 # Measurement, 1: every decoder on one workload, quality teacher-forced, then wall-clock
@@ -1431,9 +1420,9 @@ def tail(outputs):
         for (t0, n0), (t1, n1) in zip(out.clock, out.clock[1:]):
             per_token += [1e3 * (t1 - t0) / (n1 - n0)] * (n1 - n0)
         per_prompt.append(1e3 * (out.clock[-1][0] - out.clock[0][0]))
-    p50, p95, p99 = np.percentile(per_token, [50, 95, 99])
-    return {"ms_mean": np.mean(per_token), "ms_p50": p50, "ms_p95": p95, "ms_p99": p99,
-            "prompt_ms_p95": np.percentile(per_prompt, 95)}
+    p50, p95, p99 = np.percentile(per_token, [50, 95, 99]).tolist()
+    return {"ms_mean": sum(per_token) / len(per_token), "ms_p50": p50, "ms_p95": p95, "ms_p99": p99,
+            "prompt_ms_p95": float(np.percentile(per_prompt, 95))}
 
 def table_row(name, mode, speed, quality, config, batch_size=1):
     """One row of a decoder table: speed over full depth at the same batch size and mode, quality
@@ -1473,9 +1462,10 @@ def measure_decoders(decoders, test, prompts, config, batch_size=1):
 @torch.inference_mode()
 def decode_costs(model, prompts, n_tokens, repeats=200, attempts=3):
     """Seconds, one new token at batch 1 (medians): a block, an exit check by each rule (head,
-    confidence and the host sync that decides), a state-copy write, the final head, and a whole full-depth token
-    on these prompts, by the same full-depth decoder the speed-ups divide by. A token cheaper than
-    n_layer blocks is impossible (a busy machine): measured again, up to `attempts` times."""
+    confidence and the host sync that decides), a state-copy write, the final head, and a whole
+    full-depth token on these prompts, by the same full-depth decoder the speed-ups divide by. A
+    token cheaper than n_layer blocks is impossible (a busy machine): measured again, up to
+    `attempts` times."""
     cfg, device = model.config, prompts.device
     cache, x = KVCache(cfg, 1, device), torch.zeros(1, 1, cfg.n_embd, device=device)
     stages = {"block": partial(model.transformer.h[0], x, cache, 0),
@@ -1602,6 +1592,9 @@ def compare_strategies(model, splits, config, device, fixed, threshold):
             row.update(plan, checked_exits=",".join(map(str, plan["checked_exits"])))
         if row["name"] == "self_speculative":
             row["predicted_speedup"] = predicted[row["mode"]]["speedup"]
+        if row["name"].endswith("GPT"):  # a smaller model skips its missing blocks, no checks
+            skipped = config.n_layer - int(row["name"].split("-")[0])
+            row["predicted_speedup"] = costs["token"] / (costs["token"] - skipped * costs["block"])
     return rows, quality, plans, costs, val_records
 
 # -----------------------------------------------------------------------------
@@ -1721,54 +1714,13 @@ def measure_batches(model, splits, config, device, plans, val_records, unit_cost
     return {"entries": rows, "schedule": schedule, "plan": plan, "drafts": chosen}
 
 # -----------------------------------------------------------------------------
-# Measurement, 2: training recipes compared at the same budget
-
-def evaluate_recipe(name, model, splits, config, device, prompts):
-    """The figures a recipe is judged on: losses, calibrated compute saved, self-speculative
-    speed."""
-    model.eval()
-    losses = estimate_loss(model, splits, config, device)
-    val, test = (record_exits(model, splits[s].to(device), config.sweep_positions)
-                 for s in ("val", "test"))
-    cal = calibration_report(val, test, config.confidence_measure, list(range(config.n_layer - 1)),
-                             config.epsilon, config.delta)
-    # an entry per mode: greedy, then sampled
-    greedy, sampled = speculation_costs(model, prompts, config, 1,
-                                        [(config.draft_exit, config.num_draft)])
-    return {"recipe": name, **RECIPES[name], "val_loss_final": losses["val"][-1],
-            "val_loss_exits": losses["val"][:-1], "calibrated_threshold": cal["threshold"],
-            "compute_saved": cal["test"]["compute_saved"], "test_loss": cal["test"]["loss"],
-            "test_full_loss": cal["test"]["full_loss"], "spec_speedup": greedy["speedup"],
-            "spec_acceptance_rate": greedy["acceptance_rate"],
-            "spec_speedup_sampled": sampled["speedup"],
-            "spec_acceptance_rate_sampled": sampled["acceptance_rate"]}
-
-def compare_recipes(config, splits, device, prompts):
-    """Train every recipe from scratch with the same data, seed and budget; evaluate each the same
-    way."""
-    entries = []
-    for name, changes in RECIPES.items():
-        cfg = LabConfig(**{**asdict(config), **SEED_RECIPE, **changes})
-        print(f"\n--- recipe {name}: {changes or 'the seed recipe'} ---")
-        torch.manual_seed(cfg.seed)
-        model = RecipeGPT(cfg).to(device)
-        seconds = train(model, configure_optimizer(model, cfg), splits, cfg, device)[0]
-        entries.append({**evaluate_recipe(name, model, splits, cfg, device, prompts),
-                        "train_seconds": seconds})
-    return entries
-
-# -----------------------------------------------------------------------------
 # Reports: the exit map, tables for people, JSON for programs
 
-LAYER_COLOURS = "31 33 32 36 34 35 91 93 92 96 94 95".split()  # ANSI foreground, shallow to deep
 LAYER_MARKS = "0123456789abcdefghijklmnopqrstuvwxyz"  # the mark of layer l in a plain-text exit map
 
-def colour_text(text, layers, n_layer, tty):
-    """Each character coloured by the layer it left at; else the layer's mark under it."""
-    if tty:
-        legend = " ".join(f"\033[{LAYER_COLOURS[l % 12]}mlayer {l}\033[0m" for l in range(n_layer))
-        body = "".join(f"\033[{LAYER_COLOURS[l % 12]}m{ch}\033[0m" for ch, l in zip(text, layers))
-        return f"legend: {legend}\n{body}"
+def exit_map(text, layers):
+    """Under each line of text, the mark of the layer each character left at (report.html colours
+    them)."""
     out = ["(under each character, the layer it exited at: 0-9, then a for 10, b for 11, ...)"]
     i = 0
     for line in text.split("\n"):
@@ -1793,7 +1745,7 @@ compute_saved | val saved              | {:.1%} | the share of layer runs skippe
 loss          | val loss               | {:.4f} | the loss of the head each position leaves at
 disagreement  | disagree               | {:.2%} | the share whose top-1 is not full depth's""")
 CALIBRATION_TABLE = table("""Which exit rule, with a guarantee, and how near the best possible?
-measure            | rule         | {}     | how sure an exit is (oracle: it knows full depth's top-1)
+measure            | rule         | {}     | how sure an exit is (oracle: knows full depth's top-1)
 k                  | k            | {}     | patience: the exits in a row that must agree
 threshold          | threshold    | {:.3g} | the threshold Learn then Test chooses on val
 test.compute_saved | test saved   | {:.1%} | the share of layer runs it skips on test
@@ -1815,7 +1767,7 @@ compute_saved | val saved | {:.1%} | the share of layer runs skipped
 disagreement  | disagree  | {:.2%} | the share whose top-1 is not full depth's""")
 EXIT_CALIBRATION_TABLE = table("""Does one confidence mean the same at every exit?
 layer       | layer    | {:}    | the exit read (the last: full depth)
-ece_data    | ECE data | {:.3f} | expected calibration error of its top-1 confidence, against the data
+ece_data    | ECE data | {:.3f} | expected calibration error of the top-1 confidence, on the data
 ece_full    | ECE full | {:.3f} | and against full depth's top-1
 reliability | accuracy in the confidence bins 0-0.1, ..., 0.9-1 | {} | '-': an empty bin""")
 SHIFT_TABLE = table("""Does the guarantee hold on text of another kind?
@@ -1827,7 +1779,7 @@ shift.disagreement  | shift dis.  | {:.2%} | and on the shifted text
 shift.held          | held        | {}     | shift dis. within epsilon
 shift.loss          | shift loss  | {:.4f} | the loss of the exits on the shifted text
 shift.full_loss     | full depth's| {:.4f} | full depth's loss there""")
-KINDS_TABLE = table("""Who pays for the disagreement?
+KINDS_TABLE = table("""What does 'easy' mean here, and who pays for the disagreement?
 kind          | kind      | {}      | the kind of the character to predict
 positions     | positions | {:,}    | test positions of that kind
 mean_layers   | layers    | {:.2f}  | mean layers run
@@ -1846,13 +1798,9 @@ layers            | layers     | {}      | a plain GPT of this depth (alpha 0)
 test_loss         | test loss  | {:.4f}  | on the test positions the exit rules are reported on
 excess_loss       | above full | {:+.4f} | over the full model's loss there
 test_accuracy     | accuracy   | {:.3f}  | how often its top-1 is the next character
-tokens_per_second | tok/s      | {:,.0f} | greedy, batch 1, the test workload
-speedup           | greedy     | {:.2f}x | over the full model, as in the strategies table
+tokens_per_second_greedy | tok/s | {:,.0f} | greedy, batch 1, the test workload
+speedup_greedy    | greedy     | {:.2f}x | over the full model, as in the strategies table
 speedup_sampled   | sampled    | {:.2f}x | and sampled""")
-SLICES_TABLE = table("""What does 'easy' mean for this model?
-layer    | layer    | {}     | where a test position leaves
-tokens   | tokens   | {}     | how many leave there
-accuracy | accuracy | {:.3f} | how often their exit's top-1 is the next character""")
 STRATEGY_TABLE = table("""What does each KV strategy buy?
 mode              | mode      | {}      | greedy, or sampled
 name              | decoder   | {}      | how the skipped layers' cache is filled
@@ -1876,16 +1824,6 @@ mean_layers       | layers    | {:.2f}  | blocks run per token
 expected_layers   | expected  | {:.2f}  | val's exits' prediction, a step as deep as its deepest row
 agreement         | agree     | {:.3f}  | teacher-forced test positions whose top-1 is full depth's
 identical_to_full | identical | {}      | greedy output equal to full depth's on every row""")
-RECIPE_TABLE = table("""Which training recipe?
-recipe               | recipe    | {}      | the training recipe (RECIPES)
-val_loss_final       | val loss  | {:.4f}  | full depth's
-calibrated_threshold | thr       | {:.2f}  | the threshold Learn then Test certifies on val
-compute_saved        | saved     | {:.1%}  | the share of layer runs it skips on test
-test_loss            | test loss | {:.4f}  | its loss there
-test_full_loss       | full      | {:.4f}  | full depth's loss there
-spec_acceptance_rate | accept    | {:.3f}  | the greedy drafts self-speculation keeps on val
-spec_speedup         | greedy    | {:.2f}x | its speed-up over full depth, greedy
-spec_speedup_sampled | sampled   | {:.2f}x | and sampled""")
 
 def legend(columns):
     """A table's legend: each column's header and help."""
@@ -1926,17 +1864,19 @@ def print_strategies(entries, quality, config, costs, depths):
              f"{e['num_draft']}, acceptance {e['acceptance_rate']:.3f}, "
              f"{e['tokens_per_verify']:.2f} tokens a verify pass, " + exact[e["identical_to_full"]]
              for e in entries if e["name"] == "self_speculative"]
-    prefill = sorted({round(e["prefill_layers"], 2) for e in entries})
+    # the full model's decoders: a smaller GPT re-prefills fewer layers
+    prefill = sorted({round(e["prefill_layers"], 2) for e in entries if "GPT" not in e["name"]})
     depth = ", ".join(f"B={B}: {d:.2f}" for B, d in depths.items())
     exits = "; ".join(f"{name} {' '.join(f'{f:.0%}' for f in q['exit_fractions'])}"
                       for name, q in quality.items())
     impossible = ""
     if costs["token"] < L * b:
         impossible = f", IMPOSSIBLE ({L} blocks): so after {costs['attempts']} measurements"
+    check = config.confidence_measure
     notes += [f"Chosen on val: exits (exit_layers={config.exit_layers!r}) at the sample's "
-              "threshold, and self_speculative's prediction, its speed-up timed on val (per round: a round's time "
-              "over the tokens it emits). Prefilling the prompt and re-prefilling the window every "
-              "block_size/2 tokens adds "
+              "threshold, and self_speculative's prediction, its speed-up timed on val (per round: "
+              "a round's time over the tokens it emits). Prefilling the prompt and re-prefilling "
+              "the window every block_size/2 tokens adds "
               + " to ".join(f"{p:.2f}" for p in prefill) + " per token for every decoder. Sampled: "
               f"temperature {config.temperature:g}, top_k {config.top_k}.",
               f"test loss, agree: {config.quality_positions} test positions teacher-forced. A "
@@ -1944,9 +1884,9 @@ def print_strategies(entries, quality, config, costs, depths):
               "state_copy or holes.",
               f"Where test tokens exit, layer 0 first (teacher-forced): {exits}.",
               f"Measured at batch 1: a block {1e6 * b:.0f} us; in blocks, an exit check "
-              f"{costs['check ' + config.confidence_measure] / b:.2f} ({config.confidence_measure}), a state-copy write {costs['state_copy'] / b:.2f}, the "
-              f"final head {costs['final_head'] / b:.2f}, a full-depth token "
-              f"{costs['token'] / b:.1f}{impossible}.",
+              f"{costs['check ' + check] / b:.2f} ({check}), a state-copy write "
+              f"{costs['state_copy'] / b:.2f}, the final head {costs['final_head'] / b:.2f}, a "
+              f"full-depth token {costs['token'] / b:.1f}{impossible}.",
               f"A batch runs as deep as its deepest row; expected layers a step (of {L}): {depth}."]
     print_table(STRATEGY_TABLE, entries, f"{config.bench_prompts} test prompts of "
                 f"{config.bench_prompt_len} characters, {config.bench_tokens} more each, batch 1, "
@@ -1972,8 +1912,9 @@ def print_batches(batched, config):
                 f"{', '.join(map(str, BATCH_SIZES))}, median of {config.bench_repeats} interleaved "
                 "runs", batch_notes(batched, asdict(config)))
 
-ORACLE_NOTE = ("Teacher-forced, with an exact cache. The oracle leaves at the first exit whose top-1 "
-               "is full depth's and spends epsilon where that saves most: no rule saves more.")
+ORACLE_NOTE = ("Teacher-forced, with an exact cache. The oracle leaves at the first exit whose "
+               "top-1 is full depth's, and spends epsilon where that saves most: no rule saves "
+               "more.")
 
 def guarantee(cal, positions):
     return (f"Learn then Test: disagreement <= {cal['epsilon']:.0%} with probability >= "
@@ -1981,14 +1922,12 @@ def guarantee(cal, positions):
 
 def calibration_note(rows):
     """One sentence: do the exits mean the same thing by the same confidence?"""
-    top = [r["bins"][-1]["agreement"] for r in rows[:-1] if r["bins"][-1]["positions"]] or [0.0]
-    ece = [r["ece_data"] for r in rows]
-    differ = max(top) - min(top) > 0.02
+    top = [r["bins"]["agreement"][-1] for r in rows[:-1] if r["bins"]["positions"][-1]] or [0.0]
     return (f"Where an exit is 90-100% sure, its top-1 is full depth's {min(top):.1%} to "
-            f"{max(top):.1%} of the time, and its ECE against the data runs {min(ece):.3f} to "
-            f"{max(ece):.3f}: " + ("the exits differ, so one threshold does not mean the same at "
-                                   "every exit." if differ else "one threshold means about the "
-                                   "same at every exit."))
+            f"{max(top):.1%} of the time: " + ("the exits differ (by over 2 points), so one "
+                                              "threshold does not mean the same at every exit."
+                                              if max(top) - min(top) > 0.02 else "one threshold "
+                                              "means about the same at every exit."))
 
 def shift_notes(cal, path):
     """The monitor line and the plain answer: did epsilon hold on the shifted text?"""
@@ -2008,7 +1947,7 @@ def tail_note(rows):
 
 def print_exit_rule(rule, config):
     """The analysis of choosing the exit rule, each part under the question it answers."""
-    n, cal, slices = f"{config.sweep_positions:,}", rule["calibration"], rule["slices"]
+    n, cal = f"{config.sweep_positions:,}", rule["calibration"]
     shown = [dict(e, fractions=" ".join(f"{100 * f:5.1f}" for f in e["exit_fractions"]))
              for e in rule["sweep"][::10]]  # thresholds 1.0, 0.9, ..., 0.0
     print_table(SWEEP_TABLE, shown, f"The sweep on {n} val positions, teacher-forced "
@@ -2024,18 +1963,8 @@ def print_exit_rule(rule, config):
                     "positions", shift_notes(cal, config.shift_path))
     print_table(LENS_TABLE, rule["logit_lens"], "The logit lens on up to 64 val windows: each "
                 "layer through the final head and through its own exit head")
-    print_table(SLICES_TABLE, slices["per_layer"], f"The {n} test positions by the layer they "
-                f"leave at (calibrated threshold {cal['threshold']:g})")
-    print_table(KINDS_TABLE, slices["per_kind"], f"The {n} test positions by the kind of the "
-                "character to predict, at the calibrated threshold")
-
-def print_recipes(entries, config):
-    print_table(RECIPE_TABLE, entries, f"Every recipe at the same budget ({config.max_iters} "
-                f"steps, seed {config.seed})",
-                [f"val loss on {config.eval_iters} val batches; thr: {config.confidence_measure}, "
-                 f"epsilon {config.epsilon:g}, delta {config.delta:g}; test figures on "
-                 f"{config.sweep_positions:,} test positions; self-speculation at draft_exit="
-                 f"{config.draft_exit}, num_draft={config.num_draft}."])
+    print_table(KINDS_TABLE, rule["slices"], f"The {n} test positions by the kind of the character "
+                f"to predict (calibrated threshold {cal['threshold']:g})")
 
 # -----------------------------------------------------------------------------
 # Reports, 2: out_dir/report.html, one self-contained page (inline CSS and SVG, no script)
@@ -2084,8 +2013,6 @@ th { color: var(--muted); font-weight: 500; }
 svg text { fill: var(--fg); font: 12px system-ui, sans-serif; } svg .grid { stroke: var(--grid); }
 svg .a { fill: var(--a); stroke: var(--a); } svg .b { fill: var(--b); stroke: var(--b); }
 svg .line { fill: none; stroke-width: 2; } svg .mark { stroke: var(--fg); stroke-dasharray: 4 3; }
-.drafted1 { background: var(--a); color: var(--bg); }
-.drafted0 { background: var(--b); color: #000; }
 #summary { border: 1px solid var(--grid); border-radius: 6px; padding: 0 1em; }
 """
 
@@ -2093,7 +2020,7 @@ def nice_ticks(top, n=5):
     """Round ticks from 0 up to top or just past it: steps of 1, 2 or 5 times a power of ten."""
     power = 10 ** math.floor(math.log10(max(top, 1e-9) / n))
     step = next(m * power for m in (1, 2, 5, 10) if m * power * n >= top)
-    return [i * step for i in range(math.ceil(top / step - 1e-9) + 1)]
+    return [i * step for i in range(max(1, math.ceil(top / step - 1e-9)) + 1)]
 
 PLOT_WIDTH = 1010  # SVG units from the y axis to the right edge; a chart scales to the page's width
 PLOT_HEIGHT = 240  # SVG units from the top to the x axis; the labels and the legend go below it
@@ -2223,25 +2150,6 @@ def html_generation(report):
         f"{sample_spans(g['sample'], marks)}</pre></div><div><h3>full depth</h3><pre "
         f"class='sample'>\n{esc(g['full_depth_sample'])}</pre></div></div>")
 
-SPECULATION_MARKS = ("the full model's token, where it rejected a draft",
-                     "a draft the full model accepted")  # by whether the character was drafted
-
-def html_speculation(report):
-    """The self-speculative sample: which characters were drafts the full model kept."""
-    s = report["speculation"]
-    marks = [(f'class="drafted{d:d}" data-drafted="{d:d}"', SPECULATION_MARKS[d])
-             for d in s["drafted"]]
-    return section(
-        "speculation", "What does the verifier do?", "<p class='legend'><span class='drafted1'>"
-        "accepted draft</span><span class='drafted0'>the full model's token</span></p><p "
-        "class='muted'>The same prompt and seed, drafted by the layers up to "
-        f"{s['draft_exit']} (up to {s['num_draft']} a round) and verified by the rest in one pass "
-        f"a round: <b {datum('speculation.acceptance_rate', s['acceptance_rate'])}>"
-        f"{s['acceptance_rate']:.0%}</b> of the drafts were accepted, in <span "
-        f"{datum('speculation.rounds', s['rounds'])}>{s['rounds']}</span> verify passes for "
-        f"{len(s['sample'])} characters. A rejected draft is replaced by the full model's token, "
-        f"which ends its round.</p><pre class='sample'>\n{sample_spans(s['sample'], marks)}</pre>")
-
 SWEEP_LINES = (("compute saved (share of layer runs)", "a", "compute_saved"),
                ("disagreement with full depth (share of positions)", "b", "disagreement"))
 
@@ -2291,18 +2199,14 @@ def html_shift(report):
     if "shift" not in cal:
         return ""
     notes = shift_notes(cal, report["config"]["shift_path"])
-    return section("shift", SHIFT_TABLE[0], html_table(SHIFT_TABLE, rows,
-                                                       "calibration_by_measure.{}.{}".format, notes))
+    table = html_table(SHIFT_TABLE, rows, "calibration_by_measure.{}.{}".format, notes)
+    return section("shift", SHIFT_TABLE[0], table)
 
 def html_lens(report):
     return rows_section(report, "logit_lens", LENS_TABLE)
 
 def html_slices(report):
-    sl = report["slices"]
-    return section("easy", SLICES_TABLE[0],
-                   html_table(SLICES_TABLE, sl["per_layer"], "slices.per_layer.{}.{}".format),
-                   f"<h3>{KINDS_TABLE[0]}</h3>",
-                   html_table(KINDS_TABLE, sl["per_kind"], "slices.per_kind.{}.{}".format))
+    return rows_section(report, "slices", KINDS_TABLE)
 
 def html_strategies(report):
     chart = html_speedups(report["strategies"], "strategies", 1)
@@ -2336,17 +2240,13 @@ def html_batches(report):
     return section("batches", BATCH_TABLE[0], *charts,
                    html_table(BATCH_TABLE, rows, "batched.entries.{}.{}".format, notes))
 
-def html_recipes(report):
-    return rows_section(report, "recipes", RECIPE_TABLE)
-
 # the page's sections in reading order, each drawn where its part of the report is there
-HTML_SECTIONS = (("generation", html_generation), ("speculation", html_speculation),
+HTML_SECTIONS = (("generation", html_generation),
                  ("sweep", html_sweep), ("calibration_by_measure", html_calibration),
                  ("patience", html_patience), ("exit_calibration", html_exit_calibration),
                  ("calibration", html_shift), ("logit_lens", html_lens), ("slices", html_slices),
                  ("strategies", html_strategies), ("strategies", html_tail),
-                 ("depths", html_depths), ("batched", html_batches),
-                 ("recipes", html_recipes))
+                 ("depths", html_depths), ("batched", html_batches))
 
 def write_html_report(report, path):
     """out_dir/report.html: report.json's numbers on a page that reads on a phone."""
@@ -2621,9 +2521,8 @@ def validate(config):
             (not config.prompt, "--prompt must hold at least one character"),
             (config.bench_batch and config.quality_positions < max(BATCH_SIZES),
              f"--bench_batch needs quality_positions >= {max(BATCH_SIZES)}: a position a row"),
-            (config.lesson_only and (config.init_from == "resume" or config.sample_only
-                                     or config.compare_recipes),
-             "--lesson_only is Part I alone: it trains anew, with no resume, samples or recipes")):
+            (config.lesson_only and (config.init_from == "resume" or config.sample_only),
+             "--lesson_only is Part I alone: it trains anew, with no resume or samples only")):
         if bad:
             raise ValueError(message)
     parse_exit_layers(config.exit_layers, config.n_layer)
@@ -2694,14 +2593,14 @@ def choose_exit_rule(model, tokenizer, splits, config, device):
     texts = {s: splits[s] for s in ("val", "test")}
     if config.shift_path:
         texts["shift"] = torch.tensor(tokenizer.encode(read_text(config, "shift_path")))
-    records = {s: record_exits(model, t.to(device), config.sweep_positions) for s, t in texts.items()}
+    records = {s: record_exits(model, t.to(device), config.sweep_positions)
+               for s, t in texts.items()}
     val, test, shifted = records["val"], records["test"], records.get("shift")
     checked = parse_exit_layers(config.exit_layers, config.n_layer)
     measure = config.confidence_measure
     cals = {m: calibration_report(val, test, shifted, m, checked, config.epsilon, config.delta)
             for m in exit_rules(model)}
-    best = {s: oracle(records[s], checked, config.epsilon) for s in records if s != "val"}
-    best["test"]["oracle_share"] = 1.0
+    best = {**oracle(test, checked, config.epsilon), "oracle_share": 1.0}
     patience = [{"k": k, **exit_summary(val, exits_at_threshold(val, "patience", (k - 1) / k,
                                                                 checked))}
                 for k in range(1, config.n_layer + 1)]  # at most k - 1 agreeing: never leaves
@@ -2712,7 +2611,7 @@ def choose_exit_rule(model, tokenizer, splits, config, device):
     exits = exits_at_threshold(test, measure, cals[measure]["threshold"], checked)
     return {"sweep": sweep(val, measure, checked), "test_sweep": sweep(test, measure, checked),
             "calibration": cals[measure],
-            "calibration_by_measure": [*cals.values(), {"measure": "oracle", **best}],
+            "calibration_by_measure": [*cals.values(), {"measure": "oracle", "test": best}],
             "patience": patience, "exit_calibration": exit_calibration(test),
             "logit_lens": lens, "slices": exit_slices(test, exits, tokenizer)}
 
@@ -2734,7 +2633,7 @@ def generation_report(model, tokenizer, idx, samples, threshold, config):
     exited_at = early.exited_at[0]  # (max_new_tokens,)
     layers = exited_at.tolist()
     text = tokenizer.decode(early.tokens[0, T0:].tolist())
-    print("\n" + colour_text(text, layers, config.n_layer, sys.stdout.isatty()))
+    print("\n" + exit_map(text, layers))
     # the confidence of the head each character left from, every exit recorded at once in the
     # decoder's windows with an exact cache (what backfill and deferred read; state copy and
     # holes, whose caches differ, read a little differently)
@@ -2746,27 +2645,6 @@ def generation_report(model, tokenizer, idx, samples, threshold, config):
             "sample": text, "exited_at": layers,
             "full_depth_sample": tokenizer.decode(full.tokens[0, T0:].tolist()),
             "confidences": confidences.gather(0, exited_at[None])[0].tolist()}
-
-def speculation_map(model, tokenizer, idx, samples, config):
-    """The self-speculative sample from the same prompt and seed (the early-exit one, if it was
-    drawn so): which characters were drafts the full model accepted, and which its own tokens
-    where it rejected one."""
-    spec = samples["early-exit"][0]
-    if not isinstance(spec, SpeculativeGeneration):
-        gen = torch.Generator(device=idx.device).manual_seed(config.seed)
-        spec = generate_self_speculative(model, idx, config.max_new_tokens, config.draft_exit,
-                                         config.num_draft, config.temperature, config.top_k, gen)
-    drafted = (spec.exited_at[0] < config.n_layer - 1).tolist()
-    s = spec.stats
-    rate = s["accepted"] / max(1, s["drafted"])
-    note = (f"the verifier at work (report.html draws it): a self-speculative sample from the "
-            f"same prompt and seed kept {rate:.0%} of its drafts; {sum(drafted)} of {len(drafted)} "
-            f"characters are accepted drafts, the rest the full model's own, in {s['rounds']} "
-            f"verify passes")
-    print("\n" + textwrap.fill(note, WIDTH))
-    return {"sample": tokenizer.decode(spec.tokens[0, idx.size(1) :].tolist()), "drafted": drafted,
-            "acceptance_rate": rate, "rounds": s["rounds"], "draft_exit": config.draft_exit,
-            "num_draft": config.num_draft}
 
 def measure_strategies(model, splits, config, device, fixed, threshold):
     """The strategies table on the workload, costs and plans, batch depth, and (--bench_batch) the
@@ -2786,16 +2664,6 @@ def measure_strategies(model, splits, config, device, fixed, threshold):
         print_batches(report["batched"], config)
     return report
 
-def run_recipe_comparison(config, device):
-    """--compare_recipes=1: every recipe trained and judged alike; a table, and recipes.json and
-    recipes.html in out_dir (which validate made)."""
-    _, splits = load_data(config)
-    # choosing is done on val
-    prompts = workload(splits["val"], config.bench_prompts, config.bench_prompt_len).to(device)
-    entries = compare_recipes(config, splits, device, prompts)
-    print_recipes(entries, config)
-    write_report({"config": asdict(config), "recipes": entries}, config, "recipes")
-
 def train_fixed_depths(config, splits, device, depths):
     """depth -> a plain GPT (alpha 0) of that depth: the same width, steps and data."""
     fixed = {}
@@ -2806,19 +2674,17 @@ def train_fixed_depths(config, splits, device, depths):
         fixed[d] = train_new_model(config_d, splits, device)
     return fixed
 
-def depth_rows(fixed, splits, config, device, strategies, full_loss):
+def depth_rows(fixed, test, config, strategies, full_loss):
     """Each fixed model on the test positions the exit rules are reported on (its loss, and above
-    full_loss, the full model's), and its speed-ups from the strategies table."""
+    full_loss, the full model's), with its speed from the strategies table."""
     rows = []
     for d, small in fixed.items():
-        r = record_exits(small, splits["test"].to(device), config.sweep_positions)
-        speed = {e["mode"]: e for e in strategies if e["name"] == f"{d}-layer GPT"}
+        r = record_exits(small, test, config.sweep_positions)
         loss = r.nll[-1].mean().item()
         rows.append({"layers": d, "test_loss": loss, "excess_loss": loss - full_loss,
                      "test_accuracy": share(r.pred[-1] == r.targets),
-                     "tokens_per_second": speed["greedy"]["tokens_per_second"],
-                     "speedup": speed["greedy"]["speedup"],
-                     "speedup_sampled": speed["sampled"]["speedup"]})
+                     **{f"{k}_{e['mode']}": e[k] for k in ("speedup", "tokens_per_second")
+                        for e in strategies if e["name"] == f"{d}-layer GPT"}})
     return rows
 
 def verdict(cal, strategies, row):
@@ -2827,16 +2693,15 @@ def verdict(cal, strategies, row):
     positions, speed-ups on the same workload."""
     spec = {e["mode"]: e["speedup"] for e in strategies if e["name"] == "self_speculative"}
     t = cal["test"]
-    faster = spec["greedy"] >= row["speedup"] and spec["sampled"] >= row["speedup_sampled"]
-    wins = {(True, True): "early exit, as self-speculation, is both faster and better",
-            (False, False): "the smaller model is both faster and better"}
+    faster = all(spec[mode] >= row[f"speedup_{mode}"] for mode in MODES)
+    better = t["full_loss"] <= row["test_loss"]
     return (f"Worth it? Early exit at {t['mean_layers']:.2f} layers a token ({cal['measure']} > "
             f"{cal['threshold']:g}): test loss {t['loss']:.4f}; as self-speculation it keeps full "
             f"depth's {t['full_loss']:.4f} at {spec['greedy']:.2f}x greedy, {spec['sampled']:.2f}x "
             f"sampled. A {row['layers']}-layer GPT: test loss {row['test_loss']:.4f}, "
-            f"{row['speedup']:.2f}x greedy, {row['speedup_sampled']:.2f}x sampled. So "
-            + wins.get((faster, t["full_loss"] <= row["test_loss"]),
-                       "neither is both faster and better") + ".")
+            f"{row['speedup_greedy']:.2f}x greedy, {row['speedup_sampled']:.2f}x sampled. So "
+            f"{'self-speculation is' if faster else 'the smaller model is'} faster, and "
+            f"{'self-speculation' if better else 'the smaller model'} better.")
 
 def lesson_config(config):
     """Part I's Config from the lab's fields, with Part I's own threshold where the lab's says
@@ -2866,7 +2731,6 @@ def run_lab(model, tokenizer, splits, config, device, report):
     idx, samples = show_samples(model, tokenizer, config, device,
                                 *sample_decoder(model, config, threshold))
     report["generation"] = generation_report(model, tokenizer, idx, samples, threshold, config)
-    report["speculation"] = speculation_map(model, tokenizer, idx, samples, config)
     if config.sample_only:  # sampling leaves the trained run's report alone: samples.*
         return write_report({"config": asdict(config), **report}, config, "samples")
     if rule is None:  # an explicit threshold: the exit rule is still analysed
@@ -2878,7 +2742,7 @@ def run_lab(model, tokenizer, splits, config, device, report):
     fixed = train_fixed_depths(config, splits, device,
                                range(1, L) if config.compare_depths else [nearest])
     report.update(measure_strategies(model, splits, config, device, fixed, threshold))
-    rows = depth_rows(fixed, splits, config, device, report["strategies"],
+    rows = depth_rows(fixed, splits["test"].to(device), config, report["strategies"],
                       cal["test"]["full_loss"])
     report["depths"] = {"rows": rows, "verdict": verdict(cal, report["strategies"],
                                                          rows[list(fixed).index(nearest)])}
@@ -2888,14 +2752,12 @@ def run_lab(model, tokenizer, splits, config, device, report):
 
 def run(config, overridden):
     """The default job: the lab's model (trained, resumed or loaded), its samples and every
-    analysis; --lesson_only runs Part I alone, --compare_recipes the recipe comparison."""
+    analysis; --lesson_only runs Part I alone."""
     torch.manual_seed(config.seed)
     if config.lesson_only:
         return run_lesson(lesson_config(config), pick_device(config.device))
     rank, world, process_device = start_processes(config)
     device = process_device or pick_device(config.device)
-    if config.compare_recipes:
-        return run_recipe_comparison(config, device)
     tokenizer, splits = load_data(config)
     report = {}
     if config.sample_only:

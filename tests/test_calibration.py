@@ -8,14 +8,29 @@ from conftest import m
 pytestmark = pytest.mark.usefixtures("no_grad")
 
 
-@pytest.mark.parametrize("measure", m.CONFIDENCE_MEASURES)
-def test_parallel_records_equal_the_sequential_decoder(trained, measure):
+@pytest.fixture
+def with_learned_rule(trained):
+    """The trained model with its learned exit rule fitted on a piece of text it is not tested on."""
     model, data = trained
+    m.fit_exit_predictor(model, data[30000:33001], 3000)
+    yield model, data
+    del model.exit_predictor
+
+
+@pytest.mark.parametrize("measure", [*m.CONFIDENCE_MEASURES, "learned"])
+def test_parallel_records_equal_the_sequential_decoder(with_learned_rule, measure):
+    """Every rule, read in one parallel pass, makes the decoder's own choices (backfill and deferred)."""
+    model, data = with_learned_rule
     text = data[5000:5200]
     records = m.record_exits(model, text, 150)  # 150 positions: several windows of 32, re-prefills included
-    threshold = {"top1": 0.3, "margin": 0.2, "entropy": 0.4}[measure]
+    threshold = 0.7  # patience: 3 exits in a row agree
+    if measure != "patience":  # the middle of the widest gap between confidences near the median
+        values = records.confidences[measure][:3].amax(0).sort().values[50:100]
+        i = int((values[1:] - values[:-1]).argmax())
+        threshold = (values[i] + values[i + 1]).item() / 2
+    rule = m.exit_rules(model)[measure]
     for strategy in ("backfill", "deferred"):
-        out = m.generate(model, text[None, :1], 150, strategy=m.KV_STRATEGIES[strategy], exit_threshold=threshold, measure=measure,
+        out = m.generate(model, text[None, :1], 150, strategy=m.KV_STRATEGIES[strategy], exit_threshold=threshold, measure=rule,
                          forced=text[None, 1:151])
         exits = m.exits_at_threshold(records, measure, threshold, [0, 1, 2])
         assert torch.equal(out.exited_at[0], exits)
@@ -76,9 +91,10 @@ def test_calibration_report_says_what_it_chose(trained):
     model, data = trained
     val = m.record_exits(model, data[10000:12001], 2000)
     test = m.record_exits(model, data[20000:22001], 2000)
-    cal = m.calibration_report(val, test, "margin", [0, 1, 2], 0.05, 0.05)
+    cal = m.calibration_report(val, test, None, "margin", [0, 1, 2], 0.05, 0.05)
     assert set(cal) == {"measure", "epsilon", "delta", "threshold", "val", "test"}
-    assert {"disagreement", "loss", "full_loss", "accuracy", "compute_saved"} <= set(cal["test"])
+    assert {"disagreement", "loss", "full_loss", "accuracy", "compute_saved", "held", "oracle_share"} <= set(cal["test"])
+    assert cal["val"]["held"] and 0 < cal["test"]["oracle_share"] <= 1
     assert cal["val"]["disagreement"] <= 0.05
     exits = m.exits_at_threshold(test, "margin", cal["threshold"], [0, 1, 2])
     assert cal["test"]["compute_saved"] == pytest.approx(1 - (exits + 1).float().mean().item() / 4)

@@ -117,7 +117,7 @@ def test_mismatched_checkpoint(tmp_path, capsys):
 def test_report_has_the_strategies_and_calibration(tmp_path):
     assert run_main(tmp_path, "--n_layer=3", "--max_iters=2") == 0
     r = json.loads((tmp_path / "report.json").read_text())
-    names = ["full", "backfill", "deferred", "state_copy", "holes", "self_speculative"]
+    names = ["full", "backfill", "deferred", "state_copy", "holes", "self_speculative", "2-layer GPT"]
     assert [(row["mode"], row["name"]) for row in r["strategies"]] == [(mode, n) for mode in ("greedy", "sampled")
                                                                       for n in names]
     keys = {"name", "mode", "tokens_per_second", "speedup", "mean_layers", "prefill_layers",
@@ -135,14 +135,23 @@ def test_report_has_the_strategies_and_calibration(tmp_path):
     assert {"measure", "epsilon", "delta", "threshold", "val", "test"} <= set(cal)
     assert {"disagreement", "loss", "full_loss", "accuracy", "compute_saved"} <= set(cal["test"])
     assert len(r["sweep"]) == len(m.THRESHOLDS)
+    rules = [c["measure"] for c in r["calibration_by_measure"]]
+    assert rules == ["top1", "margin", "entropy", "patience", "saturation", "learned", "oracle"]
+    assert all(0 <= c["test"]["oracle_share"] <= 1 for c in r["calibration_by_measure"])
+    assert all({"ms_p50", "ms_p95", "ms_p99", "prompt_ms_p95"} <= set(row) for row in r["strategies"])
+    assert [row["layers"] for row in r["depths"]["rows"]] == [2] and "Worth it?" in r["depths"]["verdict"]
+    assert [k["kind"] for k in r["slices"]] == ["lowercase", "capital", "space", "punctuation", "newline"]
+    assert r["calibration"]["shift"]["held"] in (True, False) and len(r["exit_calibration"]) == 3
 
 
 def test_default_run_tells_the_story_in_order(tmp_path, capsys):
     assert run_main(tmp_path, "--n_layer=3", "--max_iters=2") == 0
     out = capsys.readouterr().out
     order = ["parameters:", "--- full-depth sample", "--- early-exit sample", "per-layer exit statistics", "Layer 0:",
-             "=== Which threshold?", "=== Which threshold, with a guarantee?", "Does an exit need a trained head?",
-             "What does 'easy' mean", "What does each KV strategy buy?"]
+             "=== Which threshold?", "=== Which exit rule, with a guarantee", "=== How patient?",
+             "=== Does one confidence mean the same", "=== Does the guarantee hold on text of another kind?",
+             "Does an exit need a trained head?", "What does 'easy' mean", "What does each KV strategy buy?",
+             "=== Average or tail?", "=== Would a smaller model do as well?", "Worth it?"]
     positions = [out.index(o) for o in order]
     assert positions == sorted(positions)
 

@@ -93,6 +93,6 @@ def test_predictions_and_speedups_share_one_full_depth_baseline(monkeypatch):
             full_depth.append("eager")
         return real(*args, **kwargs)
     monkeypatch.setattr(m, "generate", generate)
-    rows = m.compare_strategies(model, splits, config, "cpu")[0]
+    rows = m.compare_strategies(model, splits, config, "cpu", {}, 0.5)[0]
     assert all(r["predicted_speedup"] > 0 for r in rows if r["name"] != "full")
     assert set(full_depth) == {"eager"}

@@ -83,7 +83,7 @@ def test_every_speed_has_a_prediction_beside_it(default_run):
 
 def test_no_column_is_constant_by_construction(default_run):
     """The re-prefill is the same work for every decoder of the strategies table: a note says it, not a column."""
-    rows = default_run[1]["strategies"]
+    rows = [r for r in default_run[1]["strategies"] if not r["name"].endswith("GPT")]  # the full model's
     assert len({round(r["prefill_layers"], 6) for r in rows}) == 1
     assert "prefill_layers" not in [key for key, *_ in m.STRATEGY_TABLE[1]]
     assert f"adds {rows[0]['prefill_layers']:.2f} per token for every decoder" in " ".join(default_run[0].split())
@@ -118,8 +118,7 @@ def test_speed_note_counts_exit_checks():
 
 
 def test_the_sample_can_be_drawn_with_self_speculation(tmp_path, capsys):
-    """Greedy, the self-speculative sample is the full-depth one, character for character; the speculation map
-    marks exactly the drafts the verifier kept."""
+    """Greedy, the self-speculative sample is the full-depth one, character for character."""
     args = ARGS[:-1] + ["--kv_strategy=self_speculative", "--temperature=0", "--max_new_tokens=60",
                         "--exit_threshold=0.5", f"--out_dir={tmp_path}"]
     with torch.enable_grad():
@@ -128,23 +127,6 @@ def test_the_sample_can_be_drawn_with_self_speculation(tmp_path, capsys):
     full = out.split("--- full-depth sample")[1].split("\n", 1)[1].split("\n--- early-exit")[0]
     early = out.split("--- early-exit sample: self_speculative, layer 0 drafts up to 8 a round, the rest verify")[1]
     assert early.split("\n", 1)[1].startswith(full)
-    html, report = (tmp_path / "report.html").read_text(), json.loads((tmp_path / "report.json").read_text())
-    drafted = [bool(int(d)) for d in re.findall(r'data-drafted="(\d)"', html)]
-    assert len(drafted) == 60 and drafted == report["speculation"]["drafted"]
-    assert f"in {report['speculation']['rounds']} verify passes" in " ".join(out.split())
-    assert "What does the verifier do?" in html
-
-
-def test_speculation_map_marks_the_kept_drafts(model):
-    """The map's drafted characters are those the decoder's own round records kept: as many as it accepted."""
-    cfg = model.config
-    cfg.seed, cfg.temperature, cfg.top_k, cfg.max_new_tokens, cfg.draft_exit, cfg.num_draft = 0, 1.0, 0, 50, 0, 4
-    idx = torch.tensor([[1, 2, 3]])
-    samples = {"early-exit": (m.generate(model, idx, 50, exit_threshold=1.0), 1.0)}
-    entry = m.speculation_map(model, m.CharTokenizer("abcdefghijk"), idx, samples, cfg)
-    again = m.generate_self_speculative(model, idx, 50, 0, 4, 1.0, 0, torch.Generator().manual_seed(0))
-    assert sum(entry["drafted"]) == again.stats["accepted"] and entry["rounds"] == again.stats["rounds"]
-    assert entry["acceptance_rate"] == again.stats["accepted"] / again.stats["drafted"]
 
 
 def test_an_impossible_token_cost_is_measured_again_then_flagged(model, monkeypatch, capsys):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import m, tiny_model
+from conftest import SEED_RECIPE, m, tiny_model
 
 V = 11
 
@@ -34,7 +34,7 @@ def loss_with(model, **fields):
 
 
 def test_all_options_off_is_the_seed_recipe_exactly():
-    model = tiny_model(**m.SEED_RECIPE)
+    model = tiny_model(**SEED_RECIPE)
     seed = loss_with(model)
     final, exits = per_exit_ce(model, *batch())
     assert torch.allclose(seed, final + 0.3 * sum(exits), atol=1e-6)
@@ -44,8 +44,8 @@ def test_all_options_off_is_the_seed_recipe_exactly():
 
 def test_the_default_recipe_differs_from_the_seed_only_where_it_says():
     default = m.LabConfig()
-    changed = {k for k, v in m.SEED_RECIPE.items() if getattr(default, k) != v}
-    assert changed == set(m.RECIPES["dropout_distill"])
+    changed = {k for k, v in SEED_RECIPE.items() if getattr(default, k) != v}
+    assert changed == {"layer_dropout", "distill_weight"}
 
 
 def test_self_distillation_term():
@@ -89,23 +89,6 @@ def test_layer_dropout_skips_blocks_in_training_only():
     plain = tiny_model(layer_dropout=0.0)
     for a, b in zip(model.hidden_states(idx), plain.hidden_states(idx)):
         assert torch.equal(a, b)
-
-
-def test_compare_recipes_writes_the_table(tmp_path, capsys):
-    args = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--eval_iters=1",
-            "--max_iters=3", "--device=cpu", "--draft_exit=0", "--sweep_positions=200", "--bench_tokens=10",
-            "--bench_repeats=1", "--compare_recipes=1", f"--out_dir={tmp_path}"]
-    assert m.main(args) == 0
-    rows = json.loads((tmp_path / "recipes.json").read_text())["recipes"]
-    assert [r["recipe"] for r in rows] == list(m.RECIPES)
-    keys = {"recipe", "val_loss_final", "val_loss_exits", "compute_saved", "test_loss", "spec_speedup",
-            "spec_acceptance_rate"}
-    assert all(keys <= set(r) for r in rows)
-    assert "Which training recipe? Every recipe at the same budget" in capsys.readouterr().out
-    html = (tmp_path / "recipes.html").read_text()  # the comparison's own page: its table, numbers from recipes.json
-    assert "Which training recipe?" in html
-    for i, r in enumerate(rows):
-        assert f'data-key="recipes.{i}.val_loss_final" data-value="{r["val_loss_final"]!r}"' in html
 
 
 def test_evaluation_leaves_the_model_in_the_mode_it_found():

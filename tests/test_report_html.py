@@ -55,13 +55,16 @@ def test_every_number_on_the_page_is_the_reports(page):
     parser.feed(path.read_text())
     keys = {k.split(".")[0] for k, _ in parser.data}
     assert {"generation", "sweep", "calibration", "calibration_by_measure", "strategies", "logit_lens",
-            "slices", "speculation", "val_loss"} <= keys
+            "slices", "val_loss", "patience", "exit_calibration", "depths", "test_sweep"} <= keys
     # the Learn-then-Test table: every measure's test figures, and the summary's headline figures
     tagged = {k for k, _ in parser.data}
     for i in range(len(report["calibration_by_measure"])):
         assert {f"calibration_by_measure.{i}.test.{k}" for k in ("compute_saved", "disagreement", "loss",
-                                                                 "accuracy")} <= tagged
-    assert {f"slices.per_layer.{l}.tokens" for l in range(report["config"]["n_layer"])} <= tagged
+                                                                 "accuracy", "oracle_share")} <= tagged
+    assert {f"slices.{i}.disagreement" for i in range(len(report["slices"]))} <= tagged
+    assert {f"strategies.{i}.ms_p99" for i in range(len(report["strategies"]))} <= tagged
+    assert {f"calibration_by_measure.{i}.shift.disagreement" for i in range(6)} <= tagged
+    assert {f"exit_calibration.{i}.ece_data" for i in range(report["config"]["n_layer"])} <= tagged
     for key, value in parser.data:
         assert float(value) == pytest.approx(float(lookup(report, key)), rel=1e-12), key
     assert len(parser.data) > 200
@@ -73,7 +76,8 @@ def test_the_page_is_self_contained_and_has_both_schemes(page):
     assert "prefers-color-scheme: dark" in html and "<svg" in html
     for question in ("What does early exit look like?", "Which threshold?",
                      "What does each KV strategy buy?", "Does an exit need a trained head?",
-                     "What does the verifier do?", "Which threshold, with a guarantee?", "What does &#x27;easy&#x27;"
+                     "Which exit rule, with a guarantee", "Average or tail?", "Would a smaller model do as well?",
+                     "Does the guarantee hold on text of another kind?", "What does &#x27;easy&#x27;"
                      if "&#x27;" in html else "What does 'easy' mean"):
         assert question in html
 
@@ -136,13 +140,9 @@ def test_the_page_renders_in_headless_chromium(page, tmp_path):
     assert variety > 50, "the screenshot is blank"
     # the coloured sample and the charts carry far more detail than a title alone
     assert shots["report"].stat().st_size > 2 * shots["empty"].stat().st_size
-    # the report's page cut after its summary, and a page of the speculation map alone, each render far more than
-    # the bare page (title and model line)
-    report, full = page[1], page[0].read_text()
+    # the report's page cut after its summary renders far more than the bare page (title and model line)
+    full = page[0].read_text()
     pages = {"summary": full[: full.index("</div>", full.index("<div id='summary'>"))] + "</div></body></html>"}
-    for name, part in (("speculation", {"config": report["config"], "speculation": report["speculation"]}),):
-        m.write_html_report(part, str(tmp_path / "part.html"))
-        pages[name] = (tmp_path / "part.html").read_text()
     for name, html in pages.items():
         (tmp_path / f"{name}.html").write_text(html)
         shots[name] = tmp_path / f"{name}.png"
@@ -164,9 +164,9 @@ def test_the_summary_opens_the_page_and_links_every_section(page):
 
 
 def test_the_page_keeps_three_kinds_of_chart_and_each_has_axis_titles_ticks_and_a_legend(page):
-    """The threshold trade-off and the decoders' speed-ups are charts; everything else is a table."""
+    """The threshold trade-off, the decoders' speed-ups and loss against depth are charts; the rest, tables."""
     charts = re.findall(r"<svg .*?</svg>", page[0].read_text(), flags=re.DOTALL)
-    assert len(charts) == 2  # the threshold sweep, the strategies' speed-ups (no batch table in this run)
+    assert len(charts) == 3  # the threshold sweep, the strategies' speed-ups, depth (no batch table in this run)
     for chart in charts:
         assert "rotate(-90)" in chart, "a y axis title"
         assert chart.count('class="grid"') >= 3, "round ticks"
@@ -177,6 +177,9 @@ def test_the_page_keeps_three_kinds_of_chart_and_each_has_axis_titles_ticks_and_
     sweeps = [c for c in charts if "exit threshold (" in c]
     assert len(sweeps) == 1 and "calibrated: " in sweeps[0] and "compute saved (share of layer runs)</text>" in sweeps[0]
     assert "<polyline" in sweeps[0] and "<polyline" not in speedups[0]
+    depths = [c for c in charts if "layers run per token" in c]
+    assert len(depths) == 1 and ">early exit, by threshold</text>" in depths[0] and ">a smaller GPT</text>" in depths[0]
+    assert depths[0].count("<circle ") == len(page[1]["test_sweep"]) + len(page[1]["depths"]["rows"])
 
 
 def test_the_page_reads_on_a_phone(page):
@@ -220,13 +223,6 @@ def test_round_ticks():
 
 def test_newlines_show(page):
     html, report = page[0].read_text(), page[1]
-    assert html.count("<pre class='sample'>") == html.count("<pre class='sample'>\n") >= 3
-    newlines = report["generation"]["sample"].count("\n") + report["speculation"]["sample"].count("\n")
+    assert html.count("<pre class='sample'>") == html.count("<pre class='sample'>\n") >= 2
+    newlines = report["generation"]["sample"].count("\n")
     assert html.count("&#8629;</span>\n") == newlines
-
-
-def test_the_speculation_map_marks_each_character(page):
-    html, spec = page[0].read_text(), page[1]["speculation"]
-    marks = [bool(int(d)) for d in re.findall(r'data-drafted="(\d)"', html)]
-    assert marks == spec["drafted"] and len(marks) == len(spec["sample"])
-    assert 0 <= spec["acceptance_rate"] <= 1 and spec["rounds"] >= len(marks) - sum(marks)

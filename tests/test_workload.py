@@ -38,7 +38,7 @@ def test_repetition_of_a_batch_averages_every_row():
     assert speed["two rows"]["repetition"] == pytest.approx((m.repetition(loop.tolist()) + 0.0) / 2)
 
 
-COSTS = {"block": 1.0, "check": 0.25, "state_copy": 0.5, "final_head": 0.2, "token": 4.0}
+COSTS = {"block": 1.0, "check top1": 0.25, "state_copy": 0.5, "final_head": 0.2, "token": 4.0}
 
 
 def three_layer_records():
@@ -67,5 +67,5 @@ def test_plan_ranks_every_subset_of_exits():
     predicted = [p["predicted_speedup"] for p in plans]
     assert predicted == sorted(predicted, reverse=True)
     assert plans[0]["checked_exits"] == [0, 1]  # position 1 exiting at layer 1 is worth its checks here
-    expensive = dict(COSTS, check=0.9)
+    expensive = dict(COSTS, **{"check top1": 0.9})
     assert m.plan_exits(records, "top1", expensive, "holes", 3, threshold=0.5)[0]["checked_exits"] == [0]
