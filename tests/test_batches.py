@@ -95,7 +95,8 @@ def test_choose_schedule_keeps_its_budget_and_never_rises():
 def test_batch_table_in_the_report(tmp_path, capsys):
     args = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--eval_iters=1",
             "--max_iters=2", "--max_new_tokens=10", "--device=cpu", "--quality_positions=48", "--bench_tokens=12",
-            "--bench_repeats=1", "--bench_prompts=4", "--bench_prompt_len=8", "--bench_batch=1", f"--out_dir={tmp_path}"]
+            "--bench_repeats=1", "--bench_prompts=4", "--bench_prompt_len=8", "--bench_batch=1", "--sweep_positions=500",
+            f"--out_dir={tmp_path}"]
     with torch.enable_grad():
         assert m.main(args) == 0
     assert "Does early exit still save in a batch?" in capsys.readouterr().out

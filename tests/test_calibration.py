@@ -39,6 +39,29 @@ def test_parallel_records_equal_the_sequential_decoder(with_learned_rule, measur
         assert torch.equal(out.logits[0].argmax(-1), emitted)
 
 
+def test_the_decoder_reads_every_state_the_records_read(trained):
+    """Not only the choices: every saturation the decoder computes is the records' own, deferred's catch-up
+    included (a rule reads a layer's input after the layer ran)."""
+    model, data = trained
+    text = data[5000:5200]
+    records = m.record_exits(model, text, 150)
+    seen = []
+
+    def spy(probs, state):
+        value = m.saturation(probs, state)
+        seen.append(value.item())
+        return value
+
+    # exits 0 and 2 checked: after a token leaves at 0, the next one's check at 2 follows two catch-ups
+    threshold = records.confidences["saturation"][0].median().item()
+    out = m.generate(model, text[None, :1], 150, strategy=m.KV_STRATEGIES["deferred"], exit_threshold=threshold,
+                     checked_exits=[0, 2], measure=spy, forced=text[None, 1:151])
+    expected = [records.confidences["saturation"][l, i].item()
+                for i, e in enumerate(out.exited_at[0].tolist()) for l in (0, 2)[: 1 + (e > 0)]]
+    assert 20 < (out.exited_at[0] == 0).sum() < 130
+    assert seen == pytest.approx(expected, abs=1e-5)
+
+
 def test_record_batching_does_not_change_records(trained):
     model, data = trained
     a = m.record_exits(model, data[:400], 300, batch_size=64)

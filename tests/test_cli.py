@@ -13,7 +13,7 @@ from conftest import m
 TINY_ARGS = ["--n_layer=2", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4",
              "--eval_iters=1", "--eval_interval=2", "--max_new_tokens=20", "--device=cpu",
              "--draft_exit=0", "--quality_positions=50", "--bench_tokens=20", "--bench_repeats=1",
-             "--bench_prompts=2", "--bench_prompt_len=8"]
+             "--bench_prompts=2", "--bench_prompt_len=8", "--sweep_positions=500"]
 
 
 def run_main(tmp_path, *args):
@@ -218,7 +218,7 @@ def test_explicit_exit_layers_still_work(tmp_path):
     args = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--eval_iters=1",
             "--max_iters=2", "--max_new_tokens=20", "--device=cpu", "--quality_positions=50", "--bench_tokens=20",
             "--bench_repeats=1", "--bench_prompts=2", "--bench_prompt_len=8", "--exit_layers=1",
-            f"--out_dir={tmp_path}"]
+            "--sweep_positions=500", f"--out_dir={tmp_path}"]
     assert m.main(args) == 0
     rows = json.loads((tmp_path / "report.json").read_text())["strategies"]
     per_token = [r for r in rows if r["name"] in m.KV_STRATEGIES]

@@ -1,0 +1,154 @@
+"""Is early exit worth it: every rule against the oracle, per-exit calibration, the tail, shifted text,
+slices by kind, and a smaller model on the same curve."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import m
+
+pytestmark = pytest.mark.usefixtures("no_grad")
+
+
+@pytest.fixture(scope="module")
+def records(trained):
+    """The trained tiny model's records (its learned rule fitted on other text), and the text they read."""
+    model, data = trained
+    m.fit_exit_predictor(model, data[30000:33001], 3000)
+    try:
+        yield m.record_exits(model, data[20000:22001], 2000), data[20000:22001]
+    finally:
+        del model.exit_predictor
+
+
+def test_no_rule_beats_the_oracle_on_its_own_positions(records):
+    """At every threshold of every rule, the oracle at that rule's disagreement saves at least as much."""
+    recs = records[0]
+    for exits_checked in ([0, 1, 2], [1]):
+        for rule in recs.confidences:
+            for entry in m.sweep(recs, rule, exits_checked):
+                best = m.oracle(recs, exits_checked, entry["disagreement"] + 1e-6)  # float32's share
+                assert entry["compute_saved"] <= best["compute_saved"] + 1e-9, (rule, entry["threshold"])
+                assert best["disagreement"] <= entry["disagreement"] + 1e-9
+
+
+def test_the_oracle_spends_its_budget_where_it_saves_most():
+    pred = torch.tensor([[1, 2, 3, 4], [1, 2, 0, 4], [1, 0, 0, 0]])  # (L, N): layer 2 is full depth
+    recs = m.ExitRecords({}, pred, torch.zeros(3, 4), torch.zeros(4, dtype=torch.long))
+    assert m.oracle(recs, [0, 1], 0.0)["exit_fractions"] == [0.25, 0.25, 0.5]  # first agreeing exit
+    spent = m.oracle(recs, [0, 1], 0.25)  # one position may disagree: one of the two that run deepest
+    assert spent["exit_fractions"] == [0.5, 0.25, 0.25] and spent["disagreement"] == 0.25
+
+
+def test_patience_asking_for_more_exits_than_there_are_never_exits_early(records):
+    recs, L = records[0], 4
+    never = m.exits_at_threshold(recs, "patience", (L - 1) / L, [0, 1, 2])  # k = 4 > 3 exits
+    assert (never == L - 1).all()
+    k3 = m.exits_at_threshold(recs, "patience", 2 / 3, [0, 1, 2])  # 3 in a row: only exit 2 can
+    assert set(k3.tolist()) <= {2, 3} and (k3 == 2).any()
+    agree = (recs.pred[0] == recs.pred[1]) & (recs.pred[1] == recs.pred[2])
+    assert torch.equal(k3 == 2, agree)
+
+
+def test_the_learned_rule_reaches_full_depth_at_its_cautious_end_and_predicts_agreement(records):
+    recs = records[0]
+    sweep = m.sweep(recs, "learned", [0, 1, 2])
+    assert sweep[0]["threshold"] == 1.0 and sweep[0]["mean_layers"] == 4.0 and sweep[-1]["mean_layers"] < 4.0
+    score, agree = recs.confidences["learned"][:3], recs.pred[:3] == recs.pred[-1]
+    assert score[agree].mean() > score[~agree].mean() + 0.1, "it tells agreeing exits from the rest"
+
+
+def test_saturation_is_the_cosine_between_a_layers_input_and_output():
+    h, below = torch.tensor([[1.0, 0.0], [1.0, 1.0]]), torch.tensor([[2.0, 0.0], [1.0, -1.0]])
+    assert torch.allclose(m.saturation(None, {"h": h, "below": below}), torch.tensor([1.0, 0.0]))
+
+
+def test_expected_calibration_error_by_hand():
+    # exit 0: confidence 0.95 on four positions, right on two of them: ECE 0.45; full depth right on all
+    conf = torch.tensor([[0.95, 0.95, 0.95, 0.95], [0.55, 0.55, 0.55, 0.55]])
+    pred = torch.tensor([[1, 1, 2, 2], [1, 1, 1, 1]])
+    recs = m.ExitRecords({"top1": conf}, pred, torch.zeros(2, 4), torch.ones(4, dtype=torch.long))
+    rows = m.exit_calibration(recs)
+    assert rows[0]["ece_data"] == pytest.approx(0.45) and rows[0]["ece_full"] == pytest.approx(0.45)
+    assert rows[1]["ece_data"] == pytest.approx(0.45) and rows[1]["ece_full"] is None
+    assert rows[0]["reliability"].split() == ["-"] * 9 + ["0.50"]
+    assert "differ" in m.calibration_note(rows) or "about the same" in m.calibration_note(rows)
+
+
+def test_tail_latency_shares_a_round_among_its_tokens():
+    gen = m.Generation(None, None, None, 0, clock=[(0.0, 5), (0.001, 6), (0.003, 7), (0.013, 9)])
+    t = m.tail([gen, m.Generation(None, None, None, 0, clock=[(0.0, 5), (0.004, 6)])])
+    # per token: 1, 2, 5, 5 and 4 ms
+    assert t["ms_mean"] == pytest.approx(17 / 5) and t["ms_p50"] == pytest.approx(4.0)
+    assert t["ms_p99"] == pytest.approx(5.0) and t["prompt_ms_p95"] == pytest.approx(4 + 0.95 * (13 - 4))
+
+
+def test_every_step_and_round_is_on_the_clock(trained):
+    model, data = trained
+    idx = data[None, :5]
+    for out in (m.generate(model, idx, 20), m.generate_self_speculative(model, idx, 20, 0, 4)):
+        lengths = [n for _, n in out.clock]
+        assert lengths[0] == 5 and lengths[-1] == 25 and lengths == sorted(lengths)
+        assert all(b > a for (a, _), (b, _) in zip(out.clock, out.clock[1:]))
+
+
+def test_slices_by_kind_of_character():
+    assert [m.character_kind(c) for c in "aZ \n,'"] == ["lowercase", "capital", "space", "newline", "punctuation",
+                                                       "punctuation"]
+    tok = m.CharTokenizer("ab ")  # ' ' 0, 'a' 1, 'b' 2
+    pred = torch.tensor([[1, 0, 0, 1], [1, 2, 2, 0]])  # exit 0, then full depth (every top-1 right)
+    recs = m.ExitRecords({}, pred, torch.zeros(2, 4), torch.tensor([1, 2, 2, 0]))  # 'a', 'b', 'b', ' '
+    rows = m.exit_slices(recs, torch.tensor([0, 0, 1, 0]), tok)
+    low, space = rows
+    assert (low["kind"], low["positions"], low["mean_layers"]) == ("lowercase", 3, pytest.approx(4 / 3))
+    assert low["disagreement"] == pytest.approx(1 / 3) and low["accuracy_lost"] == pytest.approx(1 / 3)
+    assert (space["kind"], space["disagreement"], space["accuracy_lost"]) == ("space", 1.0, 1.0)
+
+
+def test_a_shifted_text_built_to_break_epsilon_is_reported_broken(records):
+    recs = records[0]
+    cal = m.calibration_report(recs, recs, recs, "top1", [0, 1, 2], 0.05, 0.05)  # text like val: it holds
+    assert cal["shift"]["held"] is True and "epsilon held for top1" in m.shift_notes(cal, "val.txt")[1]
+    broken = m.ExitRecords({k: torch.ones_like(v) for k, v in recs.confidences.items()}, recs.pred, recs.nll,
+                           recs.targets)  # every exit sure of itself: all leave at exit 0
+    cal = m.calibration_report(recs, recs, broken, "top1", [0, 1, 2], 0.05, 0.05)
+    assert cal["shift"]["disagreement"] > 0.05 and cal["shift"]["held"] is False
+    notes = m.shift_notes(cal, "shuffled.txt")
+    assert "epsilon was BROKEN for top1" in notes[1] and "shifted 100.0%" in notes[0]
+
+
+def test_a_shifted_text_outside_the_vocabulary_is_one_line_and_status_2(tmp_path, capsys):
+    odd = tmp_path / "odd.txt"
+    odd.write_text("caf\u00e9 \u00fcber")
+    assert m.main([f"--shift_path={odd}", f"--out_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'\u00e9\u00fc'" in err and "--shift_path" in err
+    one = tmp_path / "one.txt"
+    one.write_text("a")
+    assert m.main([f"--shift_path={one}", f"--out_dir={tmp_path}"]) == 2
+    assert "under 2 characters" in capsys.readouterr().err
+
+
+def test_the_verdict_names_the_winner():
+    cal = {"measure": "top1", "threshold": 0.5,
+           "test": {"mean_layers": 3.9, "loss": 1.97, "full_loss": 1.96}}
+    spec = [{"name": "self_speculative", "mode": mode, "speedup": s} for mode, s in (("greedy", 2.5), ("sampled", 1.6))]
+    small = {"layers": 4, "test_loss": 2.01, "speedup_greedy": 1.4, "speedup_sampled": 1.4}
+    assert m.verdict(cal, spec, small).endswith("So self-speculation is faster, and self-speculation better.")
+    fast = dict(small, speedup_sampled=1.7, test_loss=1.9)
+    assert m.verdict(cal, spec, fast).endswith("So the smaller model is faster, and the smaller model better.")
+
+
+def test_compare_depths_trains_every_smaller_depth(tmp_path):
+    args = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--eval_iters=1",
+            "--max_iters=2", "--max_new_tokens=10", "--device=cpu", "--quality_positions=30", "--bench_tokens=8",
+            "--bench_repeats=1", "--bench_prompts=2", "--bench_prompt_len=8", "--sweep_positions=300",
+            "--compare_depths=1", f"--out_dir={tmp_path}"]
+    with torch.enable_grad():
+        assert m.main(args) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [r["layers"] for r in report["depths"]["rows"]] == [1, 2]
+    names = {r["name"] for r in report["strategies"]}
+    assert {"1-layer GPT", "2-layer GPT"} <= names
+    assert all(r["mean_layers"] == int(r["name"][0]) for r in report["strategies"] if r["name"].endswith("GPT"))
