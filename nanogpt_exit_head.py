@@ -68,7 +68,7 @@ class Config:
     temperature: float = 0.8  # sampling temperature; 0 means greedy
     top_k: int = 0  # sample only from the k most likely characters; 0 means all
     exit_threshold: float = 0.9  # exit above this confidence (1: never); Part II calibrates it
-    confidence_measure: str = "top1"  # how sure a head is: top1; Part II adds margin and entropy
+    confidence_measure: str = "top1"  # how sure a head is: top1; Part II adds more rules
 
 # -----------------------------------------------------------------------------
 # Data: characters in, integers out; three contiguous splits
@@ -618,7 +618,7 @@ class LabConfig(Config):
     device: str = "auto"  # 'auto' picks cuda, then cpu; mps only when named (--device=mps)
     compile: bool = False  # torch.compile the model for training (slow to start, faster on GPU)
     lesson_only: bool = False  # run Part I alone: its GPT, training, threshold (-1: 0.9), backfill
-    sample_only: bool = False  # with --init_from=resume: samples, exit map, statistics; no training
+    sample_only: bool = False  # with --init_from=resume: samples and exit statistics; no training
     # training recipes (the seed recipe: distill_weight 0, distill_temperature 1, layer_dropout 0)
     distill_weight: float = 0.1  # self-distillation: weight of KL(final || exit), final detached
     distill_temperature: float = 1.0  # of distillation; higher matches more of the distribution
@@ -1038,16 +1038,17 @@ def normalised_entropy(probs, state):
     return 1.0 - entropy / math.log(probs.size(-1))
 
 def patience(probs, state):
-    """PABEE's patience: run / (run + 1), where the exits so far agree on the top-1 run times in a
-    row; above (k - 1) / k means at least k agree. It keeps the top-1 and the run in the state."""
+    """PABEE's patience: 1 - 2^-run, where the exits so far agree on the top-1 run times in a row;
+    above 1 - 2^-(k-1) means at least k agree (exact in floating point). It keeps the top-1 and
+    the run in the state."""
     pred = probs.argmax(-1)
     run = 1 + state.get("run", 0) * (pred == state.get("pred", -1))
     state.update(pred=pred, run=run)
-    return run / (run + 1.0)
+    return 1 - 0.5 ** run.float()
 
 def saturation(probs, state):
     """CALM's hidden-state saturation: the cosine between the layer's output and its input."""
-    return F.cosine_similarity(state["h"], state["below"], dim=-1)
+    return F.cosine_similarity(state["h"], state["below"], dim=-1).clamp(max=1.0)
 
 CONFIDENCE_MEASURES.update(margin=margin, entropy=normalised_entropy, patience=patience,
                            saturation=saturation)
@@ -1135,16 +1136,16 @@ def fit_exit_predictor(model, data, n_positions, l2=0.01, steps=20):
     model of whether its top-1 is full depth's, fitted by Newton's method on the exits recorded on
     data (the train split). The last exit's row is 0: it always exits."""
     records = record_exits(model, data, n_positions, {"features": exit_features})
-    X = records.confidences["features"][:-1].double()  # (L - 1, N, F)
-    y = (records.pred[:-1] == records.pred[-1]).double()  # (L - 1, N): agrees with full depth
+    X = records.confidences["features"][:-1].double().cpu()  # (L - 1, N, F); MPS has no float64
+    y = (records.pred[:-1] == records.pred[-1]).double().cpu()  # (L - 1, N): agrees with full
     w = X.new_zeros(X.size(0), X.size(2), 1)
-    ridge = l2 * torch.eye(X.size(2), dtype=X.dtype, device=X.device)
+    ridge = l2 * torch.eye(X.size(2), dtype=X.dtype)
     for _ in range(steps):
         p = torch.sigmoid(X @ w)[..., 0]  # (L - 1, N)
         grad = X.transpose(1, 2) @ (p - y)[..., None] + l2 * w  # (L - 1, F, 1)
         hess = X.transpose(1, 2) @ (X * (p * (1 - p))[..., None]) + ridge  # (L - 1, F, F)
         w = w - torch.linalg.solve(hess, grad)
-    model.exit_predictor = F.pad(w[..., 0], (0, 0, 0, 1)).float()
+    model.exit_predictor = F.pad(w[..., 0], (0, 0, 0, 1)).float().to(records.pred.device)
     return model.exit_predictor
 
 def exits_at_threshold(records, measure, threshold, checked_exits):
@@ -1238,7 +1239,7 @@ def calibration_report(val, test, shifted, measure, checked_exits, epsilon, delt
             "exit_fractions")
     report = {"measure": measure, "epsilon": epsilon, "delta": delta, "threshold": threshold}
     if measure == "patience" and threshold < 1:
-        report["k"] = math.floor(threshold / (1 - threshold)) + 1  # run / (run + 1) > threshold
+        report["k"] = next(k for k in itertools.count(1) if 1 - 0.5**k > threshold)
     for name, records in (("val", val), ("test", test), ("shift", shifted)):
         if records is not None:
             figures = exit_summary(
@@ -1351,7 +1352,7 @@ def decoder(model, name, plan=None, measure="top1", spec=(0, 8), schedule=None):
     if name == "skipdecode":
         return partial(generate, model, strategy=partial(SkipDecode, schedule), exit_threshold=0.0)
     return partial(generate, model, strategy=kv_strategy(name), exit_threshold=plan["threshold"],
-                   checked_exits=plan["checked_exits"], measure=measure)
+                   checked_exits=plan["checked_exits"], measure=exit_rules(model)[measure])
 
 def quality_pass(decode, data, n_positions, n_layer, batch_size=1):
     """Teacher-forced decoding of batch_size contiguous pieces of data at once, n_positions in
@@ -1518,8 +1519,8 @@ def predict_speedup(records, measure, threshold, checked_exits, costs, strategy,
 
 def plan_exits(records, measure, costs, strategy, n_layer, threshold, subsets=None):
     """The cost-aware exit plan: every subset of exits (or the given subsets) at the threshold,
-    ranked by predicted speed-up; best first. A subset keeps the threshold's guarantee: a position
-    leaves at the same exit as with all checked, or at full depth."""
+    ranked by predicted speed-up; best first. The threshold's guarantee is for every exit checked:
+    a subset can leave later, at an exit that disagrees, so it is not covered."""
     if subsets is None:
         subsets = [list(s) for r in range(1, n_layer)
                    for s in itertools.combinations(range(n_layer - 1), r)]
@@ -1717,19 +1718,7 @@ def measure_batches(model, splits, config, device, plans, val_records, unit_cost
     return {"entries": rows, "schedule": schedule, "plan": plan, "drafts": chosen}
 
 # -----------------------------------------------------------------------------
-# Reports: the exit map, tables for people, JSON for programs
-
-LAYER_MARKS = "0123456789abcdefghijklmnopqrstuvwxyz"  # the mark of layer l in a plain-text exit map
-
-def exit_map(text, layers):
-    """Under each line of text, the mark of the layer each character left at (report.html colours
-    them)."""
-    out = ["(under each character, the layer it exited at: 0-9, then a for 10, b for 11, ...)"]
-    i = 0
-    for line in text.split("\n"):
-        out += [line, "".join(LAYER_MARKS[l] for l in layers[i : i + len(line)])]
-        i += len(line) + 1
-    return "\n".join(out)
+# Reports: tables for people, JSON for programs
 
 WIDTH = 100  # console tables and their notes fit this many columns
 
@@ -1881,9 +1870,9 @@ def print_strategies(entries, quality, config, costs, depths):
               "the window every block_size/2 tokens adds "
               + " to ".join(f"{p:.2f}" for p in prefill) + " per token for every decoder. Sampled: "
               f"temperature {config.temperature:g}, top_k {config.top_k}.",
-              f"test loss, agree: {config.quality_positions} test positions teacher-forced. A "
-              "calibrated threshold's guarantee covers backfill and deferred (an exact cache), not "
-              "state_copy or holes.",
+              f"test loss, agree: {config.quality_positions} test positions teacher-forced. The "
+              "guarantee of a calibrated threshold covers every exit checked with an exact cache: "
+              "not a subset of exits, nor state_copy or holes.",
               f"Where test tokens exit, layer 0 first (teacher-forced): {exits}.",
               f"Measured at batch 1: a block {1e6 * b:.0f} us; in blocks, an exit check "
               f"{costs['check ' + check] / b:.2f} ({check}), a state-copy write "
@@ -1915,9 +1904,9 @@ def print_batches(batched, config):
                 f"median of {config.bench_repeats} interleaved runs",
                 batch_notes(batched, asdict(config)))
 
-ORACLE_NOTE = ("Teacher-forced, with an exact cache. The oracle leaves at the first exit whose "
-               "top-1 is full depth's, and spends epsilon where that saves most: no rule saves "
-               "more.")
+ORACLE_NOTE = ("Teacher-forced, with an exact cache, every exit checked. The oracle leaves at the "
+               "first exit whose top-1 is full depth's, and spends epsilon where that saves most: "
+               "no rule saves more at the same disagreement.")
 
 def guarantee(cal, positions):
     return (f"Learn then Test: disagreement <= {cal['epsilon']:.0%} with probability >= "
@@ -1946,7 +1935,8 @@ def tail_note(rows):
     worse = [f"{r['name']} {r['mode']}" for r in rows if r["ms_p99"] > 1.1 * full[r["mode"]]]
     return (f"p99 over 10% above full depth's (a worse tail): {', '.join(worse) or 'none'}. Each "
             "step timed with the device synchronised, in the last timed pass; a round of "
-            "speculation is shared by the tokens it emits.")
+            "speculation is shared by the tokens it emits. A prompt's first step prefills it, and "
+            "a step that slides the window re-prefills it: those steps are the tail.")
 
 def print_exit_rule(rule, config):
     """The analysis of choosing the exit rule, each part under the question it answers."""
@@ -2159,7 +2149,7 @@ def html_sweep(report):
     """What each threshold trades on val, compute for disagreement; the calibrated one marked."""
     cal = report["calibration"]
     series = [(name, cls, [(e["threshold"], e[key], f"sweep.{j}.{key}",
-                            f"threshold {e['threshold']:.2f}: {e[key]:.2%}")
+                            f"threshold {e['threshold']:g}: {e[key]:.2%}")
                            for j, e in enumerate(report["sweep"])])
               for name, cls, key in SWEEP_LINES]
     ticks = {f"{t / 10:.1f}": t / 10 for t in range(11)}
@@ -2224,13 +2214,14 @@ def html_depths(report):
     (test), the fixed models as points; the verdict; the table."""
     rows, L = report["depths"]["rows"], report["config"]["n_layer"]
     curve = [(e["mean_layers"] / L, e["excess_loss"], f"test_sweep.{j}.excess_loss",
-              f"threshold {e['threshold']:.2f}: {e['mean_layers']:.2f} layers, "
+              f"threshold {e['threshold']:g}: {e['mean_layers']:.2f} layers, "
               f"{e['excess_loss']:+.4f}") for j, e in enumerate(report["test_sweep"])]
     fixed = [(r["layers"] / L, r["excess_loss"], f"depths.rows.{j}.excess_loss",
               f"a {r['layers']}-layer GPT: {r['excess_loss']:+.4f}") for j, r in enumerate(rows)]
     chart = svg_chart([("early exit, by threshold", "a", curve), ("a smaller GPT", "b", fixed)],
                       {f"{l}": l / L for l in range(1, L + 1)},
-                      ("layers run per token", "test loss above the full model's"), "{:.2f}")
+                      ("exit depth, teacher-forced (layers a token)",
+                       "test loss above the full model's"), "{:.2f}")
     return section("depths", DEPTH_TABLE[0], chart, f"<p>{esc(report['depths']['verdict'])}</p>",
                    html_table(DEPTH_TABLE, rows, "depths.rows.{}.{}".format))
 
@@ -2524,7 +2515,11 @@ def validate(config):
             (config.bench_batch and config.quality_positions < max(BATCH_SIZES),
              f"--bench_batch needs quality_positions >= {max(BATCH_SIZES)}: a position a row"),
             (config.lesson_only and (config.init_from == "resume" or config.sample_only),
-             "--lesson_only is Part I alone: it trains anew, with no resume or samples only")):
+             "--lesson_only is Part I alone: it trains anew, with no resume or samples only"),
+            (config.confidence_measure in ("patience", "learned") and (config.lesson_only or
+                                                                      config.exit_layers != "auto"),
+             "patience and the learned rule read every exit, in the lab: no --lesson_only, and "
+             "--exit_layers=auto")):
         if bad:
             raise ValueError(message)
     parse_exit_layers(config.exit_layers, config.n_layer)
@@ -2598,14 +2593,14 @@ def choose_exit_rule(model, tokenizer, splits, config, device):
     records = {s: record_exits(model, t.to(device), config.sweep_positions)
                for s, t in texts.items()}
     val, test, shifted = records["val"], records["test"], records.get("shift")
-    checked = parse_exit_layers(config.exit_layers, config.n_layer)
+    checked = list(range(config.n_layer - 1))  # every rule, as it reads every exit
     measure = config.confidence_measure
     cals = {m: calibration_report(val, test, shifted, m, checked, config.epsilon, config.delta)
             for m in exit_rules(model)}
     best = {**oracle(test, checked, config.epsilon), "oracle_share": 1.0}
-    patience = [{"k": k, **exit_summary(val, exits_at_threshold(val, "patience", (k - 1) / k,
-                                                                checked))}
-                for k in range(1, config.n_layer + 1)]  # at most k - 1 agreeing: never leaves
+    by_k = [{"k": k, **exit_summary(val, exits_at_threshold(val, "patience", 1 - 0.5 ** (k - 1),
+                                                            checked))}
+            for k in range(1, config.n_layer + 1)]  # k = n_layer: never leaves early
     T = config.block_size
     # (<= 64, T): back-to-back windows of val, each character followed by one more
     windows = splits["val"][:-1].unfold(0, T, T)[:64].to(device)
@@ -2614,7 +2609,7 @@ def choose_exit_rule(model, tokenizer, splits, config, device):
     return {"sweep": sweep(val, measure, checked), "test_sweep": sweep(test, measure, checked),
             "calibration": cals[measure],
             "calibration_by_measure": [*cals.values(), {"measure": "oracle", "test": best}],
-            "patience": patience, "exit_calibration": exit_calibration(test),
+            "patience": by_k, "exit_calibration": exit_calibration(test),
             "logit_lens": lens, "slices": exit_slices(test, exits, tokenizer)}
 
 def sample_decoder(model, config, threshold):
@@ -2629,17 +2624,15 @@ def sample_decoder(model, config, threshold):
     return decoder(model, config.kv_strategy, plan, config.confidence_measure), label, checked
 
 def generation_report(tokenizer, idx, samples, threshold, config):
-    """The early-exit sample's exit map (printed) and the report.json entry of both samples."""
+    """The report.json entry of both samples (report.html colours each character by its exit)."""
     (full, full_speed), (early, speed) = samples.values()
     T0 = idx.size(1)
     exited_at = early.exited_at[0]  # (max_new_tokens,)
-    layers = exited_at.tolist()
-    text = tokenizer.decode(early.tokens[0, T0:].tolist())
-    print("\n" + exit_map(text, layers))
     return {"exit_threshold": threshold, "kv_strategy": config.kv_strategy,
             "exit_counts": torch.bincount(exited_at, minlength=config.n_layer).tolist(),
             "tokens_per_second": speed, "full_depth_tokens_per_second": full_speed,
-            "sample": text, "exited_at": layers,
+            "sample": tokenizer.decode(early.tokens[0, T0:].tolist()),
+            "exited_at": exited_at.tolist(),
             "full_depth_sample": tokenizer.decode(full.tokens[0, T0:].tolist())}
 
 def measure_strategies(model, splits, config, device, fixed, threshold):
@@ -2686,20 +2679,24 @@ def depth_rows(fixed, test, config, strategies, full_loss):
     return rows
 
 def verdict(cal, strategies, row):
-    """The line that answers 'worth it?': early exit at the calibrated threshold, and as
-    self-speculation, against the fixed model nearest its depth; losses on the same test
-    positions, speed-ups on the same workload."""
-    spec = {e["mode"]: e["speedup"] for e in strategies if e["name"] == "self_speculative"}
+    """The line that answers 'worth it?': early exit at the calibrated threshold (its exit depth
+    and loss teacher-forced), deferred's and self-speculation's measured speed-ups, against the
+    fixed model nearest that depth; losses on the same test positions, speed-ups on the same
+    workload."""
+    x = {(e["name"], e["mode"]): e["speedup"] for e in strategies}
     t = cal["test"]
-    faster = all(spec[mode] >= row[f"speedup_{mode}"] for mode in MODES)
-    better = t["full_loss"] <= row["test_loss"]
-    return (f"Worth it? Early exit at {t['mean_layers']:.2f} layers a token ({cal['measure']} > "
-            f"{cal['threshold']:g}): test loss {t['loss']:.4f}; as self-speculation it keeps full "
-            f"depth's {t['full_loss']:.4f} at {spec['greedy']:.2f}x greedy, {spec['sampled']:.2f}x "
-            f"sampled. A {row['layers']}-layer GPT: test loss {row['test_loss']:.4f}, "
-            f"{row['speedup_greedy']:.2f}x greedy, {row['speedup_sampled']:.2f}x sampled. So "
-            f"{'self-speculation is' if faster else 'the smaller model is'} faster, and "
-            f"{'self-speculation' if better else 'the smaller model'} better.")
+    wins = [mode for mode in MODES if row[f"speedup_{mode}"] > x["self_speculative", mode]]
+    better = "worse" if t["full_loss"] <= row["test_loss"] else "better"
+    return (f"Worth it? Early exit ({cal['measure']} > {cal['threshold']:g}) leaves at "
+            f"{t['mean_layers']:.2f} layers a token, teacher-forced, at test loss {t['loss']:.4f}; "
+            f"deferred runs {x['deferred', 'greedy']:.2f}x greedy, {x['deferred', 'sampled']:.2f}x "
+            f"sampled, and self-speculation keeps full depth's {t['full_loss']:.4f} at "
+            f"{x['self_speculative', 'greedy']:.2f}x greedy, "
+            f"{x['self_speculative', 'sampled']:.2f}x sampled. A {row['layers']}-layer GPT: test "
+            f"loss {row['test_loss']:.4f}, {row['speedup_greedy']:.2f}x greedy, "
+            f"{row['speedup_sampled']:.2f}x sampled. So the "
+            f"smaller model is {better} than full depth, and faster than self-speculation "
+            f"{' and '.join(wins) or 'in neither mode'}.")
 
 def lesson_config(config):
     """Part I's Config from the lab's fields, with Part I's own threshold where the lab's says

@@ -23,7 +23,7 @@ def test_parallel_records_equal_the_sequential_decoder(with_learned_rule, measur
     model, data = with_learned_rule
     text = data[5000:5200]
     records = m.record_exits(model, text, 150)  # 150 positions: several windows of 32, re-prefills included
-    threshold = 0.7  # patience: 3 exits in a row agree
+    threshold = 0.8  # patience: 3 exits in a row agree
     if measure != "patience":  # the middle of the widest gap between confidences near the median
         values = records.confidences[measure][:3].amax(0).sort().values[50:100]
         i = int((values[1:] - values[:-1]).argmax())

@@ -169,12 +169,6 @@ def test_confidence_measures_are_in_unit_range_and_ordered():
 
 
 
-def test_the_exit_map_puts_each_layer_under_its_character():
-    text, layers = "ab\ncd", [0, 2, 5, 1, 5]
-    plain = m.exit_map(text, layers).splitlines()
-    assert plain[1:] == ["ab", "02", "cd", "15"]
-
-
 def test_exit_statistics_in_the_seed_format():
     out = m.format_exit_stats([42, 0, 158])
     assert "Layer 0:" in out and "42 tokens ( 21.0%)" in out and "Layer 2 (full):" in out

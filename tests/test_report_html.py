@@ -175,7 +175,7 @@ def test_the_page_keeps_three_kinds_of_chart_and_each_has_axis_titles_ticks_and_
     sweeps = [c for c in charts if "exit threshold (" in c]
     assert len(sweeps) == 1 and "calibrated: " in sweeps[0] and "compute saved (share of layer runs)</text>" in sweeps[0]
     assert "<polyline" in sweeps[0] and "<polyline" not in speedups[0]
-    depths = [c for c in charts if "layers run per token" in c]
+    depths = [c for c in charts if "exit depth, teacher-forced" in c]
     assert len(depths) == 1 and ">early exit, by threshold</text>" in depths[0] and ">a smaller GPT</text>" in depths[0]
     assert depths[0].count("<circle ") == len(page[1]["test_sweep"]) + len(page[1]["depths"]["rows"])
 

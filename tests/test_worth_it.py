@@ -43,9 +43,9 @@ def test_the_oracle_spends_its_budget_where_it_saves_most():
 
 def test_patience_asking_for_more_exits_than_there_are_never_exits_early(records):
     recs, L = records[0], 4
-    never = m.exits_at_threshold(recs, "patience", (L - 1) / L, [0, 1, 2])  # k = 4 > 3 exits
+    never = m.exits_at_threshold(recs, "patience", 1 - 0.5 ** (L - 1), [0, 1, 2])  # k = 4 > 3 exits
     assert (never == L - 1).all()
-    k3 = m.exits_at_threshold(recs, "patience", 2 / 3, [0, 1, 2])  # 3 in a row: only exit 2 can
+    k3 = m.exits_at_threshold(recs, "patience", 1 - 0.5**2, [0, 1, 2])  # 3 in a row: only exit 2 can
     assert set(k3.tolist()) <= {2, 3} and (k3 == 2).any()
     agree = (recs.pred[0] == recs.pred[1]) & (recs.pred[1] == recs.pred[2])
     assert torch.equal(k3 == 2, agree)
@@ -135,9 +135,40 @@ def test_the_verdict_names_the_winner():
            "test": {"mean_layers": 3.9, "loss": 1.97, "full_loss": 1.96}}
     spec = [{"name": "self_speculative", "mode": mode, "speedup": s} for mode, s in (("greedy", 2.5), ("sampled", 1.6))]
     small = {"layers": 4, "test_loss": 2.01, "speedup_greedy": 1.4, "speedup_sampled": 1.4}
-    assert m.verdict(cal, spec, small).endswith("So self-speculation is faster, and self-speculation better.")
+    spec += [{"name": "deferred", "mode": mode, "speedup": 1.2} for mode in ("greedy", "sampled")]
+    assert m.verdict(cal, spec, small).endswith("So the smaller model is worse than full depth, and faster than "
+                                                "self-speculation in neither mode.")
     fast = dict(small, speedup_sampled=1.7, test_loss=1.9)
-    assert m.verdict(cal, spec, fast).endswith("So the smaller model is faster, and the smaller model better.")
+    assert m.verdict(cal, spec, fast).endswith("is better than full depth, and faster than self-speculation sampled.")
+    assert "deferred runs 1.20x greedy" in m.verdict(cal, spec, fast)
+
+
+def test_patience_k_is_exact(records):
+    """The calibrated threshold's k and the rule agree exactly, even where a threshold is a patience score."""
+    recs = records[0]
+    for t in (0.5, 0.7, 0.75, 0.8, 0.875, 0.9):
+        k = next(k for k in range(1, 10) if 1 - 0.5**k > t)
+        cal = m.calibration_report(recs, recs, None, "patience", [0, 1, 2], 0.99, 0.5)
+        exits = m.exits_at_threshold(recs, "patience", t, [0, 1, 2])
+        agree = torch.ones_like(exits, dtype=torch.bool)
+        run = torch.ones_like(exits)
+        for l in range(1, 3):  # the run of agreeing exits up to each exit
+            run = torch.where(recs.pred[l] == recs.pred[l - 1], run + 1, torch.ones_like(run))
+            agree &= ~((run >= k) & (exits > l))  # none passed an exit where k agreed
+        assert agree.all() and cal["k"] == next(k for k in range(1, 10) if 1 - 0.5**k > cal["threshold"])
+
+
+def test_the_learned_rule_by_name_draws_the_sample_and_every_row(tmp_path, capsys):
+    args = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--eval_iters=1",
+            "--max_iters=2", "--max_new_tokens=10", "--device=cpu", "--quality_positions=30", "--bench_tokens=8",
+            "--bench_repeats=1", "--bench_prompts=2", "--bench_prompt_len=8", "--sweep_positions=300",
+            "--confidence_measure=learned", "--kv_strategy=deferred", f"--out_dir={tmp_path}"]
+    with torch.enable_grad():
+        assert m.main(args) == 0
+    assert "early-exit sample: deferred, learned > " in capsys.readouterr().out
+    for bad in (["--lesson_only=1"], ["--exit_layers=0"]):
+        assert m.main(args + bad) == 2
+        assert "read every exit" in capsys.readouterr().err
 
 
 def test_compare_depths_trains_every_smaller_depth(tmp_path):
