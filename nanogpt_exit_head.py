@@ -52,8 +52,8 @@ class Config:
     alpha: float = 0.3  # weight of each exit head's loss; 0 trains a plain GPT and skips the heads
     # training
     batch_size: int = 12  # how many independent sequences per optimizer step, per process?
-    max_iters: int = 2000  # total optimizer steps
-    learning_rate: float = 1e-3  # peak learning rate after warmup
+    max_iters: int = 1500  # total optimizer steps
+    learning_rate: float = 2e-3  # peak learning rate after warmup
     min_lr: float = 1e-4  # learning rate at the end of the cosine decay
     warmup_iters: int = 100  # steps of linear warmup from 0 to learning_rate
     weight_decay: float = 0.1  # AdamW weight decay on matrices (not on biases or norms)
@@ -630,9 +630,9 @@ class LabConfig(Config):
     num_draft: int = 8  # self-speculative: the most tokens drafted per verify pass
     # measurement
     quality_positions: int = 1000  # test positions teacher-forced per decoder; more is steadier
-    bench_prompts: int = 8  # timed workload: prompts evenly spaced in test (val, when choosing)
+    bench_prompts: int = 16  # timed workload: prompts evenly spaced in test (val, when choosing)
     bench_prompt_len: int = 32  # characters per workload prompt
-    bench_tokens: int = 48  # characters generated per prompt per timed run
+    bench_tokens: int = 50  # characters generated per prompt per timed run
     bench_repeats: int = 3  # timed passes per decoder, interleaved; the median is reported
     shift_path: str = "shift.txt"  # text of another kind, read at val's threshold ('' skips it)
     epsilon: float = 0.01  # calibration: tolerated disagreement with full depth; lower is cautious
