@@ -2112,6 +2112,8 @@ def html_summary(report, sections):
             f"{datum(f'strategies.{j}.speedup', e['speedup'])}>{e['speedup']:.2f}x</b> full "
             "depth's speed on the test workload at batch 1.</li>"
             for j, e in enumerate(report.get("strategies", [])) if e["name"] == "self_speculative"]
+    if report.get("depths"):  # the answer to 'worth it?'
+        out.append(f"<li>{esc(report['depths']['verdict'])}</li>")
     links = " · ".join(f"<a href='#{a}'>{q}</a>" for a, q in sections)  # q: escaped already
     out.append("</ul><p class='muted'>Speeds are medians of interleaved runs on the machine that "
                "wrote this page and move with its load; every number here is in report.json.</p>"

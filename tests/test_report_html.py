@@ -159,6 +159,7 @@ def test_the_summary_opens_the_page_and_links_every_section(page):
     report = page[1]
     assert f"{report['calibration']['test']['compute_saved']:.1%}" in summary
     assert "move with its load" in summary and "val loss" in summary
+    assert m.esc(report["depths"]["verdict"]) in summary, "the answer to 'worth it?' opens the page"
 
 
 def test_the_page_keeps_three_kinds_of_chart_and_each_has_axis_titles_ticks_and_a_legend(page):
