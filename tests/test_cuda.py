@@ -21,7 +21,7 @@ TINY = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_
         "--sweep_positions=500"]
 
 
-@pytest.mark.parametrize("study", [[], ["--bench_batch=1"]])
+@pytest.mark.parametrize("study", [[], ["--bench_batch=1"], ["--compare_depths=1", "--confidence_measure=learned"]])
 def test_the_default_run_and_every_study_on_cuda(tmp_path, study):
     with torch.enable_grad():
         assert m.main(TINY + study + [f"--out_dir={tmp_path}"]) == 0
@@ -31,9 +31,8 @@ def test_the_default_run_and_every_study_on_cuda(tmp_path, study):
                and r["mode"] == "greedy")
 
 
-def test_recipes_resume_and_sample_only_on_cuda(tmp_path):
+def test_resume_and_sample_only_on_cuda(tmp_path):
     with torch.enable_grad():
-        assert m.main(TINY + ["--max_iters=2", "--compare_recipes=1", f"--out_dir={tmp_path / 'recipes'}"]) == 0
         assert m.main(TINY + [f"--out_dir={tmp_path}"]) == 0
         assert m.main(TINY + ["--max_iters=6", "--init_from=resume", f"--out_dir={tmp_path}"]) == 0
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == 6
