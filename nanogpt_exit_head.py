@@ -1912,10 +1912,13 @@ def guarantee(cal, positions):
     return (f"Learn then Test: disagreement <= {cal['epsilon']:.0%} with probability >= "
             f"{1 - cal['delta']:.0%}, chosen on val, reported on {positions:,} test positions")
 
-def calibration_note(rows):
-    """One sentence: do the exits mean the same thing by the same confidence?"""
-    top = [r["bins"]["agreement"][-1] for r in rows[:-1] if r["bins"]["positions"][-1]] or [0.0]
-    return (f"Where an exit is 90-100% sure, its top-1 is full depth's {min(top):.1%} to "
+def calibration_note(rows, threshold):
+    """One sentence: do the exits mean the same thing by the same confidence, in the bin of the
+    calibrated threshold (of ten)?"""
+    b = min(int(10 * threshold), 9)
+    top = [r["bins"]["agreement"][b] for r in rows[:-1] if r["bins"]["positions"][b]] or [0.0]
+    return (f"Where an exit is {10 * b}-{10 * b + 10}% sure (the calibrated threshold's bin), "
+            f"its top-1 is full depth's {min(top):.1%} to "
             f"{max(top):.1%} of the time: " + ("the exits differ (by over 2 points), so one "
                                               "threshold does not mean the same at every exit."
                                               if max(top) - min(top) > 0.02 else "one threshold "
@@ -1950,7 +1953,7 @@ def print_exit_rule(rule, config):
                 guarantee(cal, config.sweep_positions), [ORACLE_NOTE])
     print_table(PATIENCE_TABLE, rule["patience"], f"{n} val positions")
     print_table(EXIT_CALIBRATION_TABLE, rule["exit_calibration"], f"{n} test positions",
-                [calibration_note(rule["exit_calibration"])])
+                [calibration_note(rule["exit_calibration"], cal["threshold"])])
     if "shift" in cal:
         print_table(SHIFT_TABLE, rule["calibration_by_measure"], f"{config.shift_path}, up to {n} "
                     "positions", shift_notes(cal, config.shift_path))
@@ -2185,7 +2188,7 @@ def html_patience(report):
     return rows_section(report, "patience", PATIENCE_TABLE)
 
 def html_exit_calibration(report):
-    note = calibration_note(report["exit_calibration"])
+    note = calibration_note(report["exit_calibration"], report["calibration"]["threshold"])
     return rows_section(report, "exit_calibration", EXIT_CALIBRATION_TABLE, f"<p>{esc(note)}</p>")
 
 def html_shift(report):

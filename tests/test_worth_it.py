@@ -73,7 +73,13 @@ def test_expected_calibration_error_by_hand():
     assert rows[0]["ece_data"] == pytest.approx(0.45) and rows[0]["ece_full"] == pytest.approx(0.45)
     assert rows[1]["ece_data"] == pytest.approx(0.45) and rows[1]["ece_full"] is None
     assert rows[0]["reliability"].split() == ["-"] * 9 + ["0.50"]
-    assert "differ" in m.calibration_note(rows) or "about the same" in m.calibration_note(rows)
+    # two exits equally sure, one agreeing with full depth half as often: one threshold means two things
+    conf = torch.tensor([[0.95] * 4, [0.95] * 4, [0.55] * 4])
+    pred = torch.tensor([[1, 1, 2, 2], [1, 1, 1, 1], [1, 1, 1, 1]])
+    rows = m.exit_calibration(m.ExitRecords({"top1": conf}, pred, torch.zeros(3, 4), torch.ones(4, dtype=torch.long)))
+    note = m.calibration_note(rows, 0.92)
+    assert note.startswith("Where an exit is 90-100% sure") and "50.0% to 100.0%" in note and "the exits differ" in note
+    assert "about the same" in m.calibration_note(rows, 0.5)  # no exit is 50-60% sure: nothing differs
 
 
 def test_tail_latency_shares_a_round_among_its_tokens():
