@@ -1131,7 +1131,7 @@ def record_exits(model, data, n_positions, rules=None, batch_size=64):
     nll = -logits.log_softmax(-1).take_along_dim(targets[None, :, None], -1)[..., 0]  # (L, N)
     return ExitRecords(dict(zip(rules, confidences)), logits.argmax(-1), nll, targets)
 
-def fit_exit_predictor(model, data, n_positions, l2=0.01, steps=20):
+def fit_exit_predictor(model, data, n_positions):
     """The learned rule's weights (L, F), also kept as model.exit_predictor: per exit, a logistic
     model of whether its top-1 is full depth's, fitted by Newton's method on the exits recorded on
     data (the train split). The last exit's row is 0: it always exits."""
@@ -1139,10 +1139,10 @@ def fit_exit_predictor(model, data, n_positions, l2=0.01, steps=20):
     X = records.confidences["features"][:-1].double().cpu()  # (L - 1, N, F); MPS has no float64
     y = (records.pred[:-1] == records.pred[-1]).double().cpu()  # (L - 1, N): agrees with full
     w = X.new_zeros(X.size(0), X.size(2), 1)
-    ridge = l2 * torch.eye(X.size(2), dtype=X.dtype)
-    for _ in range(steps):
+    ridge = 0.01 * torch.eye(X.size(2), dtype=X.dtype)  # a weak L2 penalty, 0.01 |w|^2 / 2
+    for _ in range(20):  # Newton's steps; a logistic fit settles in fewer
         p = torch.sigmoid(X @ w)[..., 0]  # (L - 1, N)
-        grad = X.transpose(1, 2) @ (p - y)[..., None] + l2 * w  # (L - 1, F, 1)
+        grad = X.transpose(1, 2) @ (p - y)[..., None] + ridge @ w  # (L - 1, F, 1)
         hess = X.transpose(1, 2) @ (X * (p * (1 - p))[..., None]) + ridge  # (L - 1, F, F)
         w = w - torch.linalg.solve(hess, grad)
     model.exit_predictor = F.pad(w[..., 0], (0, 0, 0, 1)).float().to(records.pred.device)
@@ -1597,8 +1597,8 @@ def compare_strategies(model, splits, config, device, fixed, threshold):
         if row["name"] == "self_speculative":
             row["predicted_speedup"] = predicted[row["mode"]]["speedup"]
         if row["name"].endswith("GPT"):  # a smaller model skips its missing blocks, no checks
-            skipped = config.n_layer - int(row["name"].split("-")[0])
-            row["predicted_speedup"] = costs["token"] / (costs["token"] - skipped * costs["block"])
+            skipped = (config.n_layer - row["mean_layers"]) * costs["block"]
+            row["predicted_speedup"] = costs["token"] / (costs["token"] - skipped)
     return rows, quality, plans, costs, val_records
 
 # -----------------------------------------------------------------------------
@@ -1904,10 +1904,6 @@ def print_batches(batched, config):
                 f"median of {config.bench_repeats} interleaved runs",
                 batch_notes(batched, asdict(config)))
 
-ORACLE_NOTE = ("Teacher-forced, with an exact cache, every exit checked. The oracle leaves at the "
-               "first exit whose top-1 is full depth's, and spends epsilon where that saves most: "
-               "no rule saves more at the same disagreement.")
-
 def guarantee(cal, positions):
     return (f"Learn then Test: disagreement <= {cal['epsilon']:.0%} with probability >= "
             f"{1 - cal['delta']:.0%}, chosen on val, reported on {positions:,} test positions")
@@ -1950,10 +1946,14 @@ def print_exit_rule(rule, config):
                 f"({config.confidence_measure}): compute saved against quality",
                 [f"full depth's val loss on these positions: {rule['sweep'][0]['full_loss']:.4f}"])
     print_table(CALIBRATION_TABLE, rule["calibration_by_measure"],
-                guarantee(cal, config.sweep_positions), [ORACLE_NOTE])
+                guarantee(cal, config.sweep_positions),
+                ["Teacher-forced, with an exact cache, every exit checked. The oracle leaves at "
+                 "the first exit whose top-1 is full depth's, and spends epsilon where that saves "
+                 "most: no rule saves more at the same disagreement."])
     print_table(PATIENCE_TABLE, rule["patience"], f"{n} val positions")
     print_table(EXIT_CALIBRATION_TABLE, rule["exit_calibration"], f"{n} test positions",
-                [calibration_note(rule["exit_calibration"], cal["threshold"])])
+                [calibration_note(rule["exit_calibration"],
+                                  rule["calibration_by_measure"][0]["threshold"])])  # top1's
     if "shift" in cal:
         print_table(SHIFT_TABLE, rule["calibration_by_measure"], f"{config.shift_path}, up to {n} "
                     "positions", shift_notes(cal, config.shift_path))
@@ -2188,7 +2188,8 @@ def html_patience(report):
     return rows_section(report, "patience", PATIENCE_TABLE)
 
 def html_exit_calibration(report):
-    note = calibration_note(report["exit_calibration"], report["calibration"]["threshold"])
+    note = calibration_note(report["exit_calibration"],
+                            report["calibration_by_measure"][0]["threshold"])  # top1's
     return rows_section(report, "exit_calibration", EXIT_CALIBRATION_TABLE, f"<p>{esc(note)}</p>")
 
 def html_shift(report):
@@ -2521,8 +2522,8 @@ def validate(config):
              f"--bench_batch needs quality_positions >= {max(BATCH_SIZES)}: a position a row"),
             (config.lesson_only and (config.init_from == "resume" or config.sample_only),
              "--lesson_only is Part I alone: it trains anew, with no resume or samples only"),
-            (config.confidence_measure in ("patience", "learned") and (config.lesson_only or
-                                                                      config.exit_layers != "auto"),
+            (config.confidence_measure in ("patience", "learned") and (
+                config.lesson_only or config.exit_layers not in ("auto", "all")),
              "patience and the learned rule read every exit, in the lab: no --lesson_only, and "
              "--exit_layers=auto")):
         if bad:
@@ -2701,7 +2702,7 @@ def verdict(cal, strategies, row):
             f"loss {row['test_loss']:.4f}, {row['speedup_greedy']:.2f}x greedy, "
             f"{row['speedup_sampled']:.2f}x sampled. So the "
             f"smaller model is {better} than full depth, and faster than self-speculation "
-            f"{' and '.join(wins) or 'in neither mode'}.")
+            f"in {' and '.join(wins) or 'neither mode'}.")
 
 def lesson_config(config):
     """Part I's Config from the lab's fields, with Part I's own threshold where the lab's says
@@ -2721,9 +2722,9 @@ def run_lab(model, tokenizer, splits, config, device, report):
     """Part I's samples from the lab's model, threshold and decoder, then every analysis of the
     lab."""
     # the learned rule, fitted on ten pieces from across train (one play alone fits it worse)
-    train, n = splits["train"], config.sweep_positions // 10
-    fit_exit_predictor(model, train.unfold(0, n + 1, len(train) // 10)[:10].flatten().to(device),
-                       config.sweep_positions)
+    train, step = splits["train"], len(splits["train"]) // 10
+    n = min(config.sweep_positions // 10, step - 1)  # ten pieces that never overlap
+    fit_exit_predictor(model, train.unfold(0, n + 1, step)[:10].flatten().to(device), 10 * n)
     rule = None
     threshold = config.exit_threshold
     if threshold < 0:  # calibrate on val (Learn then Test)
