@@ -508,10 +508,9 @@ def train(model, optimizer, splits, config, device, start_iter=0, generator=None
     generator = generator or torch.Generator().manual_seed(config.seed)
     step_model = step_model or model
     t_start, step_ms, log = time.time(), [], []
-    # a log file (no terminal) gets a progress line every 30 s, not every second
+    # a log (stdout not a terminal) gets the evaluation lines and no progress bar
     with tqdm(range(start_iter, config.max_iters), initial=start_iter, total=config.max_iters,
-              disable=not evaluate, mininterval=1.0 if sys.stderr.isatty() else 30.0,
-              desc="training") as progress:
+              disable=not (evaluate and sys.stdout.isatty()), desc="training") as progress:
         for it in progress:
             if evaluate and it % config.eval_interval == 0 and it > start_iter:
                 losses = estimate_loss(model, splits, config, device)
@@ -646,6 +645,10 @@ class LabConfig(Config):
 # cautious first: 1.000, 0.999, ..., 0.951 (the learned rule's scores crowd there), 0.95, ..., 0.00
 THRESHOLDS = (*(round(1 - i / 1000, 3) for i in range(50)),
               *(round(i / 100, 2) for i in range(95, -1, -1)))
+def average(t):
+    """A tensor's mean as a float (a mask's: the share that is true); None if it is empty."""
+    return t.float().mean().item() if t.numel() else None
+
 MODES = ("greedy", "sampled")  # sampled draws with config.temperature and config.top_k
 BATCH_SIZES = (1, 4, 16)
 
@@ -1162,16 +1165,16 @@ def exit_summary(records, exits):
     L, N = records.pred.shape
     cols = torch.arange(N, device=exits.device)
     pred = records.pred[exits, cols]
-    mean_layers = (exits + 1).float().mean().item()
+    mean_layers = average(exits + 1)
     return {
         "exit_fractions": (torch.bincount(exits, minlength=L).float() / N).tolist(),
         "mean_layers": mean_layers,
         "compute_saved": 1.0 - mean_layers / L,
-        "loss": records.nll[exits, cols].mean().item(),
-        "full_loss": records.nll[-1].mean().item(),
-        "excess_loss": (records.nll[exits, cols] - records.nll[-1]).mean().item(),
-        "accuracy": (pred == records.targets).float().mean().item(),
-        "disagreement": (pred != records.pred[-1]).float().mean().item(),
+        "loss": average(records.nll[exits, cols]),
+        "full_loss": average(records.nll[-1]),
+        "excess_loss": average(records.nll[exits, cols] - records.nll[-1]),
+        "accuracy": average(pred == records.targets),
+        "disagreement": average(pred != records.pred[-1]),
     }
 
 # -----------------------------------------------------------------------------
@@ -1235,8 +1238,6 @@ def calibration_report(val, test, shifted, measure, checked_exits, epsilon, delt
     and on the shifted text (None: none), whether epsilon held there, and test's saving as a
     share of the oracle's. Patience's threshold is also given as k, the exits that must agree."""
     threshold = calibrate(val, measure, checked_exits, epsilon, delta)
-    keys = ("disagreement", "loss", "full_loss", "accuracy", "compute_saved", "mean_layers",
-            "exit_fractions")
     report = {"measure": measure, "epsilon": epsilon, "delta": delta, "threshold": threshold}
     if measure == "patience" and threshold < 1:
         report["k"] = next(k for k in itertools.count(1) if 1 - 0.5**k > threshold)
@@ -1244,8 +1245,7 @@ def calibration_report(val, test, shifted, measure, checked_exits, epsilon, delt
         if records is not None:
             figures = exit_summary(
                 records, exits_at_threshold(records, measure, threshold, checked_exits))
-            report[name] = {k: figures[k] for k in keys}
-            report[name]["held"] = figures["disagreement"] <= epsilon
+            report[name] = {**figures, "held": figures["disagreement"] <= epsilon}
     best = oracle(test, checked_exits, epsilon)["compute_saved"]
     report["test"]["oracle_share"] = report["test"]["compute_saved"] / max(best, 1e-9)
     return report
@@ -1285,8 +1285,8 @@ def logit_lens(model, x):
         for readout, layer in (("ln_f + lm_head", top), ("exit head", l)):
             logits = model.exit_logits(h, layer)  # (B, T, V)
             entries.append({"layer": l, "readout": readout,
-                            "agreement": share(logits.argmax(-1) == target),
-                            "confidence": confidence(logits).mean().item()})
+                            "agreement": average(logits.argmax(-1) == target),
+                            "confidence": average(confidence(logits))})
     return entries
 
 KINDS = ("lowercase", "capital", "space", "punctuation", "newline")
@@ -1296,9 +1296,6 @@ def character_kind(ch):
     if ch.isalpha():
         return KINDS[ch.isupper()]
     return {" ": "space", "\n": "newline"}.get(ch, "punctuation")
-
-def share(mask):
-    return mask.float().mean().item() if mask.numel() else None
 
 def exit_slices(records, exits, tokenizer):
     """At these exits, per kind of character to predict: how deep it runs, how often it disagrees
@@ -1311,9 +1308,9 @@ def exit_slices(records, exits, tokenizer):
         here = torch.tensor([k == kind for k in kinds], device=exits.device)
         if here.any():
             rows.append({"kind": kind, "positions": int(here.sum()),
-                         "mean_layers": (exits[here] + 1).float().mean().item(),
-                         "disagreement": share((pred != records.pred[-1])[here]),
-                         "accuracy_lost": share(full_right[here]) - share(right[here])})
+                         "mean_layers": average(exits[here] + 1),
+                         "disagreement": average((pred != records.pred[-1])[here]),
+                         "accuracy_lost": average(full_right[here]) - average(right[here])})
     return rows
 
 # -----------------------------------------------------------------------------
@@ -1354,7 +1351,7 @@ def decoder(model, name, plan=None, measure="top1", spec=(0, 8), schedule=None):
     return partial(generate, model, strategy=kv_strategy(name), exit_threshold=plan["threshold"],
                    checked_exits=plan["checked_exits"], measure=exit_rules(model)[measure])
 
-def quality_pass(decode, data, n_positions, n_layer, batch_size=1):
+def quality_pass(decode, data, n_positions, batch_size=1):
     """Teacher-forced decoding of batch_size contiguous pieces of data at once, n_positions in
     all: every decoder sees the same text, and its own cache's effects."""
     per_row = n_positions // batch_size
@@ -1365,11 +1362,10 @@ def quality_pass(decode, data, n_positions, n_layer, batch_size=1):
     pred = logits.argmax(-1)  # (N,)
     targets = forced.flatten().to(logits.device)  # (N,)
     exited_at = out.exited_at.flatten().cpu()  # (N,)
-    counts = torch.bincount(exited_at, minlength=n_layer)  # (L,)
-    return {"pred": pred, "exited_at": exited_at, "exit_fractions": (counts / len(pred)).tolist(),
+    return {"pred": pred, "exited_at": exited_at,
             "mean_layers": out.layers_run / per_row,
             "test_loss": F.cross_entropy(logits, targets).item(),
-            "test_accuracy": (pred == targets).float().mean().item()}
+            "test_accuracy": average(pred == targets)}
 
 def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed, top_k):
     """Every decoder continues the workload, batch_size prompts a call, in turn, repeats times,
@@ -1435,7 +1431,11 @@ def table_row(name, mode, speed, quality, config, batch_size=1):
     row = {"batch_size": batch_size, "name": name, "mode": mode, **s,
            "speedup": s["tokens_per_second"] / full["tokens_per_second"],
            "test_loss": q["test_loss"], "test_accuracy": q["test_accuracy"],
-           "agreement": (q["pred"] == quality["full"]["pred"]).float().mean().item()}
+           "agreement": average(q["pred"] == quality["full"]["pred"]),
+           "cache": {"state_copy": "approx.", "holes": "holes"}.get(name, "exact")}
+    # full depth's output: its own, and a speculative decoder's by construction
+    same = "same tokens" if mode == "greedy" else "same dist."
+    row["output"] = same if name in ("full", *SPECULATIVE) else f"agree {row['agreement']:.3f}"
     del row["outputs"]
     if batch_size == 1:
         row.update(tail(s["outputs"]))
@@ -1453,8 +1453,7 @@ def time_decoders(decoders, prompts, config, batch_size):
 def measure_decoders(decoders, test, prompts, config, batch_size=1):
     """The rows of a decoder table at one batch size, both modes: quality (greedy decoders,
     teacher-forced on test) and speed on the test workload. decoders: name -> {mode: decode}."""
-    quality = {name: quality_pass(d["greedy"], test, config.quality_positions, config.n_layer,
-                                  batch_size)
+    quality = {name: quality_pass(d["greedy"], test, config.quality_positions, batch_size)
                for name, d in decoders.items() if name not in SPECULATIVE}
     speed = time_decoders(decoders, prompts, config, batch_size)
     rows = [table_row(name, mode, speed, quality, config, batch_size)
@@ -1507,11 +1506,11 @@ def predict_speedup(records, measure, threshold, checked_exits, costs, strategy,
     costs a check. Deferred's catch-up rides in the next token's block call, so it is counted as
     no extra call."""
     exits = exits_at_threshold(records, measure, threshold, checked_exits).float()  # (N,)
-    checks = sum((exits >= l).float() for l in checked_exits).mean().item()
-    early = (exits < n_layer - 1).float().mean().item()
+    checks = average(sum((exits >= l).float() for l in checked_exits))
+    early = average(exits < n_layer - 1)
     saved = 0.0
     if strategy != "backfill":
-        saved = (n_layer - 1 - exits).mean().item() * costs["block"] + early * costs["final_head"]
+        saved = average(n_layer - 1 - exits) * costs["block"] + early * costs["final_head"]
     extra = checks * costs[f"check {measure}"]
     if strategy == "state_copy":
         extra += early * costs["state_copy"]
@@ -1775,7 +1774,9 @@ kind          | kind      | {}      | the kind of the character to predict
 positions     | positions | {:,}    | test positions of that kind
 mean_layers   | layers    | {:.2f}  | mean layers run
 disagreement  | disagree  | {:.2%}  | the share whose top-1 is not full depth's
-accuracy_lost | acc. lost | {:+.3f} | full depth's accuracy minus the exits'""")
+accuracy_lost | acc. lost | {:+.3f} | full depth's accuracy minus the exits', both on the same \
+positions (an exit's accuracy over only the positions that leave there falls with depth: the hard \
+positions are the ones that go deep, a selection effect, not worse heads)""")
 TAIL_TABLE = table("""Average or tail?
 mode          | mode       | {}     | greedy, or sampled
 name          | decoder    | {}     | as in the strategies table
@@ -1795,14 +1796,19 @@ speedup_sampled   | sampled    | {:.2f}x | and sampled""")
 STRATEGY_TABLE = table("""What does each KV strategy buy?
 mode              | mode      | {}      | greedy, or sampled
 name              | decoder   | {}      | how the skipped layers' cache is filled
-checked_exits     | exits     | {}      | the exits checked
+checked_exits     | exit at   | layer {} | the exits checked ('-': none)
 threshold         | thr       | {:.2f}  | their threshold
 speedup           | speed-up  | {:.2f}x | tokens per second over full depth's in the same mode
 predicted_speedup | predicted | {:.2f}x | the cost model's speed-up, from measured costs
-mean_layers       | layers    | {:.2f}  | blocks run per token while decoding, catch-up included
+mean_layers       | layers    | {:.2f}  | blocks run per token while decoding, catch-up included \
+(above the model's depth for self_speculative: the draft's layers, then the verify pass over \
+every draft, kept or not)
 repetition        | repeats   | {:.2f}  | the share of 4-grams repeating an earlier one
-test_loss         | test loss | {:.4f}  | teacher-forced test positions' loss
-agreement         | agree     | {:.3f}  | how often its top-1 there is full depth's""")
+cache             | cache     | {}      | the skipped layers' keys and values: exact, approximate \
+(approx.), or missing (holes)
+output            | output    | {}      | same tokens as full depth (greedy), same distribution \
+(sampled), or differs: how often its top-1 is full depth's (agree), teacher-forced on the test \
+positions named below""")
 BATCH_TABLE = table("""Does early exit still save in a batch?
 batch_size        | B         | {}      | rows decoded together, a prompt each
 mode              | mode      | {}      | greedy, or sampled
@@ -1845,21 +1851,20 @@ def print_table(table, rows, conditions="", notes=()):
     for note in (legend(columns), *notes):
         print(textwrap.fill(note, WIDTH, subsequent_indent="  ", break_on_hyphens=False))
 
-def print_strategies(entries, quality, config, costs, depths):
-    """The strategies table, then what it rests on: the drafts, where the test tokens exit
-    (quality: each decoder's teacher-forced pass), the measured costs and a batch's depth."""
+def print_strategies(entries, config, costs, depths):
+    """The strategies table, then what it rests on: the drafts, the measured costs and a batch's
+    depth."""
     L, b = config.n_layer, costs["block"]
     exact = {True: "identical to full depth on every prompt", False: "NOT identical to full depth",
              None: "exact in distribution (tested)"}
     notes = [f"self_speculative {e['mode']}: draft_exit={e['draft_exit']}, num_draft="
-             f"{e['num_draft']}, acceptance {e['acceptance_rate']:.3f}, "
+             f"{e['num_draft']}, acceptance {e['acceptance_rate']:.3f} (drafts kept over drafts "
+             f"a row could keep), "
              f"{e['tokens_per_verify']:.2f} tokens a verify pass, " + exact[e["identical_to_full"]]
              for e in entries if e["name"] == "self_speculative"]
     # the full model's decoders: a smaller GPT re-prefills fewer layers
     prefill = sorted({round(e["prefill_layers"], 2) for e in entries if "GPT" not in e["name"]})
     depth = ", ".join(f"B={B}: {d:.2f}" for B, d in depths.items())
-    exits = "; ".join(f"{name} {' '.join(f'{f:.0%}' for f in q['exit_fractions'])}"
-                      for name, q in quality.items())
     impossible = ""
     if costs["token"] < L * b:
         impossible = f", IMPOSSIBLE ({L} blocks): so after {costs['attempts']} measurements"
@@ -1870,10 +1875,9 @@ def print_strategies(entries, quality, config, costs, depths):
               "the window every block_size/2 tokens adds "
               + " to ".join(f"{p:.2f}" for p in prefill) + " per token for every decoder. Sampled: "
               f"temperature {config.temperature:g}, top_k {config.top_k}.",
-              f"test loss, agree: {config.quality_positions} test positions teacher-forced. The "
-              "guarantee of a calibrated threshold covers every exit checked with an exact cache: "
-              "not a subset of exits, nor state_copy or holes.",
-              f"Where test tokens exit, layer 0 first (teacher-forced): {exits}.",
+              f"output's agreement: on {config.quality_positions:,} test positions, "
+              "teacher-forced. The guarantee of a calibrated threshold covers every exit checked "
+              "with an exact cache: not a subset of exits, nor state_copy or holes.",
               f"Measured at batch 1: a block {1e6 * b:.0f} us; in blocks, an exit check "
               f"{costs['check ' + check] / b:.2f} ({check}), a state-copy write "
               f"{costs['state_copy'] / b:.2f}, the final head {costs['final_head'] / b:.2f}, a "
@@ -1944,7 +1948,8 @@ def print_exit_rule(rule, config):
              for e in rule["sweep"] if round(10 * e["threshold"], 6) % 1 == 0]  # 1.0, 0.9, ...
     print_table(SWEEP_TABLE, shown, f"The sweep on {n} val positions, teacher-forced "
                 f"({config.confidence_measure}): compute saved against quality",
-                [f"full depth's val loss on these positions: {rule['sweep'][0]['full_loss']:.4f}"])
+                [f"full depth's val loss on the {n} val positions: "
+                 f"{rule['sweep'][0]['full_loss']:.4f}"])
     print_table(CALIBRATION_TABLE, rule["calibration_by_measure"],
                 guarantee(cal, config.sweep_positions),
                 ["Teacher-forced, with an exact cache, every exit checked. The oracle leaves at "
@@ -2000,77 +2005,85 @@ h2 { border-bottom: 1px solid var(--grid); padding-bottom: .2em; margin-top: 2em
 .row { display: flex; gap: 2em; flex-wrap: wrap; } .row > div { flex: 1 1 20em; }
 pre.sample { white-space: pre-wrap; font: 14px/1.7 ui-monospace, monospace; }
 pre.sample span, .legend span { border-radius: 2px; }
-.legend span { padding: 0 .5em; margin-right: .3em; }
-.scroll { overflow-x: auto; }
+.legend span { padding: 0 .5em; margin-right: .3em; white-space: nowrap; display: inline-block; }
+.scroll { overflow-x: auto; } .scroll svg { min-width: 560px; max-width: 800px; }
 table { border-collapse: collapse; font-variant-numeric: tabular-nums; }
 td, th { padding: .2em .6em; border-bottom: 1px solid var(--grid); text-align: right;
   white-space: nowrap; }
 th { color: var(--muted); font-weight: 500; }
-svg text { fill: var(--fg); font: 12px system-ui, sans-serif; } svg .grid { stroke: var(--grid); }
+svg text { fill: var(--fg); font: 13px system-ui, sans-serif; } svg .grid { stroke: var(--grid); }
 svg .a { fill: var(--a); stroke: var(--a); } svg .b { fill: var(--b); stroke: var(--b); }
 svg .line { fill: none; stroke-width: 2; } svg .mark { stroke: var(--fg); stroke-dasharray: 4 3; }
 #summary { border: 1px solid var(--grid); border-radius: 6px; padding: 0 1em; }
 """
 
-def nice_ticks(top, n=5):
-    """Round ticks from 0 up to top or just past it: steps of 1, 2 or 5 times a power of ten."""
-    power = 10 ** math.floor(math.log10(max(top, 1e-9) / n))
-    step = next(m * power for m in (1, 2, 5, 10) if m * power * n >= top)
-    return [i * step for i in range(max(1, math.ceil(top / step - 1e-9)) + 1)]
+def nice_ticks(top, bottom=0, n=5):
+    """Round ticks from bottom (0, or a tick under a negative bottom) up to top or just past it:
+    steps of 1, 2 or 5 times a power of ten."""
+    span = max(top - bottom, 1e-9)
+    power = 10 ** math.floor(math.log10(span / n))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power * n >= span)
+    first = math.floor(bottom / step + 1e-9)
+    return [i * step for i in range(first, max(first + 1, math.ceil(top / step - 1e-9)) + 1)]
 
-PLOT_WIDTH = 1010  # SVG units from the y axis to the right edge; a chart scales to the page's width
+# a chart is 640 SVG units wide and shrinks no narrower than 560 px (it scrolls sideways on a
+# phone), so its 13-unit text stays over 11 px
+PLOT_WIDTH = 550  # SVG units from the y axis to the right edge
 PLOT_HEIGHT = 240  # SVG units from the top to the x axis; the labels and the legend go below it
 
 def plot_x(x):
     """Where x in [0, 1] sits across a chart, right of the y axis's labels."""
     return 70 + PLOT_WIDTH * x
 
-def plot_y(y, top):
-    """Where y in [0, top] sits up a chart: the top tick a tenth under its top edge."""
-    return PLOT_HEIGHT * (1 - 0.9 * y / top)
+def plot_y(y, ticks):
+    """Where y sits up a chart: the first tick on the x axis, the last a tenth under the top edge;
+    a y over the last tick at the last tick."""
+    return PLOT_HEIGHT * (1 - 0.9 * (min(y, ticks[-1]) - ticks[0]) / (ticks[-1] - ticks[0]))
 
-def svg_point(cls, x, y, top, key, tip, width):
+def svg_point(cls, x, y, ticks, key, tip, width):
     """One figure with its report key: a bar `width` wide (a share of the x axis), or a dot."""
     data = f'class="{cls}" {datum(key, y)}><title>{esc(tip)}</title>'
     if width:
-        return (f'<rect x="{plot_x(x):.1f}" y="{plot_y(y, top):.1f}" '
+        return (f'<rect x="{plot_x(x):.1f}" y="{plot_y(y, ticks):.1f}" '
                 f'width="{PLOT_WIDTH * width:.1f}" '
-                f'height="{PLOT_HEIGHT - plot_y(y, top):.1f}" {data}</rect>')
-    return f'<circle cx="{plot_x(x):.1f}" cy="{plot_y(y, top):.1f}" r="3" {data}</circle>'
+                f'height="{PLOT_HEIGHT - plot_y(y, ticks):.1f}" {data}</rect>')
+    return f'<circle cx="{plot_x(x):.1f}" cy="{plot_y(y, ticks):.1f}" r="3" {data}</circle>'
 
-def svg_chart(series, x_ticks, titles, y_fmt, bars=False, mark=None):
-    """Lines, or bars side by side. series: (name, class, points), a point (x in [0, 1], y,
-    report key, hover text); x_ticks: {label: x}; titles: the axes'; bars: with full depth's
-    1.0x dashed across; mark: (x, report key, label), a dashed line up the chart."""
-    ticks = nice_ticks(max([p[1] for _, _, points in series for p in points] + [int(bars)]))
-    top, H = ticks[-1], PLOT_HEIGHT
-    parts = [f'<svg viewBox="0 0 1100 {H + 72}" width="100%" role="img"><text '
-             f'transform="translate(14 {H / 2}) rotate(-90)" text-anchor="middle">{esc(titles[1])}'
-             f'</text><text x="575" y="{H + 38}" text-anchor="middle">{esc(titles[0])}</text>']
-    parts += [f'<line class="grid" x1="64" x2="1090" y1="{plot_y(t, top):.1f}" '
-              f'y2="{plot_y(t, top):.1f}"/><text x="58" y="{plot_y(t, top) + 4:.1f}" '
+def svg_chart(series, x_ticks, titles, y_fmt, bars=False, mark=None, line=None, top=None):
+    """Lines, or bars side by side (their x labels on two rows). series: (name, class, points), a
+    point (x in [0, 1], y, report key, hover text); x_ticks: {label: x}; titles: the axes'; mark:
+    (x, report key, label), a dashed line up the chart; line: (y, label), one across it (at most
+    top); top: the axis's top, if not the data's (bars: at least 1.0x, full depth's)."""
+    ys = [p[1] for _, _, points in series for p in points]
+    ticks, H = nice_ticks(top or max(ys + [int(bars)]), min(ys + [0])), PLOT_HEIGHT
+    parts = [f'<div class="scroll"><svg viewBox="0 0 640 {H + 64 + 18 * len(series)}" '
+             f'width="100%" role="img"><text transform="translate(14 {H / 2}) rotate(-90)" '
+             f'text-anchor="middle">{esc(titles[1])}</text><text x="345" y="{H + 52}" '
+             f'text-anchor="middle">{esc(titles[0])}</text>']
+    parts += [f'<line class="grid" x1="64" x2="630" y1="{plot_y(t, ticks):.1f}" '
+              f'y2="{plot_y(t, ticks):.1f}"/><text x="58" y="{plot_y(t, ticks) + 4:.1f}" '
               f'text-anchor="end">{y_fmt.format(t)}</text>' for t in ticks]
-    parts += [f'<text x="{plot_x(x):.1f}" y="{H + 16}" text-anchor="middle">{esc(label)}</text>'
-              for label, x in x_ticks.items()]
-    width = 0  # lines: a dot at each point
-    if bars:  # a group, a bar a series, fills 80% of its share of the axis
-        width = 0.8 / len(x_ticks) / len(series)
-        parts.append(f'<line class="mark" x1="64" x2="1090" y1="{plot_y(1, top):.1f}" '
-                     f'y2="{plot_y(1, top):.1f}"/><text x="72" y="{plot_y(1, top) - 4:.1f}">1.0x: '
-                     "full depth</text>")  # over the first group, full depth's own bars
+    parts += [f'<text x="{plot_x(x):.1f}" y="{H + 18 + 14 * (i % 2 * bars)}" '
+              f'text-anchor="middle">{esc(label)}</text>'
+              for i, (label, x) in enumerate(x_ticks.items())]
+    width = 0.8 / len(x_ticks) / len(series) * bars  # a bar group fills 80% of its share; lines: 0
+    if line:  # its label over the left end (bars: full depth's own, as tall as the line)
+        parts.append(f'<line class="mark" x1="64" x2="630" y1="{plot_y(line[0], ticks):.1f}" '
+                     f'y2="{plot_y(line[0], ticks):.1f}"/><text x="72" '
+                     f'y="{plot_y(line[0], ticks) - 4:.1f}">{esc(line[1])}</text>')
     if mark:
         parts.append(f'<line class="mark" x1="{plot_x(mark[0]):.1f}" x2="{plot_x(mark[0]):.1f}" '
                      f'y1="0" y2="{H}" {datum(mark[1], mark[0])}/><text '
                      f'x="{plot_x(mark[0]) + 4:.1f}" y="12">{esc(mark[2])}</text>')
     for s, (name, cls, points) in enumerate(series):
         if not bars:
-            line = " ".join(f"{plot_x(x):.1f},{plot_y(y, top):.1f}" for x, y, _, _ in points)
-            parts.append(f'<polyline class="{cls} line" points="{line}"/>')
-        parts += [svg_point(cls, x + (s - len(series) / 2) * width, y, top, key, tip, width)
+            coords = " ".join(f"{plot_x(x):.1f},{plot_y(y, ticks):.1f}" for x, y, _, _ in points)
+            parts.append(f'<polyline class="{cls} line" points="{coords}"/>')
+        parts += [svg_point(cls, x + (s - len(series) / 2) * width, y, ticks, key, tip, width)
                   for x, y, key, tip in points]
-        parts.append(f'<rect class="{cls}" x="{70 + 500 * s}" y="{H + 52}" width="12" height="12"/>'
-                     f'<text x="{88 + 500 * s}" y="{H + 62}">{esc(name)}</text>')
-    return "".join(parts) + "</svg>"
+        parts.append(f'<rect class="{cls}" x="70" y="{H + 66 + 18 * s}" width="12" height="12"/>'
+                     f'<text x="88" y="{H + 77 + 18 * s}">{esc(name)}</text>')
+    return "".join(parts) + "</svg></div>"
 
 def html_table(table, rows, key, notes=()):
     """A table in a box that scrolls sideways on a narrow screen, then its legend and notes;
@@ -2095,33 +2108,16 @@ def section(anchor, question, *body):
     return f"<section id='{anchor}'><h2>{esc(question)}</h2>{''.join(body)}</section>"
 
 def html_summary(report, sections):
-    """What was trained on what, the headline figures with their conditions, links to the rest."""
+    """What was trained on what, the run's summary (the console's last lines), links to the rest."""
     cfg = report["config"]
-    out = [f"<div id='summary'><p>A {cfg['n_layer']}-layer GPT ({cfg['n_head']} heads, "
-           f"{cfg['n_embd']} wide, context {cfg['block_size']} characters) with an exit head after "
-           f"every layer but the last, trained on {esc(cfg['input_path'])}"]
-    if report.get("val_loss"):
-        val = report["val_loss"]["final"]
-        out.append(f"; full-depth val loss <span {datum('val_loss.final', val)}>{val:.4f}</span>")
-    out.append(".</p><ul>")
-    if report.get("calibration"):
-        c = report["calibration"]
-        saved = c["test"]["compute_saved"]
-        out.append(f"<li>Early exit calibrated on val ({c['measure']} > {c['threshold']:g}) "
-                   f"skips <b {datum('calibration.test.compute_saved', saved)}>{saved:.1%}</b> of "
-                   f"the layer runs on test, at most {c['epsilon']:.0%} disagreeing with full "
-                   f"depth, with probability {1 - c['delta']:.0%}.</li>")
-    out += [f"<li>Self-speculative decoding, exact ({e['mode']}), runs at <b "
-            f"{datum(f'strategies.{j}.speedup', e['speedup'])}>{e['speedup']:.2f}x</b> full "
-            "depth's speed on the test workload at batch 1.</li>"
-            for j, e in enumerate(report.get("strategies", [])) if e["name"] == "self_speculative"]
-    if report.get("depths"):  # the answer to 'worth it?'
-        out.append(f"<li>{esc(report['depths']['verdict'])}</li>")
+    lines = "".join(f"<li>{esc(line)}</li>" for line in report.get("summary", ()))
     links = " · ".join(f"<a href='#{a}'>{q}</a>" for a, q in sections)  # q: escaped already
-    out.append("</ul><p class='muted'>Speeds are medians of interleaved runs on the machine that "
-               "wrote this page and move with its load; every number here is in report.json.</p>"
-               f"<p>{links}</p></div>")
-    return "".join(out)
+    return (f"<div id='summary'><p>A {cfg['n_layer']}-layer GPT ({cfg['n_head']} heads, "
+            f"{cfg['n_embd']} wide, context {cfg['block_size']} characters) with an exit head "
+            f"after every layer but the last, trained on {esc(cfg['input_path'])}.</p><ul>{lines}"
+            "</ul><p class='muted'>Speeds are medians of interleaved runs on the machine that "
+            "wrote this page and move with its load; every number here is in report.json.</p>"
+            f"<p>{links}</p></div>")
 
 def sample_spans(text, marks):
     """A sample as spans, a character each with its (attributes, title); newlines show a mark."""
@@ -2147,21 +2143,26 @@ def html_generation(report):
         f"{sample_spans(g['sample'], marks)}</pre></div><div><h3>full depth</h3><pre "
         f"class='sample'>\n{esc(g['full_depth_sample'])}</pre></div></div>")
 
+# the sweep's two charts: compute saved on its own axis, disagreement on one up to 2 epsilon
 SWEEP_LINES = (("compute saved (share of layer runs)", "a", "compute_saved"),
                ("disagreement with full depth (share of positions)", "b", "disagreement"))
 
 def html_sweep(report):
-    """What each threshold trades on val, compute for disagreement; the calibrated one marked."""
-    cal = report["calibration"]
-    series = [(name, cls, [(e["threshold"], e[key], f"sweep.{j}.{key}",
-                            f"threshold {e['threshold']:g}: {e[key]:.2%}")
-                           for j, e in enumerate(report["sweep"])])
-              for name, cls, key in SWEEP_LINES]
+    """What each threshold trades on val, compute for disagreement, each on its own axis: the
+    disagreement's zoomed to twice the budget (epsilon drawn); the calibrated threshold marked."""
+    cal, eps = report["calibration"], report["calibration"]["epsilon"]
     ticks = {f"{t / 10:.1f}": t / 10 for t in range(11)}
     mark = (cal["threshold"], "calibration.threshold", f"calibrated: {cal['threshold']:g}")
-    chart = svg_chart(series, ticks, (f"exit threshold ({cal['measure']} confidence)", "share"),
-                      "{:.0%}", mark=mark)
-    return section("threshold", f"Which threshold? ({cal['measure']}, val)", chart)
+    titles, charts = (f"exit threshold ({cal['measure']} confidence)", "share"), []
+    for (name, cls, key), line in zip(SWEEP_LINES, (None, (eps, f"epsilon: {eps:.0%}"))):
+        points = [(e["threshold"], e[key], f"sweep.{j}.{key}",
+                   f"threshold {e['threshold']:g}: {e[key]:.2%}")
+                  for j, e in enumerate(report["sweep"])]
+        charts.append(svg_chart([(name, cls, points)], ticks, titles, "{:.1%}", mark=mark,
+                                line=line, top=line and 2 * eps))
+    return section("threshold", f"Which threshold? ({cal['measure']}, val)", *charts,
+                   "<p class='muted'>Disagreement over twice epsilon is drawn at the top of its "
+                   "axis; hover for the value.</p>")
 
 def html_speedups(rows, prefix, batch_size):
     """The measured speed-up of each decoder at one batch size, greedy and sampled side by side."""
@@ -2172,7 +2173,7 @@ def html_speedups(rows, prefix, batch_size):
                             f"{mode}: {r['speedup']:.2f}x") for i, r in shown if r["mode"] == mode])
               for cls, mode in zip("ab", MODES)]
     titles = (f"decoder, batch {batch_size}", "speed-up over full depth, measured")
-    return svg_chart(series, at, titles, "{:.1f}x", bars=True)
+    return svg_chart(series, at, titles, "{:.1f}x", bars=True, line=(1, "1.0x: full depth"))
 
 def rows_section(report, part, table, *before):
     """A section that shows report[part]'s rows as a table, after any charts or words."""
@@ -2183,9 +2184,6 @@ def html_calibration(report):
     conditions = guarantee(report["calibration"], report["config"]["sweep_positions"])
     return rows_section(report, "calibration_by_measure", CALIBRATION_TABLE,
                         f"<p>{conditions}, teacher-forced, with an exact cache.</p>")
-
-def html_patience(report):
-    return rows_section(report, "patience", PATIENCE_TABLE)
 
 def html_exit_calibration(report):
     note = calibration_note(report["exit_calibration"],
@@ -2199,12 +2197,6 @@ def html_shift(report):
     notes = shift_notes(cal, report["config"]["shift_path"])
     table = html_table(SHIFT_TABLE, rows, "calibration_by_measure.{}.{}".format, notes)
     return section("shift", SHIFT_TABLE[0], table)
-
-def html_lens(report):
-    return rows_section(report, "logit_lens", LENS_TABLE)
-
-def html_slices(report):
-    return rows_section(report, "slices", KINDS_TABLE)
 
 def html_strategies(report):
     chart = html_speedups(report["strategies"], "strategies", 1)
@@ -2227,8 +2219,9 @@ def html_depths(report):
     chart = svg_chart([("early exit, by threshold", "a", curve), ("a smaller GPT", "b", fixed)],
                       {f"{l}": l / L for l in range(1, L + 1)},
                       ("exit depth, teacher-forced (layers a token)",
-                       "test loss above the full model's"), "{:.2f}")
-    return section("depths", DEPTH_TABLE[0], chart, f"<p>{esc(report['depths']['verdict'])}</p>",
+                       "test loss above the full model's"), "{:+.2f}")
+    answer = esc("; ".join(report["depths"]["verdict"]))
+    return section("depths", DEPTH_TABLE[0], chart, f"<p>Worth it? {answer}.</p>",
                    html_table(DEPTH_TABLE, rows, "depths.rows.{}.{}".format))
 
 def html_batches(report):
@@ -2239,17 +2232,19 @@ def html_batches(report):
     return section("batches", BATCH_TABLE[0], *charts,
                    html_table(BATCH_TABLE, rows, "batched.entries.{}.{}".format, notes))
 
-# the page's sections in reading order, each drawn where its part of the report is there
+# the page's sections in reading order, each drawn where its part of the report is there: by a
+# function, or (a table alone) by rows_section
 HTML_SECTIONS = (("generation", html_generation),
                  ("sweep", html_sweep), ("calibration_by_measure", html_calibration),
-                 ("patience", html_patience), ("exit_calibration", html_exit_calibration),
-                 ("calibration", html_shift), ("logit_lens", html_lens), ("slices", html_slices),
+                 ("patience", PATIENCE_TABLE), ("exit_calibration", html_exit_calibration),
+                 ("calibration", html_shift), ("logit_lens", LENS_TABLE), ("slices", KINDS_TABLE),
                  ("strategies", html_strategies), ("strategies", html_tail),
                  ("depths", html_depths), ("batched", html_batches))
 
 def write_html_report(report, path):
     """out_dir/report.html: report.json's numbers on a page that reads on a phone."""
-    body = "".join(render(report) for part, render in HTML_SECTIONS if report.get(part))
+    body = "".join(render(report) if callable(render) else rows_section(report, part, render)
+                   for part, render in HTML_SECTIONS if report.get(part))
     found = re.findall(r"<section id='([^']+)'><h2>([^<]+)</h2>", body)
     write_text('<!doctype html><html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
                'content="width=device-width, initial-scale=1"><meta name="color-scheme" '
@@ -2376,7 +2371,8 @@ def print_setup(model, config, tokenizer, splits, device, world):
     print(f"parameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in {config.n_layer - 1} "
           f"exit heads ({100 * heads / base:.2f}% overhead)")
     print(f"losses while training: each split's mean over {config.eval_iters} batches of "
-          f"{config.batch_size} x {config.block_size} characters; 'val loss' is full depth's")
+          f"{config.batch_size} random windows of {config.block_size} characters; 'val loss' is "
+          "full depth's")
 
 def train_with_checkpoints(model, optimizer, splits, config, device, progress, path, rank, world):
     """Train from progress's step to max_iters; rank 0 saves a checkpoint at every evaluation and
@@ -2647,7 +2643,7 @@ def measure_strategies(model, splits, config, device, fixed, threshold):
     entries, quality, plans, costs, val_records = compare_strategies(model, splits, config, device,
                                                                      fixed, threshold)
     depths = expected_batch_depth(quality["backfill"]["exited_at"], BATCH_SIZES, config.n_layer)
-    print_strategies(entries, quality, config, costs, depths)
+    print_strategies(entries, config, costs, depths)
     print_table(TAIL_TABLE, entries, "Batch 1, the test workload", [tail_note(entries)])
     report = {"strategies": entries, "decode_costs": costs,
               "workload": {"split": "test", "prompts": config.bench_prompts,
@@ -2677,32 +2673,45 @@ def depth_rows(fixed, test, config, strategies, full_loss):
     rows = []
     for d, small in fixed.items():
         r = record_exits(small, test, config.sweep_positions)
-        loss = r.nll[-1].mean().item()
+        loss = average(r.nll[-1])
         rows.append({"layers": d, "test_loss": loss, "excess_loss": loss - full_loss,
-                     "test_accuracy": share(r.pred[-1] == r.targets),
+                     "test_accuracy": average(r.pred[-1] == r.targets),
                      **{f"{k}_{e['mode']}": e[k] for k in ("speedup", "tokens_per_second")
                         for e in strategies if e["name"] == f"{d}-layer GPT"}})
     return rows
 
 def verdict(cal, strategies, row):
-    """The line that answers 'worth it?': early exit at the calibrated threshold (its exit depth
-    and loss teacher-forced), deferred's and self-speculation's measured speed-ups, against the
-    fixed model nearest that depth; losses on the same test positions, speed-ups on the same
-    workload."""
-    x = {(e["name"], e["mode"]): e["speedup"] for e in strategies}
-    t = cal["test"]
-    wins = [mode for mode in MODES if row[f"speedup_{mode}"] > x["self_speculative", mode]]
-    better = "worse" if t["full_loss"] <= row["test_loss"] else "better"
-    return (f"Worth it? Early exit ({cal['measure']} > {cal['threshold']:g}) leaves at "
-            f"{t['mean_layers']:.2f} layers a token, teacher-forced, at test loss {t['loss']:.4f}; "
-            f"deferred runs {x['deferred', 'greedy']:.2f}x greedy, {x['deferred', 'sampled']:.2f}x "
-            f"sampled, and self-speculation keeps full depth's {t['full_loss']:.4f} at "
-            f"{x['self_speculative', 'greedy']:.2f}x greedy, "
-            f"{x['self_speculative', 'sampled']:.2f}x sampled. A {row['layers']}-layer GPT: test "
-            f"loss {row['test_loss']:.4f}, {row['speedup_greedy']:.2f}x greedy, "
-            f"{row['speedup_sampled']:.2f}x sampled. So the "
-            f"smaller model is {better} than full depth, and faster than self-speculation "
-            f"in {' and '.join(wins) or 'neither mode'}.")
+    """'Would a smaller model do as well?' in two parts: early exit at the calibrated threshold
+    (its exit depth and test loss teacher-forced, deferred's and self-speculation's speed-ups),
+    then the fixed model nearest that depth; losses on the same test positions, speed-ups on the
+    same workload."""
+    x, t = {(e["name"], e["mode"]): e["speedup"] for e in strategies}, cal["test"]
+    better = "better" if row["test_loss"] < t["full_loss"] else "worse"
+    return [f"early exit ({cal['measure']} > {cal['threshold']:g}) at {t['mean_layers']:.2f} "
+            f"layers a token: test loss {t['loss']:.4f}, deferred {x['deferred', 'greedy']:.2f}x "
+            f"greedy and {x['deferred', 'sampled']:.2f}x sampled; self-speculation at full "
+            f"depth's {t['full_loss']:.4f}, {x['self_speculative', 'greedy']:.2f}x and "
+            f"{x['self_speculative', 'sampled']:.2f}x",
+            f"a {row['layers']}-layer GPT is {better} than full depth: test loss "
+            f"{row['test_loss']:.4f}, {row['speedup_greedy']:.2f}x greedy, "
+            f"{row['speedup_sampled']:.2f}x sampled"]
+
+def summary(report):
+    """The run's answers in four lines: the model's loss, what early exit skips with a guarantee,
+    the fastest decoder with an exact cache in each mode, and the smaller model's verdict."""
+    cal = report["calibration"]
+    best = max(report["calibration_by_measure"][:-1],  # not the oracle
+               key=lambda c: c["test"]["compute_saved"])
+    exact = [e for e in report["strategies"] if e["name"] in ("backfill", "deferred",
+                                                               "self_speculative")]
+    fastest = {e["mode"]: e for e in sorted(exact, key=lambda e: e["speedup"])}  # each mode's last
+    return [f"val loss {report['val_loss']['final']:.4f}: full depth, on random windows of val",
+            f"saved at the guarantee: {cal['test']['compute_saved']:.1%} of layer runs on test "
+            f"({cal['measure']} > {cal['threshold']:g}); the best rule, {best['measure']}: "
+            f"{best['test']['compute_saved']:.1%}",
+            "fastest exact decoder: " + ", ".join(f"{e['name']} {e['speedup']:.2f}x {mode}"
+                                                  for mode, e in fastest.items()),
+            f"smaller model: {report['depths']['verdict'][1]}"]
 
 def lesson_config(config):
     """Part I's Config from the lab's fields, with Part I's own threshold where the lab's says
@@ -2716,7 +2725,7 @@ def write_report(report, config, name):
     path = os.path.join(config.out_dir, name)
     write_json(report, path + ".json")
     write_html_report(report, path + ".html")
-    print(f"\nreport: {path}.json and {name}.html beside it")
+    print(f"page: {path}.html (its numbers: {name}.json beside it)")
 
 def run_lab(model, tokenizer, splits, config, device, report):
     """Part I's samples from the lab's model, threshold and decoder, then every analysis of the
@@ -2751,7 +2760,9 @@ def run_lab(model, tokenizer, splits, config, device, report):
     report["depths"] = {"rows": rows, "verdict": verdict(cal, report["strategies"],
                                                          rows[list(fixed).index(nearest)])}
     print_table(DEPTH_TABLE, rows, f"Plain GPTs, {config.sweep_positions:,} test positions",
-                [report["depths"]["verdict"]])
+                ["Worth it? " + "; ".join(report["depths"]["verdict"]) + "."])
+    report["summary"] = summary(report)
+    print("\nsummary:\n  " + "\n  ".join(report["summary"]))
     write_report(report, config, "report")
 
 def run(config, overridden):

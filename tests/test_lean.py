@@ -3,7 +3,9 @@ name is checked, and full depth has one baseline."""
 
 import importlib.util
 import json
+import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -96,3 +98,13 @@ def test_predictions_and_speedups_share_one_full_depth_baseline(monkeypatch):
     rows = m.compare_strategies(model, splits, config, "cpu", {}, 0.5)[0]
     assert all(r["predicted_speedup"] > 0 for r in rows if r["name"] != "full")
     assert set(full_depth) == {"eager"}
+
+
+def test_a_log_gets_no_progress_bar(tmp_path):
+    """With stdout not a terminal (a log file), training prints its evaluation lines and no tqdm bar."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "nanogpt_exit_head.py"), *TINY, "--lesson_only=true",
+                           f"--input_path={ROOT}/input.txt", f"--out_dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "step 2: train loss" in proc.stdout
+    assert "training" not in proc.stderr and "it/s" not in proc.stderr + proc.stdout and "\r" not in proc.stderr

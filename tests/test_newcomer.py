@@ -52,7 +52,7 @@ def test_tables_fit_the_console_width_and_carry_a_legend(default_run):
         assert all(len(line) <= m.WIDTH for line in block), block[0]
     strategies = next(b for b in blocks if b[0].startswith("=== What does each KV strategy buy"))
     legend = " ".join(line.strip() for line in strategies)
-    for word in ("speed-up:", "predicted:", "layers:", "repeats:", "test loss, agree:"):
+    for word in ("speed-up:", "predicted:", "layers:", "repeats:", "cache:", "output:", "output's agreement:"):
         assert word in legend, word
     batch = " ".join(line.strip() for line in next(b for b in blocks if "still save in a batch" in b[0]))
     for word in ("tok/s:", "predicted:", "auto chose:", "expected:", "identical:"):
@@ -93,8 +93,37 @@ def test_losses_and_savings_say_their_split_and_positions(default_run):
     out = default_run[0]
     assert "The sweep on 500 val positions" in out and "val saved" in out and "val loss" in out
     assert "reported on 500 test positions" in out and "test saved" in out and "full depth's" in out
-    assert "48 test positions teacher-forced" in out
-    assert "each split's mean over 1 batches of 4 x 16 characters" in out
+    assert "output's agreement: on 48 test positions, teacher-forced" in " ".join(out.split())
+    assert "each split's mean over 1 batches of 4 random windows of 16 characters" in out
+    assert "full depth's val loss on the 500 val positions" in out
+    assert default_run[1]["summary"][0].endswith("full depth, on random windows of val")
+
+
+def test_the_run_ends_with_its_summary_then_the_page(default_run):
+    out, report, out_dir = default_run
+    lines = out.rstrip("\n").splitlines()
+    assert lines[-6] == "summary:" and lines[-5:-1] == ["  " + line for line in report["summary"]]
+    assert lines[-1].startswith(f"page: {out_dir / 'report.html'}")
+    val, saved, fastest, smaller = report["summary"]
+    assert val.startswith(f"val loss {report['val_loss']['final']:.4f}: full depth")
+    assert saved.startswith(f"saved at the guarantee: {report['calibration']['test']['compute_saved']:.1%} of layer")
+    exact = [r for r in report["strategies"] if r["name"] in ("backfill", "deferred", "self_speculative")]
+    for mode in m.MODES:
+        best = max((r for r in exact if r["mode"] == mode), key=lambda r: r["speedup"])
+        assert f"{best['name']} {best['speedup']:.2f}x {mode}" in fastest
+    assert smaller == "smaller model: " + report["depths"]["verdict"][1]
+
+
+def test_cache_and_output_are_two_columns(default_run):
+    """'exact?' meant two things: whether the cache is exact, and whether the output is full depth's."""
+    rows = {(r["name"], r["mode"]): r for r in default_run[1]["strategies"]}
+    assert [key for key, *_ in m.STRATEGY_TABLE[1]][-2:] == ["cache", "output"]
+    for mode, same in (("greedy", "same tokens"), ("sampled", "same dist.")):
+        assert rows["full", mode]["output"] == rows["self_speculative", mode]["output"] == same
+        assert rows["state_copy", mode]["cache"] == "approx." and rows["holes", mode]["cache"] == "holes"
+        for name in ("backfill", "deferred", "state_copy", "holes", "2-layer GPT"):
+            assert rows[name, mode]["output"] == f"agree {rows[name, mode]['agreement']:.3f}", name
+        assert rows["backfill", mode]["cache"] == rows["deferred", mode]["cache"] == "exact"
 
 
 def test_a_line_under_the_early_exit_sample_says_why(default_run):
@@ -139,7 +168,7 @@ def test_an_impossible_token_cost_is_measured_again_then_flagged(model, monkeypa
     monkeypatch.setattr(m, "speed_pass", real)
     assert m.decode_costs(model, torch.tensor([[1, 2, 3]]), 4, repeats=3)["token"] > 0
     cfg = m.LabConfig(n_layer=model.config.n_layer)
-    m.print_strategies([{"name": "full", "prefill_layers": 1.0}], {}, cfg, costs, {})
+    m.print_strategies([{"name": "full", "prefill_layers": 1.0}], cfg, costs, {})
     assert "IMPOSSIBLE" in capsys.readouterr().out
 
 

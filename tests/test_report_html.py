@@ -1,7 +1,9 @@
 """The HTML report: one self-contained page whose numbers are report.json's, checked in a real browser."""
 
+import html as html_lib
 import json
 import math
+import os
 import re
 import shutil
 import struct
@@ -55,7 +57,7 @@ def test_every_number_on_the_page_is_the_reports(page):
     parser.feed(path.read_text())
     keys = {k.split(".")[0] for k, _ in parser.data}
     assert {"generation", "sweep", "calibration", "calibration_by_measure", "strategies", "logit_lens",
-            "slices", "val_loss", "patience", "exit_calibration", "depths", "test_sweep"} <= keys
+            "slices", "patience", "exit_calibration", "depths", "test_sweep"} <= keys
     # the Learn-then-Test table: every measure's test figures, and the summary's headline figures
     tagged = {k for k, _ in parser.data}
     for i in range(len(report["calibration_by_measure"])):
@@ -159,13 +161,15 @@ def test_the_summary_opens_the_page_and_links_every_section(page):
     report = page[1]
     assert f"{report['calibration']['test']['compute_saved']:.1%}" in summary
     assert "move with its load" in summary and "val loss" in summary
-    assert m.esc(report["depths"]["verdict"]) in summary, "the answer to 'worth it?' opens the page"
+    assert all(f"<li>{m.esc(line)}</li>" in summary for line in report["summary"]), "the console's summary"
+    assert m.esc(report["depths"]["verdict"][1]) in summary, "the answer to 'worth it?' opens the page"
+    assert len(report["summary"]) == 4
 
 
 def test_the_page_keeps_three_kinds_of_chart_and_each_has_axis_titles_ticks_and_a_legend(page):
     """The threshold trade-off, the decoders' speed-ups and loss against depth are charts; the rest, tables."""
     charts = re.findall(r"<svg .*?</svg>", page[0].read_text(), flags=re.DOTALL)
-    assert len(charts) == 3  # the threshold sweep, the strategies' speed-ups, depth (no batch table in this run)
+    assert len(charts) == 4  # the sweep's two, the strategies' speed-ups, depth (no batch table in this run)
     for chart in charts:
         assert "rotate(-90)" in chart, "a y axis title"
         assert chart.count('class="grid"') >= 3, "round ticks"
@@ -174,11 +178,60 @@ def test_the_page_keeps_three_kinds_of_chart_and_each_has_axis_titles_ticks_and_
     assert ">greedy</text>" in speedups[0] and ">sampled</text>" in speedups[0], "the legend inside the chart"
     assert speedups[0].count("<rect ") - 2 == len(page[1]["strategies"]), "a bar a row (and two legend keys)"
     sweeps = [c for c in charts if "exit threshold (" in c]
-    assert len(sweeps) == 1 and "calibrated: " in sweeps[0] and "compute saved (share of layer runs)</text>" in sweeps[0]
+    assert len(sweeps) == 2 and all("calibrated: " in c for c in sweeps)
+    assert "compute saved (share of layer runs)</text>" in sweeps[0] and ">0.0%</text>" in sweeps[0]
     assert "<polyline" in sweeps[0] and "<polyline" not in speedups[0]
+    # disagreement on an axis of its own, zoomed to twice epsilon, epsilon drawn across it
+    eps = page[1]["calibration"]["epsilon"]
+    assert "disagreement with full depth" in sweeps[1] and f">epsilon: {eps:.0%}</text>" in sweeps[1]
+    assert f">{2 * eps:.1%}</text>" in sweeps[1] and max(e["disagreement"] for e in page[1]["sweep"]) > 2 * eps
+    assert min(points(sweeps[1])) >= min(grid(sweeps[1])) - 1e-6, "over the axis: drawn at its top"
     depths = [c for c in charts if "exit depth, teacher-forced" in c]
     assert len(depths) == 1 and ">early exit, by threshold</text>" in depths[0] and ">a smaller GPT</text>" in depths[0]
     assert depths[0].count("<circle ") == len(page[1]["test_sweep"]) + len(page[1]["depths"]["rows"])
+
+
+def phone_problems(browser, html, tmp_path, name):
+    """The page at 420 px in headless Chromium: text under 11 px (computed, SVG scale included), and tables
+    or charts that run off the screen without a box that scrolls them (tests/phone_probe.js lists them)."""
+    probe = open(os.path.join(os.path.dirname(__file__), "phone_probe.js"), encoding="utf-8").read()
+    page = tmp_path / f"{name}.html"
+    page.write_text(html.replace("</body>", f"<script>{probe}</script></body>"))
+    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                          "--window-size=420,900", "--dump-dom", page.as_uri()],
+                         check=True, capture_output=True, text=True, timeout=120).stdout
+    found = json.loads(html_lib.unescape(re.search(r'<pre id="probe">(.*?)</pre>', dom).group(1)))
+    assert found["width"] == 420
+    return found["bad"]
+
+
+def test_the_page_reads_at_420_px_in_a_browser(page, tmp_path):
+    browser = chromium()
+    if browser is None:
+        pytest.skip("no headless Chromium here; .ci/run installs Debian's chromium-headless-shell")
+    html = page[0].read_text()
+    assert phone_problems(browser, html, tmp_path, "phone") == []
+    # the probe itself sees a table cut off, and text shrunk under 11 px
+    cut = phone_problems(browser, html.replace(".scroll { overflow-x: auto; }", ""), tmp_path, "cut")
+    assert "cut off: TABLE" in cut and "page wider than the screen" in cut
+    small = phone_problems(browser, html.replace("svg text { fill: var(--fg); font: 13px", "svg text { fill: var(--fg); font: 12px"),
+                           tmp_path, "small")
+    assert small and all(p.startswith("text 10.") for p in small)
+
+
+def points(chart):
+    return [float(y) for y in re.findall(r'<circle cx="[^"]+" cy="([^"]+)"', chart)]
+
+
+def grid(chart):
+    return [float(y) for y in re.findall(r'<line class="grid" x1="64" x2="630" y1="([^"]+)"', chart)]
+
+
+def test_a_point_below_zero_is_on_the_chart():
+    """A smaller model better than full depth sits under 0 on the depth chart: the axis reaches down to it."""
+    chart = m.svg_chart([("a", "a", [(0.5, -0.0275, "k", "t"), (0.9, 0.024, "k", "t")])], {"1": 0.5}, ("x", "y"), "{:+.2f}")
+    assert min(grid(chart)) <= min(points(chart)) and max(points(chart)) <= max(grid(chart))
+    assert ">-0.04</text>" in chart and ">+0.00</text>" in chart
 
 
 def test_the_page_reads_on_a_phone(page):
@@ -218,6 +271,9 @@ def test_round_ticks():
         mantissa = step / 10 ** math.floor(math.log10(step))
         assert ticks[0] == 0 and ticks[-1] >= top and ticks[-2] < top and 3 <= len(ticks) <= 7
         assert min(abs(mantissa - q) for q in (1, 2, 5, 10)) < 1e-9, (top, ticks)
+    for top, bottom in ((0.024, -0.0275), (1.7, -0.2), (0.5, -3)):
+        ticks = m.nice_ticks(top, bottom)
+        assert ticks[0] <= bottom < ticks[1] and ticks[-2] < top <= ticks[-1] and 0 in [round(t, 9) for t in ticks]
 
 
 def test_newlines_show(page):

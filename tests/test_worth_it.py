@@ -137,16 +137,17 @@ def test_a_shifted_text_outside_the_vocabulary_is_one_line_and_status_2(tmp_path
 
 
 def test_the_verdict_names_the_winner():
+    """Both sides in numbers: early exit's depth, loss and speed-ups, then the smaller model, better or worse."""
     cal = {"measure": "top1", "threshold": 0.5,
            "test": {"mean_layers": 3.9, "loss": 1.97, "full_loss": 1.96}}
     spec = [{"name": "self_speculative", "mode": mode, "speedup": s} for mode, s in (("greedy", 2.5), ("sampled", 1.6))]
-    small = {"layers": 4, "test_loss": 2.01, "speedup_greedy": 1.4, "speedup_sampled": 1.4}
+    small = {"layers": 4, "test_loss": 2.01, "speedup_greedy": 1.4, "speedup_sampled": 1.3}
     spec += [{"name": "deferred", "mode": mode, "speedup": 1.2} for mode in ("greedy", "sampled")]
-    assert m.verdict(cal, spec, small).endswith("So the smaller model is worse than full depth, and faster than "
-                                                "self-speculation in neither mode.")
-    fast = dict(small, speedup_sampled=1.7, test_loss=1.9)
-    assert m.verdict(cal, spec, fast).endswith("is better than full depth, and faster than self-speculation in sampled.")
-    assert "deferred runs 1.20x greedy" in m.verdict(cal, spec, fast)
+    early, smaller = m.verdict(cal, spec, small)
+    assert early == ("early exit (top1 > 0.5) at 3.90 layers a token: test loss 1.9700, deferred 1.20x greedy and "
+                     "1.20x sampled; self-speculation at full depth's 1.9600, 2.50x and 1.60x")
+    assert smaller == "a 4-layer GPT is worse than full depth: test loss 2.0100, 1.40x greedy, 1.30x sampled"
+    assert m.verdict(cal, spec, dict(small, test_loss=1.9))[1].startswith("a 4-layer GPT is better than full depth")
 
 
 def test_patience_k_is_exact(records):
