@@ -5,7 +5,7 @@ confidence-gated early exit, and an honest measurement of what that buys.
     python nanogpt_exit_head.py --lesson_only=true  # Part I alone: train, two samples, exit stats
     python nanogpt_exit_head.py --help              # every field, each overridable as --name=value
 
-Part I, the seed design end to end and a program of its own: exit heads and the joint loss, the
+Part I, the original design end to end and a program of its own: exit heads and the joint loss, the
 per-layer KV cache, gated decoding with backfill, exit statistics, training. Part II, one idea a
 section: deferred recompute, state copy (CALM, arXiv:2207.07061), holes, self-speculative decoding
 (LayerSkip, arXiv:2404.16710), training recipes, choosing the exit rule (confidence, patience,
@@ -31,7 +31,7 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 # =============================================================================
-# Part I: the lesson, the seed design end to end
+# Part I: the lesson, the original design end to end
 
 # -----------------------------------------------------------------------------
 # Config: every hyperparameter, one per line; override any as --name=value
@@ -234,7 +234,7 @@ class GPT(nn.Module):
         return logits, self.joint_loss(states, logits, targets)
 
     def joint_loss(self, states, logits, targets):
-        """The seed's joint loss CE(final) + alpha * sum_l CE(exit_l); alpha = 0 runs no exit."""
+        """Part I's joint loss CE(final) + alpha * sum_l CE(exit_l); alpha = 0 runs no exit."""
         loss = cross_entropy(logits, targets)
         for l in range(self.config.n_layer - 1) if self.config.alpha > 0 else ():
             loss = loss + self.config.alpha * cross_entropy(self.exit_logits(states[l], l), targets)
@@ -336,7 +336,7 @@ def slide_window(model, cache, tokens, start, n):
     return s, (n - 1 - s) * model.config.n_layer
 
 class Backfill:
-    """The seed's KV strategy: a token that exits early still runs the layers above, for the cache.
+    """Part I's KV strategy: a token that exits early still runs the layers above, for the cache.
 
     Part II's strategies subclass it: run_layer runs a block for the newest token, and once every
     row has exited, skips says whether the layers above are skipped and skip_layers what the cache
@@ -425,10 +425,10 @@ def generate(model, idx, max_new_tokens, strategy=Backfill, exit_threshold=1.0, 
     return Generation(tokens, exits, logits, sum(cache.layer_evals) - prefilled, prefilled, clock)
 
 # -----------------------------------------------------------------------------
-# Exit statistics: where the tokens left, as the seed prints them
+# Exit statistics: where the tokens left, as Part I prints them
 
 def format_exit_stats(counts):
-    """The seed's per-layer lines, 'Layer 0:   42 tokens (21.0%)', with a bar each."""
+    """Part I's per-layer lines, 'Layer 0:   42 tokens (21.0%)', with a bar each."""
     total, last = sum(counts), len(counts) - 1
     names = [f"Layer {l}:" for l in range(last)] + [f"Layer {last} (full):"]
     lines = [f"{name:<16}{c:>6} tokens ({100 * c / total:5.1f}%) {'#' * round(30 * c / total)}"
@@ -618,7 +618,7 @@ class LabConfig(Config):
     compile: bool = False  # torch.compile the model for training (slow to start, faster on GPU)
     lesson_only: bool = False  # run Part I alone: its GPT, training, threshold (-1: 0.9), backfill
     sample_only: bool = False  # with --init_from=resume: samples and exit statistics; no training
-    # training recipes (the seed recipe: distill_weight 0, distill_temperature 1, layer_dropout 0)
+    # training recipes (the joint-loss recipe, Part I's: distill_weight 0, layer_dropout 0)
     distill_weight: float = 0.1  # self-distillation: weight of KL(final || exit), final detached
     distill_temperature: float = 1.0  # of distillation; higher matches more of the distribution
     layer_dropout: float = 0.2  # LayerSkip's p_max: training skips block l w.p. p_max 2^(l/(L-1))-1
@@ -985,7 +985,7 @@ def distillation(logits, teacher_log_probs, temperature):
 
 class RecipeGPT(GPT):
     """The lesson's GPT trained with a recipe of LabConfig: self-distillation toward the final head
-    and LayerSkip's layer dropout. The seed recipe (distill_weight 0, layer_dropout 0) computes
+    and LayerSkip's layer dropout. The joint-loss recipe (distill_weight 0, layer_dropout 0) computes
     exactly GPT's loss; the default (layer dropout 0.2, distillation 0.1) won a comparison of
     recipes that docs/RESULTS.md keeps, with those that lost: CALM's and LayerSkip's depth-weighted
     exit losses, one shared head, the final head at every exit."""
@@ -1003,7 +1003,7 @@ class RecipeGPT(GPT):
         return states
 
     def joint_loss(self, states, logits, targets):
-        """The seed's joint loss, plus KL toward the detached final head when distilling. Exits with
+        """Part I's joint loss, plus KL toward the detached final head when distilling. Exits with
         nothing to learn (alpha = 0, no distillation) are not computed."""
         cfg = self.config
         loss = cross_entropy(logits, targets)

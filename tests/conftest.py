@@ -12,13 +12,13 @@ import nanogpt_exit_head as m  # noqa: E402
 torch.set_num_threads(1)  # tiny models: threads only add overhead and noise
 
 
-# the seed recipe: the joint loss alone, as Part I's GPT computes it
-SEED_RECIPE = {"alpha": 0.3, "distill_weight": 0.0, "distill_temperature": 1.0, "layer_dropout": 0.0}
+# the joint-loss recipe: the joint loss alone, as Part I's GPT computes it
+JOINT_LOSS_RECIPE = {"alpha": 0.3, "distill_weight": 0.0, "distill_temperature": 1.0, "layer_dropout": 0.0}
 
 
 def tiny_config(**overrides):
     """A model small enough that every test runs in well under a second."""
-    cfg = m.LabConfig(n_layer=4, n_head=2, n_embd=16, block_size=16, vocab_size=11, **SEED_RECIPE)
+    cfg = m.LabConfig(n_layer=4, n_head=2, n_embd=16, block_size=16, vocab_size=11, **JOINT_LOSS_RECIPE)
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg

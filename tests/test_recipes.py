@@ -1,4 +1,4 @@
-"""Training recipes: each option changes the loss exactly as it claims; all off is the seed recipe."""
+"""Training recipes: each option changes the loss exactly as it claims; all off is the joint-loss recipe."""
 
 import json
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import SEED_RECIPE, m, tiny_model
+from conftest import JOINT_LOSS_RECIPE, m, tiny_model
 
 V = 11
 
@@ -34,7 +34,7 @@ def loss_with(model, **fields):
 
 
 def test_all_options_off_is_the_seed_recipe_exactly():
-    model = tiny_model(**SEED_RECIPE)
+    model = tiny_model(**JOINT_LOSS_RECIPE)
     seed = loss_with(model)
     final, exits = per_exit_ce(model, *batch())
     assert torch.allclose(seed, final + 0.3 * sum(exits), atol=1e-6)
@@ -44,7 +44,7 @@ def test_all_options_off_is_the_seed_recipe_exactly():
 
 def test_the_default_recipe_differs_from_the_seed_only_where_it_says():
     default = m.LabConfig()
-    changed = {k for k, v in SEED_RECIPE.items() if getattr(default, k) != v}
+    changed = {k for k, v in JOINT_LOSS_RECIPE.items() if getattr(default, k) != v}
     assert changed == {"layer_dropout", "distill_weight"}
 
 
