@@ -508,9 +508,10 @@ def train(model, optimizer, splits, config, device, start_iter=0, generator=None
     generator = generator or torch.Generator().manual_seed(config.seed)
     step_model = step_model or model
     t_start, step_ms, log = time.time(), [], []
-    # a log (stdout not a terminal) gets the evaluation lines and no progress bar
+    # a log (stdout or stderr not a terminal) gets the evaluation lines and no progress bar
     with tqdm(range(start_iter, config.max_iters), initial=start_iter, total=config.max_iters,
-              disable=not (evaluate and sys.stdout.isatty()), desc="training") as progress:
+              disable=not (evaluate and sys.stdout.isatty() and sys.stderr.isatty()),
+              desc="training") as progress:
         for it in progress:
             if evaluate and it % config.eval_interval == 0 and it > start_iter:
                 losses = estimate_loss(model, splits, config, device)
@@ -985,10 +986,10 @@ def distillation(logits, teacher_log_probs, temperature):
 
 class RecipeGPT(GPT):
     """The lesson's GPT trained with a recipe of LabConfig: self-distillation toward the final head
-    and LayerSkip's layer dropout. The joint-loss recipe (distill_weight 0, layer_dropout 0) computes
-    exactly GPT's loss; the default (layer dropout 0.2, distillation 0.1) won a comparison of
-    recipes that docs/RESULTS.md keeps, with those that lost: CALM's and LayerSkip's depth-weighted
-    exit losses, one shared head, the final head at every exit."""
+    and LayerSkip's layer dropout. The joint-loss recipe (distill_weight 0, layer_dropout 0)
+    computes exactly GPT's loss; the default (layer dropout 0.2, distillation 0.1) won a
+    comparison of recipes that docs/RESULTS.md keeps, with those that lost: CALM's and LayerSkip's
+    depth-weighted exit losses, one shared head, the final head at every exit."""
     def hidden_states(self, idx):
         """GPT's, with LayerSkip's layer dropout in training: each sequence skips block l with its
         rate."""
@@ -1433,14 +1434,17 @@ def table_row(name, mode, speed, quality, config, batch_size=1):
            "test_loss": q["test_loss"], "test_accuracy": q["test_accuracy"],
            "agreement": average(q["pred"] == quality["full"]["pred"]),
            "cache": {"state_copy": "approx.", "holes": "holes"}.get(name, "exact")}
-    # full depth's output: its own, and a speculative decoder's by construction
-    same = "same tokens" if mode == "greedy" else "same dist."
-    row["output"] = same if name in ("full", *SPECULATIVE) else f"agree {row['agreement']:.3f}"
     del row["outputs"]
     if batch_size == 1:
         row.update(tail(s["outputs"]))
     if name in SPECULATIVE:
         row.update(spec_stats(s["outputs"], full["outputs"], mode), draft_exit=config.draft_exit)
+    # full depth's output: its own, and speculation's (sampled: tested; greedy: compared here)
+    row["output"] = f"agree {row['agreement']:.3f}"
+    if name in ("full", *SPECULATIVE):
+        row["output"] = "same tokens" if mode == "greedy" else "same dist."
+    if row.get("identical_to_full") is False:
+        row["output"] = "NOT same"
     return row
 
 def time_decoders(decoders, prompts, config, batch_size):
@@ -1807,8 +1811,8 @@ repetition        | repeats   | {:.2f}  | the share of 4-grams repeating an earl
 cache             | cache     | {}      | the skipped layers' keys and values: exact, approximate \
 (approx.), or missing (holes)
 output            | output    | {}      | same tokens as full depth (greedy), same distribution \
-(sampled), or differs: how often its top-1 is full depth's (agree), teacher-forced on the test \
-positions named below""")
+(sampled), or differs: how often its top-1 is full depth's (agree), teacher-forced on \
+quality_positions test positions""")
 BATCH_TABLE = table("""Does early exit still save in a batch?
 batch_size        | B         | {}      | rows decoded together, a prompt each
 mode              | mode      | {}      | greedy, or sampled
@@ -2067,14 +2071,11 @@ def svg_chart(series, x_ticks, titles, y_fmt, bars=False, mark=None, line=None, 
               f'text-anchor="middle">{esc(label)}</text>'
               for i, (label, x) in enumerate(x_ticks.items())]
     width = 0.8 / len(x_ticks) / len(series) * bars  # a bar group fills 80% of its share; lines: 0
-    if line:  # its label over the left end (bars: full depth's own, as tall as the line)
-        parts.append(f'<line class="mark" x1="64" x2="630" y1="{plot_y(line[0], ticks):.1f}" '
-                     f'y2="{plot_y(line[0], ticks):.1f}"/><text x="72" '
-                     f'y="{plot_y(line[0], ticks) - 4:.1f}">{esc(line[1])}</text>')
     if mark:
         parts.append(f'<line class="mark" x1="{plot_x(mark[0]):.1f}" x2="{plot_x(mark[0]):.1f}" '
                      f'y1="0" y2="{H}" {datum(mark[1], mark[0])}/><text '
-                     f'x="{plot_x(mark[0]) + 4:.1f}" y="12">{esc(mark[2])}</text>')
+                     f'x="{plot_x(mark[0]) + (4 if mark[0] < 0.5 else -4):.1f}" y="12" '
+                     f'text-anchor="{"start" if mark[0] < 0.5 else "end"}">{esc(mark[2])}</text>')
     for s, (name, cls, points) in enumerate(series):
         if not bars:
             coords = " ".join(f"{plot_x(x):.1f},{plot_y(y, ticks):.1f}" for x, y, _, _ in points)
@@ -2083,6 +2084,10 @@ def svg_chart(series, x_ticks, titles, y_fmt, bars=False, mark=None, line=None, 
                   for x, y, key, tip in points]
         parts.append(f'<rect class="{cls}" x="70" y="{H + 66 + 18 * s}" width="12" height="12"/>'
                      f'<text x="88" y="{H + 77 + 18 * s}">{esc(name)}</text>')
+    if line:  # over the bars, its label at the left end (bars: over full depth's own)
+        parts.append(f'<line class="mark" x1="64" x2="630" y1="{plot_y(line[0], ticks):.1f}" '
+                     f'y2="{plot_y(line[0], ticks):.1f}"/><text x="72" '
+                     f'y="{plot_y(line[0], ticks) - 4:.1f}">{esc(line[1])}</text>')
     return "".join(parts) + "</svg></div>"
 
 def html_table(table, rows, key, notes=()):
@@ -2129,9 +2134,8 @@ def html_generation(report):
     """The early-exit sample on the colours of its exit layers, full depth's beside it; the legend
     counts the characters that left at each layer."""
     g, L = report["generation"], report["config"]["n_layer"]
-    counts = enumerate(g["exit_counts"])
     legend = "".join(f"<span {swatch(l, L)}>layer {l}: <b {datum(f'generation.exit_counts.{l}', c)}"
-                     f">{c}</b></span>" for l, c in counts)
+                     f">{c}</b></span>" for l, c in enumerate(g["exit_counts"]))
     marks = [(f'{swatch(l, L)} data-layer="{l}"', f"layer {l}") for l in g["exited_at"]]
     return section(
         "sample", "What does early exit look like?", f"<p class='legend'>{legend}</p><p "
@@ -2154,7 +2158,7 @@ def html_sweep(report):
     ticks = {f"{t / 10:.1f}": t / 10 for t in range(11)}
     mark = (cal["threshold"], "calibration.threshold", f"calibrated: {cal['threshold']:g}")
     titles, charts = (f"exit threshold ({cal['measure']} confidence)", "share"), []
-    for (name, cls, key), line in zip(SWEEP_LINES, (None, (eps, f"epsilon: {eps:.0%}"))):
+    for (name, cls, key), line in zip(SWEEP_LINES, (None, (eps, f"epsilon: {100 * eps:g}%"))):
         points = [(e["threshold"], e[key], f"sweep.{j}.{key}",
                    f"threshold {e['threshold']:g}: {e[key]:.2%}")
                   for j, e in enumerate(report["sweep"])]
@@ -2220,8 +2224,8 @@ def html_depths(report):
                       {f"{l}": l / L for l in range(1, L + 1)},
                       ("exit depth, teacher-forced (layers a token)",
                        "test loss above the full model's"), "{:+.2f}")
-    answer = esc("; ".join(report["depths"]["verdict"]))
-    return section("depths", DEPTH_TABLE[0], chart, f"<p>Worth it? {answer}.</p>",
+    return section("depths", DEPTH_TABLE[0], chart,
+                   f"<p>Worth it? {esc('; '.join(report['depths']['verdict']))}.</p>",
                    html_table(DEPTH_TABLE, rows, "depths.rows.{}.{}".format))
 
 def html_batches(report):
@@ -2606,13 +2610,12 @@ def choose_exit_rule(model, tokenizer, splits, config, device):
     T = config.block_size
     # (<= 64, T): back-to-back windows of val, each character followed by one more
     windows = splits["val"][:-1].unfold(0, T, T)[:64].to(device)
-    lens = logit_lens(model, windows)
     exits = exits_at_threshold(test, measure, cals[measure]["threshold"], checked)
     return {"sweep": sweep(val, measure, checked), "test_sweep": sweep(test, measure, checked),
             "calibration": cals[measure],
             "calibration_by_measure": [*cals.values(), {"measure": "oracle", "test": best}],
             "patience": by_k, "exit_calibration": exit_calibration(test),
-            "logit_lens": lens, "slices": exit_slices(test, exits, tokenizer)}
+            "logit_lens": logit_lens(model, windows), "slices": exit_slices(test, exits, tokenizer)}
 
 def sample_decoder(model, config, threshold):
     """The early-exit sample's decoder (--kv_strategy), its label and the exits it checks."""
@@ -2686,14 +2689,14 @@ def verdict(cal, strategies, row):
     then the fixed model nearest that depth; losses on the same test positions, speed-ups on the
     same workload."""
     x, t = {(e["name"], e["mode"]): e["speedup"] for e in strategies}, cal["test"]
-    better = "better" if row["test_loss"] < t["full_loss"] else "worse"
     return [f"early exit ({cal['measure']} > {cal['threshold']:g}) at {t['mean_layers']:.2f} "
             f"layers a token: test loss {t['loss']:.4f}, deferred {x['deferred', 'greedy']:.2f}x "
             f"greedy and {x['deferred', 'sampled']:.2f}x sampled; self-speculation at full "
-            f"depth's {t['full_loss']:.4f}, {x['self_speculative', 'greedy']:.2f}x and "
-            f"{x['self_speculative', 'sampled']:.2f}x",
-            f"a {row['layers']}-layer GPT is {better} than full depth: test loss "
-            f"{row['test_loss']:.4f}, {row['speedup_greedy']:.2f}x greedy, "
+            f"depth's {t['full_loss']:.4f}, {x['self_speculative', 'greedy']:.2f}x greedy and "
+            f"{x['self_speculative', 'sampled']:.2f}x sampled",
+            f"a {row['layers']}-layer GPT is "
+            f"{'better' if row['test_loss'] < t['full_loss'] else 'worse'} than full depth "
+            f"(test loss {row['test_loss']:.4f}) at {row['speedup_greedy']:.2f}x greedy, "
             f"{row['speedup_sampled']:.2f}x sampled"]
 
 def summary(report):
@@ -2702,15 +2705,18 @@ def summary(report):
     cal = report["calibration"]
     best = max(report["calibration_by_measure"][:-1],  # not the oracle
                key=lambda c: c["test"]["compute_saved"])
-    exact = [e for e in report["strategies"] if e["name"] in ("backfill", "deferred",
+    exact = [e for e in report["strategies"] if e["name"] in ("full", "backfill", "deferred",
                                                                "self_speculative")]
-    fastest = {e["mode"]: e for e in sorted(exact, key=lambda e: e["speedup"])}  # each mode's last
+    # each mode's fastest: the last of its rows sorted by speed (full depth: none is faster)
+    fastest = {e["mode"]: e for e in sorted(exact, key=lambda e: e["speedup"])}
     return [f"val loss {report['val_loss']['final']:.4f}: full depth, on random windows of val",
-            f"saved at the guarantee: {cal['test']['compute_saved']:.1%} of layer runs on test "
+            f"saved at the guarantee (disagreement <= {cal['epsilon']:.0%} with probability "
+            f"{1 - cal['delta']:.0%}): {cal['test']['compute_saved']:.1%} of layer runs on test "
             f"({cal['measure']} > {cal['threshold']:g}); the best rule, {best['measure']}: "
-            f"{best['test']['compute_saved']:.1%}",
-            "fastest exact decoder: " + ", ".join(f"{e['name']} {e['speedup']:.2f}x {mode}"
-                                                  for mode, e in fastest.items()),
+            f"{best['test']['compute_saved']:.1%} (test disagreement "
+            f"{best['test']['disagreement']:.2%})",
+            "fastest with an exact cache: " + ", ".join(
+                f"{fastest[m]['name']} {fastest[m]['speedup']:.2f}x {m}" for m in MODES),
             f"smaller model: {report['depths']['verdict'][1]}"]
 
 def lesson_config(config):

@@ -183,7 +183,11 @@ def test_the_page_keeps_three_kinds_of_chart_and_each_has_axis_titles_ticks_and_
     assert "<polyline" in sweeps[0] and "<polyline" not in speedups[0]
     # disagreement on an axis of its own, zoomed to twice epsilon, epsilon drawn across it
     eps = page[1]["calibration"]["epsilon"]
-    assert "disagreement with full depth" in sweeps[1] and f">epsilon: {eps:.0%}</text>" in sweeps[1]
+    assert "disagreement with full depth" in sweeps[1] and eps == 0.01 and ">epsilon: 1%</text>" in sweeps[1]
+    cal = page[1]["calibration"]
+    assert ">epsilon: 0.5%</text>" in m.html_sweep(dict(page[1], calibration=dict(cal, epsilon=0.005)))
+    # a calibrated threshold near 1 has its label on the left of its line, inside the chart
+    assert 'text-anchor="end">calibrated: 0.95<' in m.html_sweep(dict(page[1], calibration=dict(cal, threshold=0.95)))
     assert f">{2 * eps:.1%}</text>" in sweeps[1] and max(e["disagreement"] for e in page[1]["sweep"]) > 2 * eps
     assert min(points(sweeps[1])) >= min(grid(sweeps[1])) - 1e-6, "over the axis: drawn at its top"
     depths = [c for c in charts if "exit depth, teacher-forced" in c]
