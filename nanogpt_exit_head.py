@@ -1369,24 +1369,29 @@ def quality_pass(decode, data, n_positions, batch_size=1):
             "test_accuracy": average(pred == targets)}
 
 def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed, top_k):
-    """Every decoder continues the workload, batch_size prompts a call, in turn, repeats times,
-    interleaved; decoders: key -> (decode, temperature). Per decoder: median tokens/s of all rows,
+    """Every decoder continues the workload, batch_size prompts a call, repeats times, interleaved
+    a call at a time (a burst of load on the machine falls on every decoder alike); decoders: key ->
+    (decode, temperature). Per decoder: median over the passes of tokens/s of all rows,
     block runs per token while decoding (catch-up included) and re-prefilling, how repetitive the
     text is, and the last pass's Generations."""
     batches = prompts.view(-1, batch_size, prompts.size(1))  # (n_batches, B, T0)
-    times, outputs = {key: [] for key in decoders}, {}
+    times = {key: [] for key in decoders}  # each pass's seconds
     # no garbage collection while timing: a collection lands on whichever decoder runs then
     gc.disable()
     for _ in range(repeats):
-        for key, (decode, temperature) in decoders.items():
-            synchronize(prompts.device)
-            t0 = time.perf_counter()
-            # batch i samples from seed + i, whichever decoder and pass runs it
-            outputs[key] = [decode(batch, n_tokens, temperature=temperature, top_k=top_k,
-                                   generator=torch.Generator(prompts.device).manual_seed(seed + i))
-                            for i, batch in enumerate(batches)]
-            synchronize(prompts.device)
-            times[key].append(time.perf_counter() - t0)
+        outputs = {key: [] for key in decoders}
+        for key in decoders:
+            times[key].append(0.0)
+        for i, batch in enumerate(batches):
+            for key, (decode, temperature) in decoders.items():
+                synchronize(prompts.device)
+                t0 = time.perf_counter()
+                # batch i samples from seed + i, whichever decoder and pass runs it
+                outputs[key].append(decode(
+                    batch, n_tokens, temperature=temperature, top_k=top_k,
+                    generator=torch.Generator(prompts.device).manual_seed(seed + i)))
+                synchronize(prompts.device)
+                times[key][-1] += time.perf_counter() - t0
     gc.enable()
     steps = len(batches) * n_tokens  # layers_run and prefill_runs count per row
     return {key: {"tokens_per_second": len(prompts) * n_tokens / float(np.median(times[key])),
@@ -2154,7 +2159,8 @@ SWEEP_LINES = (("compute saved (share of layer runs)", "a", "compute_saved"),
 def html_sweep(report):
     """What each threshold trades on val, compute for disagreement, each on its own axis: the
     disagreement's zoomed to twice the budget (epsilon drawn); the calibrated threshold marked."""
-    cal, eps = report["calibration"], report["calibration"]["epsilon"]
+    cal = report["calibration"]
+    eps = cal["epsilon"]
     ticks = {f"{t / 10:.1f}": t / 10 for t in range(11)}
     mark = (cal["threshold"], "calibration.threshold", f"calibrated: {cal['threshold']:g}")
     titles, charts = (f"exit threshold ({cal['measure']} confidence)", "share"), []
