@@ -3,9 +3,7 @@ name is checked, and full depth has one baseline."""
 
 import importlib.util
 import json
-import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -56,7 +54,9 @@ def test_lesson_only_is_part_one_alone(tmp_path, capsys, monkeypatch):
     path = f"--input_path={ROOT}/input.txt"
     with torch.enable_grad():
         assert m.main(TINY + ["--lesson_only=true", path, f"--out_dir={tmp_path}"]) == 0
-    lab = capsys.readouterr().out
+    lab, err = capsys.readouterr()
+    # stdout and stderr are not terminals here (captured, as in a log): no progress bar in either
+    assert "step 2: train loss" in lab and "training" not in err and "it/s" not in lab + err
     part_one = load_as_module(part_one_text()[0], "part_one_alone", monkeypatch, tmp_path)
     config = part_one.Config(input_path=f"{ROOT}/input.txt", n_layer=3, n_head=2, n_embd=16, block_size=16,
                              batch_size=4, max_iters=3, eval_interval=2, eval_iters=1, max_new_tokens=30)
@@ -99,12 +99,3 @@ def test_predictions_and_speedups_share_one_full_depth_baseline(monkeypatch):
     assert all(r["predicted_speedup"] > 0 for r in rows if r["name"] != "full")
     assert set(full_depth) == {"eager"}
 
-
-def test_a_log_gets_no_progress_bar(tmp_path):
-    """With stdout not a terminal (a log file), training prints its evaluation lines and no tqdm bar."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "nanogpt_exit_head.py"), *TINY, "--lesson_only=true",
-                           f"--input_path={ROOT}/input.txt", f"--out_dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert "step 2: train loss" in proc.stdout
-    assert "training" not in proc.stderr and "it/s" not in proc.stderr + proc.stdout and "\r" not in proc.stderr

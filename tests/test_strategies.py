@@ -118,6 +118,21 @@ def test_expected_batch_depth_matches_simulation():
     assert depth[4] == pytest.approx((draws.max(1).values + 1).float().mean().item(), abs=0.03)
 
 
+def test_speed_pass_interleaves_the_decoders_a_call_at_a_time():
+    """A burst of load on the machine must fall on every decoder alike: a, b, a, b, ... not a, a, b, b."""
+    model, calls = tiny_model(), []
+
+    def recorder(name):
+        def decode(idx, n, **kw):
+            calls.append(name)
+            return m.generate(model, idx, n, **kw)
+        return decode
+
+    prompts = torch.randint(0, 11, (3, 2))
+    m.speed_pass({"a": (recorder("a"), 0.0), "b": (recorder("b"), 0.0)}, prompts, 1, 4, 2, 0, 0)
+    assert calls == ["a", "b"] * 6  # 3 calls a pass, 2 passes
+
+
 def test_quality_pass_and_speed_pass_report_what_they_ran():
     model = tiny_model()
     data = torch.randint(0, 11, (100,))

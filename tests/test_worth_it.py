@@ -145,8 +145,8 @@ def test_the_verdict_names_the_winner():
     spec += [{"name": "deferred", "mode": mode, "speedup": 1.2} for mode in ("greedy", "sampled")]
     early, smaller = m.verdict(cal, spec, small)
     assert early == ("early exit (top1 > 0.5) at 3.90 layers a token: test loss 1.9700, deferred 1.20x greedy and "
-                     "1.20x sampled; self-speculation at full depth's 1.9600, 2.50x and 1.60x")
-    assert smaller == "a 4-layer GPT is worse than full depth: test loss 2.0100, 1.40x greedy, 1.30x sampled"
+                     "1.20x sampled; self-speculation at full depth's 1.9600, 2.50x greedy and 1.60x sampled")
+    assert smaller == "a 4-layer GPT is worse than full depth (test loss 2.0100) at 1.40x greedy, 1.30x sampled"
     assert m.verdict(cal, spec, dict(small, test_loss=1.9))[1].startswith("a 4-layer GPT is better than full depth")
 
 
