@@ -1918,8 +1918,9 @@ def print_batches(batched, config):
                 batch_notes(batched, asdict(config)))
 
 def guarantee(cal, positions):
-    return (f"Learn then Test: disagreement <= {cal['epsilon']:.0%} with probability >= "
-            f"{1 - cal['delta']:.0%}, chosen on val, reported on {positions:,} test positions")
+    return (f"Learn then Test: disagreement <= {100 * cal['epsilon']:g}% with probability >= "
+            f"{100 * (1 - cal['delta']):g}%, chosen on val, reported on "
+            f"{positions:,} test positions")
 
 def calibration_note(rows, threshold):
     """One sentence: do the exits mean the same thing by the same confidence, in the bin of the
@@ -1939,8 +1940,8 @@ def shift_notes(cal, path):
     return [f"share leaving at layer 0 ({cal['measure']}): test {t['exit_fractions'][0]:.1%}, "
             f"shifted {sh['exit_fractions'][0]:.1%}",
             f"On {path}, epsilon {'held' if sh['held'] else 'was BROKEN'} for {cal['measure']}: "
-            f"{sh['disagreement']:.2%} disagreement against {cal['epsilon']:.0%}. The guarantee "
-            "covers text like val, and nothing else."]
+            f"{sh['disagreement']:.2%} disagreement against {100 * cal['epsilon']:g}%. The "
+            "guarantee covers text like val, and nothing else."]
 
 def tail_note(rows):
     full = {r["mode"]: r["ms_p99"] for r in rows if r["name"] == "full"}
@@ -2716,9 +2717,9 @@ def summary(report):
     # each mode's fastest: the last of its rows sorted by speed (full depth: none is faster)
     fastest = {e["mode"]: e for e in sorted(exact, key=lambda e: e["speedup"])}
     return [f"val loss {report['val_loss']['final']:.4f}: full depth, on random windows of val",
-            f"saved at the guarantee (disagreement <= {cal['epsilon']:.0%} with probability "
-            f"{1 - cal['delta']:.0%}): {cal['test']['compute_saved']:.1%} of layer runs on test "
-            f"({cal['measure']} > {cal['threshold']:g}); the best rule, {best['measure']}: "
+            f"saved at the guarantee (disagreement <= {100 * cal['epsilon']:g}% with probability "
+            f"{100 * (1 - cal['delta']):g}%): {cal['test']['compute_saved']:.1%} of layer runs on "
+            f"test ({cal['measure']} > {cal['threshold']:g}); the best rule, {best['measure']}: "
             f"{best['test']['compute_saved']:.1%} (test disagreement "
             f"{best['test']['disagreement']:.2%})",
             "fastest with an exact cache: " + ", ".join(

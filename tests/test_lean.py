@@ -99,3 +99,16 @@ def test_predictions_and_speedups_share_one_full_depth_baseline(monkeypatch):
     assert all(r["predicted_speedup"] > 0 for r in rows if r["name"] != "full")
     assert set(full_depth) == {"eager"}
 
+
+@pytest.mark.parametrize("terminal", ["stdout", "stderr"])
+def test_no_progress_bar_unless_stdout_and_stderr_are_both_terminals(terminal, capsys, monkeypatch):
+    """A log of either stream (the other one a terminal) gets the evaluation lines and no tqdm bar."""
+    monkeypatch.setattr(getattr(sys, terminal), "isatty", lambda: True)
+    config = m.Config(n_layer=2, n_head=2, n_embd=16, block_size=8, batch_size=2, max_iters=3, eval_interval=2,
+                      eval_iters=1, vocab_size=11)
+    torch.manual_seed(0)
+    model, data = m.GPT(config), torch.randint(0, 11, (200,))
+    with torch.enable_grad():
+        m.train(model, m.configure_optimizer(model, config), {"train": data, "val": data}, config, "cpu")
+    out, err = capsys.readouterr()
+    assert "step 2: train loss" in out and "training" not in err and "it/s" not in err

@@ -124,13 +124,15 @@ def test_speed_pass_interleaves_the_decoders_a_call_at_a_time():
 
     def recorder(name):
         def decode(idx, n, **kw):
-            calls.append(name)
+            calls.append((name, kw["generator"].initial_seed()))
             return m.generate(model, idx, n, **kw)
         return decode
 
     prompts = torch.randint(0, 11, (3, 2))
-    m.speed_pass({"a": (recorder("a"), 0.0), "b": (recorder("b"), 0.0)}, prompts, 1, 4, 2, 0, 0)
-    assert calls == ["a", "b"] * 6  # 3 calls a pass, 2 passes
+    out = m.speed_pass({"a": (recorder("a"), 0.0), "b": (recorder("b"), 0.0)}, prompts, 1, 4, 2, 7, 0)
+    # 3 calls a pass, 2 passes; batch i samples from seed + i whichever decoder and pass runs it
+    assert calls == [(name, 7 + i) for i in range(3) for name in "ab"] * 2
+    assert len(out["a"]["outputs"]) == len(out["b"]["outputs"]) == 3  # the last pass's
 
 
 def test_quality_pass_and_speed_pass_report_what_they_ran():
