@@ -5,12 +5,14 @@ confidence-gated early exit, and an honest measurement of what that buys.
     python nanogpt_exit_head.py --lesson_only=true  # Part I alone: train, two samples, exit stats
     python nanogpt_exit_head.py --help              # every field, each overridable as --name=value
 
-Part I, the original design end to end and a program of its own: exit heads and the joint loss, the
-per-layer KV cache, gated decoding with backfill, exit statistics, training. Part II, one idea a
-section: deferred recompute, state copy (CALM, arXiv:2207.07061), holes, self-speculative decoding
-(LayerSkip, arXiv:2404.16710), training recipes, choosing the exit rule (confidence, patience,
-saturation, a learned rule, the oracle), measurement against a smaller model, reports,
-checkpoints, the command line.
+Part I, the lesson: the original design end to end (exit heads and the joint loss, the per-layer
+KV cache, gated decoding with backfill, exit statistics, training). It is a program of its own: the
+text above the Part II banner imports alone, and its run_lesson is what --lesson_only runs. Part II,
+the ideas, one a section, each returning plain data: the training recipe; the KV strategies
+(deferred recompute, state copy after CALM arXiv:2207.07061, holes, SkipDecode); self-speculative
+decoding (LayerSkip, arXiv:2404.16710); the exit rules; recording, calibration and the oracle; the
+cost model; smaller models. Part III, the harness: the workload and timing, the tables, the page,
+checkpoints, the command line, main.
 
 Left out on purpose: BPE, rotary embeddings, mixed precision in decoding, and dependencies beyond
 torch, numpy and tqdm. CUDA graphs too (gpt-fast's torch.compile of the decode
@@ -277,10 +279,14 @@ class KVCache:
 # -----------------------------------------------------------------------------
 # Decoding: confidence, sampling, the context window, and the gated step with backfill
 
+def top1(probs, state):
+    """The top-1 probability: (..., V) -> (...)."""
+    return probs.amax(-1)
+
 # name -> a rule: (B, V) probabilities and the step's state -> (B,) confidences. The state holds
 # the layer, its output h and input below, and what a rule keeps from the exits below (the lab's
-# rules read it; it adds margin, entropy, patience, saturation and a learned rule)
-CONFIDENCE_MEASURES = {"top1": lambda probs, state: probs.amax(-1)}
+# rules read it: margin, entropy, patience, saturation and a learned rule)
+CONFIDENCE_MEASURES = {"top1": top1}
 
 def confidence(logits, measure="top1", state=None):
     """How sure a head is, higher is surer: (B, V) logits -> (B,). measure: a name, or a rule."""
@@ -338,11 +344,9 @@ def slide_window(model, cache, tokens, start, n):
 class Backfill:
     """Part I's KV strategy: a token that exits early still runs the layers above, for the cache.
 
-    Part II's strategies subclass it: run_layer runs a block for the newest token, and once every
-    row has exited, skips says whether the layers above are skipped and skip_layers what the cache
-    gets instead."""
-    skips = False
-
+    Part II's strategies subclass it: exit_checks says which exits a token checks, run_layer runs a
+    block for the newest token, and skip_layers what the layers above get once every row has
+    left."""
     def exit_checks(self, pos, checked_exits):
         """The exits checked for a token at window position pos."""
         return checked_exits
@@ -350,17 +354,26 @@ class Backfill:
     def run_layer(self, block, cache, layer, x, pos):
         return block(x, cache, layer)
 
+    def skip_layers(self, model, cache, x, pos, layer):
+        """Every row left at `layer`: the blocks above run for the cache only (no check, no
+        head)."""
+        for l in range(layer + 1, model.config.n_layer):
+            x = self.run_layer(model.transformer.h[l], cache, l, x, pos)
+
 def decode_step(model, cache, idx, pos, strategy, exit_threshold=1.0, checked_exits=(),
                 measure="top1"):
     """Feed one token per row, idx (B, 1), at window position pos: (emitted logits (B, V), exit
-    layers (B,)). Each row exits on its own confidence; the step runs as deep as its deepest row."""
-    L = model.config.n_layer
-    # a confidence never exceeds 1: at threshold 1 no exit is checked
-    checks = strategy.exit_checks(pos, checked_exits) if exit_threshold < 1 else ()
+    layers (B,), exit checks run). Each row exits on its own confidence; the step runs as deep as
+    its deepest row, and once every row has left, the strategy decides what the layers above get."""
+    L, B = model.config.n_layer, idx.size(0)
+    checks = ()
+    if exit_threshold < 1:  # a confidence never exceeds 1: at threshold 1 no exit is checked
+        checks = strategy.exit_checks(pos, checked_exits)
     x = model.embed(idx, pos)  # (B, 1, C)
-    logits, exited = None, None
-    exit_layer = torch.full((idx.size(0),), L - 1, device=idx.device)  # (B,) int64
-    state = {}  # what the rule sees of this step (CONFIDENCE_MEASURES)
+    emitted = x.new_zeros(B, model.config.vocab_size)  # (B, V): each row's, once it exits
+    exit_layer = torch.full((B,), L - 1, device=idx.device)  # (B,) int64
+    exited = torch.zeros(B, dtype=torch.bool, device=idx.device)  # (B,)
+    state, n_checks, n_exited = {}, 0, 0  # state: what the rule sees of this step
     for l, block in enumerate(model.transformer.h):
         below = x[:, 0]
         x = strategy.run_layer(block, cache, l, x, pos)
@@ -368,19 +381,20 @@ def decode_step(model, cache, idx, pos, strategy, exit_threshold=1.0, checked_ex
             continue
         head_logits = model.exit_logits(x[:, 0], l)  # (B, V): the newest position only
         state.update(layer=l, below=below, h=x[:, 0])
-        conf = confidence(head_logits, measure, state)  # (B,)
-        # the common case: nobody is sure, known at the cost of one host sync
-        if exit_threshold > 0 and conf.max().item() <= exit_threshold:
+        newly = (confidence(head_logits, measure, state) > exit_threshold) & ~exited  # (B,)
+        n_checks += 1
+        count = int(newly.sum())  # the one host sync of a check; most often nobody is sure
+        if count == 0:
             continue
-        newly = conf > exit_threshold if exited is None else (conf > exit_threshold) & ~exited
-        logits = head_logits if logits is None else torch.where(newly[:, None], head_logits, logits)
+        emitted = torch.where(newly[:, None], head_logits, emitted)
         exit_layer.masked_fill_(newly, l)
-        exited = newly if exited is None else exited | newly
-        if strategy.skips and bool(exited.all()):
+        exited |= newly
+        n_exited += count
+        if n_exited == B:
             strategy.skip_layers(model, cache, x, pos, l)
-            return logits, exit_layer
+            return emitted, exit_layer, n_checks
     final = model.exit_logits(x[:, 0], L - 1)  # (B, V)
-    return (final if exited is None else torch.where(exited[:, None], logits, final)), exit_layer
+    return torch.where(exited[:, None], emitted, final), exit_layer, n_checks
 
 @dataclass
 class Generation:
@@ -390,6 +404,7 @@ class Generation:
     layers_run: int  # block runs per row over all decode steps, catch-up included, prefill excluded
     prefill_runs: float = 0.0  # block runs per row spent re-prefilling the window at full depth
     clock: list = None  # (seconds, row 0's length) at the start and after each step
+    exit_checks: int = 0  # exit checks run (a head, a confidence, a host sync), over all steps
 
 def tick(device, length):
     """A clock entry of a Generation: (seconds, row 0's length) once the device is done."""
@@ -406,15 +421,16 @@ def generate(model, idx, max_new_tokens, strategy=Backfill, exit_threshold=1.0, 
     checked_exits = range(cfg.n_layer - 1) if checked_exits is None else checked_exits
     kv = strategy()  # this generation's KV strategy
     tokens = F.pad(idx, (0, max_new_tokens))  # (B, T0 + N): the prompt, then room for the rest
-    exits, emitted, prefilled = idx.new_zeros(B, max_new_tokens), [], 0
+    exits, emitted, prefilled, checks = idx.new_zeros(B, max_new_tokens), [], 0, 0
     cache, start = KVCache(cfg, B, idx.device), None
     clock = [tick(idx.device, T0)]
     for i in range(max_new_tokens):
         n = T0 + i
         start, runs = slide_window(model, cache, tokens, start, n)
         prefilled += runs
-        logits, exits[:, i] = decode_step(model, cache, tokens[:, n - 1 : n], n - 1 - start,
-                                          kv, exit_threshold, checked_exits, measure)
+        logits, exits[:, i], ran = decode_step(model, cache, tokens[:, n - 1 : n], n - 1 - start,
+                                               kv, exit_threshold, checked_exits, measure)
+        checks += ran
         if forced is not None:
             tokens[:, n] = forced[:, i]
             emitted.append(logits.float())
@@ -422,7 +438,8 @@ def generate(model, idx, max_new_tokens, strategy=Backfill, exit_threshold=1.0, 
             tokens[:, n] = sample(logits, temperature, top_k, generator)
         clock.append(tick(idx.device, n + 1))
     logits = torch.stack(emitted, dim=1) if emitted else None
-    return Generation(tokens, exits, logits, sum(cache.layer_evals) - prefilled, prefilled, clock)
+    return Generation(tokens, exits, logits, sum(cache.layer_evals) - prefilled, prefilled, clock,
+                      checks)
 
 # -----------------------------------------------------------------------------
 # Exit statistics: where the tokens left, as Part I prints them
@@ -544,22 +561,21 @@ def train_new_model(config, splits, device):
     print(format_eval(config.max_iters, estimate_loss(model, splits, config, device)))
     return model.eval()
 
-def speed_note(samples, checked_exits, n_layer):
+def speed_note(samples, n_layer):
     """Why the early-exit sample ran faster or slower than full depth: the work it did per token."""
-    (_, full), (out, speed) = samples.values()
+    (out, speed), (_, full) = samples["early-exit"], samples["full-depth"]
     N = out.exited_at.size(1)
-    checks = sum(int((out.exited_at >= l).sum()) for l in checked_exits) / N
     return (f"{speed / full:.2f}x full depth's speed: {out.layers_run / N:.2f} layer runs per "
-            f"token (of {n_layer}), plus {checks:.2f} exit checks (each a head, a softmax and a "
-            "host sync)")
+            f"token (of {n_layer}), plus {out.exit_checks / N:.2f} exit checks (each a head, a "
+            "softmax and a host sync)")
 
-def show_samples(model, tokenizer, config, device, early_exit, label, checked_exits):
+def show_samples(model, tokenizer, config, device, early_exit, label):
     """A full-depth and an early-exit sample from one prompt and seed, their speeds, and where the
     tokens left. early_exit(idx, n, generator=, temperature=, top_k=) -> Generation draws the second
-    sample; label names it and checked_exits are the exits it checks."""
+    sample, and label names it. Returns the samples: name -> (Generation, tokens per second)."""
     idx = torch.tensor([tokenizer.encode(config.prompt)], device=device)  # (1, T0)
     print("\n=== What does early exit look like? Two samples from the same prompt and seed ===")
-    samples = {}  # name -> (Generation, tokens per second)
+    samples = {}
     decoders = (("full-depth", "", partial(generate, model)),
                 ("early-exit", f": {label}", early_exit))
     for name, how, decode in decoders:
@@ -571,10 +587,10 @@ def show_samples(model, tokenizer, config, device, early_exit, label, checked_ex
         samples[name] = out, config.max_new_tokens / (time.perf_counter() - t0)
         text = tokenizer.decode(out.tokens[0, idx.size(1) :].tolist())
         print(f"\n--- {name} sample{how} ({samples[name][1]:,.0f} tok/s) ---\n{text}")
-    print(f"({speed_note(samples, checked_exits, config.n_layer)})")
+    print(f"({speed_note(samples, config.n_layer)})")
     counts = torch.bincount(out.exited_at[0], minlength=config.n_layer).tolist()
     print("\nper-layer exit statistics:\n" + format_exit_stats(counts))
-    return idx, samples
+    return samples
 
 def run_lesson(config, device):
     """Part I end to end: train, then a full-depth and an early-exit sample (backfill, the config's
@@ -584,12 +600,10 @@ def run_lesson(config, device):
     early_exit = partial(generate, model, exit_threshold=config.exit_threshold,
                          measure=config.confidence_measure)
     label = f"backfill, {config.confidence_measure} > {config.exit_threshold:g}"
-    _, samples = show_samples(model, tokenizer, config, device, early_exit, label,
-                              range(config.n_layer - 1))
-    return model, samples
+    return model, show_samples(model, tokenizer, config, device, early_exit, label)
 
 # =============================================================================
-# Part II: the lab, one idea per section
+# Part II: the ideas, one a section, each returning plain data and printing nothing
 
 import argparse
 import difflib
@@ -605,7 +619,9 @@ import signal
 import textwrap
 import zipfile
 from dataclasses import asdict, fields, replace
+from functools import cached_property
 from pathlib import Path
+from typing import NamedTuple
 
 @dataclass
 class LabConfig(Config):
@@ -619,7 +635,7 @@ class LabConfig(Config):
     compile: bool = False  # torch.compile the model for training (slow to start, faster on GPU)
     lesson_only: bool = False  # run Part I alone: its GPT, training, threshold (-1: 0.9), backfill
     sample_only: bool = False  # with --init_from=resume: samples and exit statistics; no training
-    # training recipes (the joint-loss recipe, Part I's: distill_weight 0, layer_dropout 0)
+    # the training recipe (the joint-loss recipe, Part I's: distill_weight 0, layer_dropout 0)
     distill_weight: float = 0.1  # self-distillation: weight of KL(final || exit), final detached
     distill_temperature: float = 1.0  # of distillation; higher matches more of the distribution
     layer_dropout: float = 0.2  # LayerSkip's p_max: training skips block l w.p. p_max 2^(l/(L-1))-1
@@ -646,330 +662,15 @@ class LabConfig(Config):
 # cautious first: 1.000, 0.999, ..., 0.951 (the learned rule's scores crowd there), 0.95, ..., 0.00
 THRESHOLDS = (*(round(1 - i / 1000, 3) for i in range(50)),
               *(round(i / 100, 2) for i in range(95, -1, -1)))
+MODES = ("greedy", "sampled")  # sampled draws with config.temperature and config.top_k
+BATCH_SIZES = (1, 4, 16)
+
 def average(t):
     """A tensor's mean as a float (a mask's: the share that is true); None if it is empty."""
     return t.float().mean().item() if t.numel() else None
 
-MODES = ("greedy", "sampled")  # sampled draws with config.temperature and config.top_k
-BATCH_SIZES = (1, 4, 16)
-
 # -----------------------------------------------------------------------------
-# Deferred recompute: fill the holes later, in one chunk with the next token that needs them
-
-class Deferred(Backfill):
-    """An exit parks its state; the next token that needs a layer runs the parked positions and
-    itself there as one causal chunk. Exact, like backfill, with the work postponed and batched."""
-    skips = True
-    parked = None  # (B, block_size, C): the state each position reached, for the layers it skipped
-
-    def park(self, cache, x, pos):
-        if self.parked is None:
-            self.parked = x.new_zeros(x.size(0), cache.k.size(3), x.size(2))
-        self.parked[:, pos] = x[:, 0]
-
-    def run_layer(self, block, cache, layer, x, pos):
-        n = cache.lengths[layer]
-        if n == pos:  # nothing parked below this position
-            return block(x, cache, layer)
-        self.park(cache, x, pos)
-        # (B, pos + 1 - n, C): the parked positions and this one, as one causal chunk
-        self.parked[:, n : pos + 1] = block(self.parked[:, n : pos + 1], cache, layer)
-        return self.parked[:, pos : pos + 1].clone()  # not a view: a rule reads it after the next
-
-
-    def skip_layers(self, model, cache, x, pos, layer):
-        self.park(cache, x, pos)  # the state the skipped layers will start from
-
-# -----------------------------------------------------------------------------
-# State copy (CALM): the skipped layers' keys and values computed from the exit state
-
-def kv_projection(block):
-    """A block's x -> (K, V) map with ln_1's gain and bias folded in: (2C, C) weight, (2C,) bias.
-
-    K and V of a state x are W_kv (g * norm(x) + beta) + b_kv
-    = (W_kv g) norm(x) + (W_kv beta + b_kv): one matrix per layer, applied to one shared norm(x)."""
-    C = block.ln_1.weight.numel()
-    w = block.attn.c_attn.weight[C:]  # (2C, C): the K and V rows of the fused projection
-    bias = w.new_zeros(2 * C)
-    if block.ln_1.bias is not None:  # config.bias gives ln_1 and c_attn their biases together
-        bias = w @ block.ln_1.bias + block.attn.c_attn.bias[C:]
-    return w * block.ln_1.weight, bias
-
-def state_copy_projections(model):
-    """Every layer's folded K/V projection, stacked: (L, 2C, C) and (L, 2C)."""
-    return tuple(map(torch.stack, zip(*map(kv_projection, model.transformer.h))))
-
-def write_state_copy(cache, first_layer, x, weight, bias):
-    """CALM's state propagation: the K and V of layers first_layer.. computed from the exit state
-    x (B, 1, C), written at the next position of a level cache. One batched matmul serves every
-    skipped layer."""
-    n = cache.lengths[first_layer]
-    assert all(m == n for m in cache.lengths[first_layer:]), "state copy needs level skipped layers"
-    xn = F.layer_norm(x[:, 0], x.shape[-1:])  # (B, C): the normalisation shared by every ln_1
-    # (J, B, 2C): every skipped layer's K and V at once
-    kv = torch.matmul(xn, weight[first_layer:].transpose(1, 2)) + bias[first_layer:, None]
-    k, v = kv.unflatten(-1, (2 * cache.k.size(2), -1)).chunk(2, dim=2)  # (J, B, nh, hs) each
-    cache.k[first_layer:, :, :, n] = k
-    cache.v[first_layer:, :, :, n] = v
-    for layer in range(first_layer, len(cache.lengths)):
-        cache.lengths[layer] = n + 1
-
-class StateCopy(Backfill):
-    """Approximate: the skipped layers see the exit state where their own input would have been."""
-    skips = True
-
-    def skip_layers(self, model, cache, x, pos, layer):
-        if not hasattr(self, "projections"):  # once per generation
-            self.projections = state_copy_projections(model)
-        write_state_copy(cache, layer + 1, x, *self.projections)
-
-# -----------------------------------------------------------------------------
-# Holes: the failure case, where the skipped layers write nothing
-
-class Holes(Backfill):
-    """Later tokens attend only to the entries that exist: skipped layers' caches have fewer."""
-    skips = True
-
-    def skip_layers(self, model, cache, x, pos, layer):
-        pass
-
-KV_STRATEGIES = {"backfill": Backfill, "deferred": Deferred, "state_copy": StateCopy,
-                 "holes": Holes}
-
-def kv_strategy(name):
-    """The KV strategy class of a name, or a one-line error."""
-    if name not in KV_STRATEGIES:
-        raise ValueError(f"unknown KV strategy {name!r}: one of {', '.join(KV_STRATEGIES)}")
-    return KV_STRATEGIES[name]
-
-# -----------------------------------------------------------------------------
-# Self-speculative decoding (LayerSkip): early layers draft, the rest verify; one decoder, any batch
-
-class RowKVCache(KVCache):
-    """The KV cache with a length per row: at the start of a round, every layer of row b holds its
-    window positions [0, pos[b]), where pos[b] = n[b] - 1 - start[b] is the row's own position in
-    its window.
-
-    The rows of a batch accept different numbers of drafts, roll back on their own and slide their
-    windows at different rounds. Rolling a row back is moving its n back: the entries past its
-    position are stale, masked and then overwritten. Every block call of a step writes each row's
-    entries at its own slots, laid out once per step (lay_out); attention reads the slots any row
-    has filled, through one mask. Made with a block_size num_draft larger: those spare slots take
-    the drafts of rows with less room than others, and are always rolled back."""
-    layout = None  # what the block calls of one step share: lay_out()
-
-    def lay_out(self, slots, width):
-        """(slots (B, T), their scatter index, the mask of what each query may see, W), W the slots
-        any row has filled by then: attention reads no empty slot past the last. One row's slots are
-        the last T of its W: a single query needs no mask, a chunk a causal one (and append writes a
-        slice)."""
-        B, T = slots.shape
-        if B == 1:
-            mask = None
-            if T > 1:
-                mask = torch.ones(T, width, dtype=torch.bool, device=slots.device).tril(width - T)
-            return slots, None, mask, width
-        seen = torch.arange(width, device=slots.device) <= slots[:, :, None]  # (B, T, W)
-        mask = torch.where(seen, 0.0, float("-inf"))[:, None]  # (B, 1, T, W)
-        # (B, nh, T, hs): where each entry goes
-        index = slots[:, None, :, None].expand(B, self.k.size(2), T, self.k.size(4))
-        return slots, index, mask, width
-
-    def lay_out_steps(self, slots, furthest):
-        """The layouts of k one-token steps at slots (B, k), furthest = max(slots[:, 0]): a list."""
-        widths = [furthest + 1 + j for j in range(slots.size(1))]  # each step reads one slot more
-        if len(slots) == 1:  # one row: a single query sees all of its slots
-            return [(None, None, None, w) for w in widths]
-        _, index, mask, _ = self.lay_out(slots, widths[-1])
-        return [(slots[:, j : j + 1], index[:, :, j : j + 1], mask[:, :, j : j + 1, :w], w)
-                for j, w in enumerate(widths)]
-
-    def keep_rows(self, keep):
-        """Drop the rows of a batch that are done: keep (B,) bool; the rest become rows 0..R-1."""
-        self.k = self.k[:, keep]
-        self.v = self.v[:, keep]
-
-    def append(self, layer, k, v):
-        """Write k, v (B, nh, T, hs) at each row's laid-out slots; return the first W slots and the
-        mask."""
-        slots, index, mask, width = self.layout
-        if index is None:  # one row: its T new entries are the last T of its W slots
-            self.k[layer, :, :, width - k.size(2) : width] = k
-            self.v[layer, :, :, width - k.size(2) : width] = v
-        elif k.size(2) == 1:  # (B, nh, S, hs): each row's new entry at its own slot
-            self.k[layer].scatter_(2, index, k)
-            self.v[layer].scatter_(2, index, v)
-        else:  # a chunk: indexing writes it faster than scatter
-            rows = torch.arange(k.size(0), device=k.device)[:, None]
-            self.k[layer][rows, :, slots] = k.transpose(1, 2)  # (B, T, nh, hs)
-            self.v[layer][rows, :, slots] = v.transpose(1, 2)
-        return self.k[layer, :, :, :width], self.v[layer, :, :, :width], mask
-
-def prefill_rows(model, cache, tokens, rows, starts, n):
-    """Re-prefill the windows of `rows`, each tokens[b, starts[b] : n[b] - 1], at full depth (equal
-    lengths). Returns the block runs per row; they are not counted in cache.layer_evals."""
-    m = int(n[rows[0]] - 1 - starts[rows[0]])
-    idx = tokens[rows[:, None], starts[rows][:, None] + torch.arange(m, device=tokens.device)]
-    # a plain cache for just these rows (no per-row mask: they are level), then copied into place
-    level = KVCache(replace(model.config, block_size=m), len(rows), tokens.device)
-    prefill(model, level, idx, 0)
-    cache.k[:, rows, :, :m] = level.k
-    cache.v[:, rows, :, :m] = level.v
-    return m * model.config.n_layer
-
-def slide_rows(model, cache, tokens, starts, n):
-    """Each row slides its window by window_start's rule; rows that moved re-prefill together,
-    grouped by window length. Returns the block runs summed over rows."""
-    if not bool((n - starts > model.config.block_size).any()):  # most rounds: no row moves
-        return 0
-    moved = {}
-    for b in range(len(n)):
-        s = window_start(None if starts[b] < 0 else int(starts[b]), int(n[b]),
-                         model.config.block_size)
-        if s != starts[b]:
-            starts[b] = s
-            moved.setdefault(int(n[b]) - 1 - s, []).append(b)
-    runs = 0
-    for group in moved.values():
-        rows = torch.tensor(group, device=n.device)
-        runs += len(group) * prefill_rows(model, cache, tokens, rows, starts, n)
-    return runs
-
-def draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k, generator):
-    """Every row drafts with layers 0..draft_exit from its own position pos[b], max(room) steps.
-    Returns the draft logits (B, k, V), the drafts (B, k), their states (B, k, C), which the verify
-    pass takes up from, their slots (B, k), and the slots any row has filled: the verify pass's
-    width."""
-    k, furthest = torch.stack((room.max(), pos.max())).tolist()  # one read of the device a round
-    steps = torch.arange(k, device=n.device)
-    slots = pos[:, None] + steps  # (B, k)
-    layouts = cache.lay_out_steps(slots, furthest)
-    # k x (B, C): a row with less room than k drafts on at the last position, in spare slots;
-    # those drafts are never kept
-    wpe = model.transformer.wpe(slots.clamp(max=model.config.block_size - 1)).unbind(1)
-    token, q, states, drafts = tokens.gather(1, n[:, None] - 1)[:, 0], [], [], []  # token: (B,)
-    for j in range(k):
-        x = (model.transformer.wte(token) + wpe[j])[:, None]  # (B, 1, C); decoding never drops out
-        cache.layout = layouts[j]
-        for l in range(draft_exit + 1):
-            x = model.transformer.h[l](x, cache, l)
-        logits = model.exit_logits(x[:, 0], draft_exit)  # (B, V)
-        token = sample(logits, temperature, top_k, generator)
-        q.append(logits)
-        states.append(x)
-        drafts.append(token)
-    drafts = torch.stack(drafts, dim=1)  # (B, k)
-    tokens.scatter_(1, n[:, None] + steps, drafts)
-    return torch.stack(q, dim=1), drafts, torch.cat(states, dim=1), slots, furthest + k
-
-def speculative_accept(drafts, q, p, room, temperature, generator):
-    """How many drafts each row keeps (at most room[b]), and the full model's token after them.
-
-    Greedy (q, p logits): keep the longest prefix that matches the full model's argmax, then take
-    the full model's choice. Sampled (q, p probabilities): keep draft d with probability
-    min(1, p(d) / q(d)); at the first rejection draw from max(p - q, 0), renormalised. Either way
-    each emitted token has exactly the full model's distribution (speculative sampling: Leviathan
-    et al. 2023, Chen et al. 2023). drafts (B, k), q, p (B, k, V), room (B,): how many drafts each
-    row may keep. Returns (accepted (B,), next token (B,), has_next (B,)): has_next is false where
-    a row kept all it could."""
-    B, k = drafts.shape
-    rows = torch.arange(B, device=drafts.device)
-    if temperature == 0:
-        target = p.argmax(-1)  # (B, k)
-        keep = target == drafts
-    else:
-        ratio = (p / q).gather(-1, drafts[..., None])[..., 0]  # (B, k): p(d) / q(d), q(d) > 0
-        keep = torch.rand(B, k, generator=generator, device=drafts.device) < ratio
-    keep &= torch.arange(k, device=drafts.device) < room[:, None]  # (B, k)
-    accepted = keep.long().cumprod(1).sum(1)  # (B,)
-    has_next = accepted < room
-    at = accepted.clamp(max=k - 1)
-    if temperature == 0:
-        return accepted, target[rows, at], has_next
-    if not bool(has_next.any()):  # no row rejected: nothing to draw
-        return accepted, drafts[:, -1], has_next
-    # + 1 on rows without a rejection: their draw is unused, but must not divide by zero
-    residual = (p - q)[rows, at].clamp_min(0) + (~has_next)[:, None]
-    return accepted, draw(residual / residual.sum(-1, keepdim=True), generator), has_next
-
-def speculative_round(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k,
-                      generator):
-    """One round of every row: draft up to room[b] tokens from window position pos[b], verify them
-    in one pass, keep each row's accepted prefix and write the full model's token after it. Returns
-    (accepted (B,), has_next (B,)), as speculative_accept."""
-    q, drafts, x, slots, width = draft(model, cache, tokens, n, pos, room, draft_exit, temperature,
-                                       top_k, generator)
-    # verify: the layers above the draft run once over every row's drafted states x (B, k, C)
-    cache.layout = cache.lay_out(slots, width)
-    for l in range(draft_exit + 1, model.config.n_layer):
-        x = model.transformer.h[l](x, cache, l)
-    p = model.exit_logits(x, model.config.n_layer - 1)  # (B, k, V)
-    if temperature > 0:
-        q = probs_from_logits(q, temperature, top_k)
-        p = probs_from_logits(p, temperature, top_k)
-    accepted, nxt, has_next = speculative_accept(drafts, q, p, room, temperature, generator)
-    rows = torch.arange(len(n), device=n.device)
-    # a row that kept all it could writes a slot its next round overwrites
-    tokens[rows, n + accepted] = nxt
-    return accepted, has_next
-
-@dataclass
-class SpeculativeGeneration(Generation):
-    stats: dict = None  # rounds (verify passes), drafted (keepable drafts), accepted, num_draft
-
-@torch.inference_mode()
-def generate_self_speculative(model, idx, max_new_tokens, draft_exit=0, num_draft=8,
-                              temperature=0.0, top_k=0, generator=None):
-    """Self-speculative decoding of B rows at once: each round every row drafts up to num_draft
-    tokens with layers 0..draft_exit, the layers above verify them in one pass, and each row keeps
-    its accepted prefix, rolls back and slides its window on its own; a row that is done leaves.
-    Every row's tokens are those it would get alone at full depth (greedy), or have their
-    distribution (sampled)."""
-    cfg, (B, T0), dev = model.config, idx.shape, idx.device
-    if not 0 <= draft_exit < cfg.n_layer - 1 or num_draft < 1:
-        raise ValueError(f"need 0 <= draft_exit < {cfg.n_layer - 1} and num_draft >= 1, "
-                         f"got draft_exit={draft_exit}, num_draft={num_draft}")
-    end = T0 + max_new_tokens
-    tokens = F.pad(idx, (0, max_new_tokens + num_draft))  # zeros: room for the tokens and drafts
-    out_tokens = tokens[:, :end].clone()
-    cache = RowKVCache(replace(cfg, block_size=cfg.block_size + num_draft), B, dev)
-    n = idx.new_full((B,), T0)  # (R,): each row's length; no window yet (start far back)
-    starts = torch.full_like(n, -cfg.block_size - 1)
-    ids, rounds, prefilled, clock = torch.arange(B, device=dev), [], 0.0, [tick(dev, T0)]
-    while max_new_tokens > 0 and len(ids):  # ids (R,): the rows still in the batch
-        prefilled += slide_rows(model, cache, tokens, starts, n) / B
-        pos = n - 1 - starts  # (R,) window position of each row's first token fed this round
-        # (R,) how many drafts each row may keep: none past end, no position past block_size
-        room = torch.minimum(end - n, cfg.block_size - pos).clamp(max=num_draft)
-        accepted, has_next = speculative_round(model, cache, tokens, n, pos, room, draft_exit,
-                                               temperature, top_k, generator)
-        rounds.append((ids, n, accepted, room))
-        n = n + accepted + has_next  # n back past a rejected draft: the row's cache rolls back
-        clock.append(tick(dev, min(int(n[0]), end)))  # row 0's length: the tail at batch 1
-        done = n >= end  # rows that are done leave: the next rounds run on the rest only
-        if bool(done.any()):
-            out_tokens[ids[done]] = tokens[done, :end]
-            tokens, n, starts, ids = tokens[~done], n[~done], starts[~done], ids[~done]
-            cache.keep_rows(~done)
-    ids, n, accepted, room = map(torch.cat, zip(*rounds)) if rounds else [idx[0, :0]] * 4
-    stats = {"rounds": len(rounds), "drafted": int(room.sum()), "accepted": int(accepted.sum()),
-             "num_draft": num_draft}
-    exited_at = kept_drafts(ids, n, accepted, B, end, draft_exit, cfg.n_layer - 1)[:, T0:]
-    # layers run: the re-prefills ran in caches of their own, so cache.layer_evals has none of them
-    return SpeculativeGeneration(out_tokens, exited_at, None, sum(cache.layer_evals), prefilled,
-                                 clock, stats)
-
-def kept_drafts(ids, n, accepted, B, end, draft_exit, full_exit):
-    """(B, end): draft_exit where a token is a kept draft, full_exit elsewhere. Each round of row
-    ids[i] kept accepted[i] drafts from position n[i]: +1 where kept drafts begin, -1 where they
-    end, summed along (kept runs never overlap)."""
-    marks = n.new_zeros(B, end + 1)
-    marks.index_put_((ids, n), torch.ones_like(n), accumulate=True)
-    marks.index_put_((ids, n + accepted), -torch.ones_like(n), accumulate=True)
-    return torch.where(marks.cumsum(1)[:, :end] > 0, draft_exit, full_exit)
-
-# -----------------------------------------------------------------------------
-# Training recipes: exits that agree with the final head draft well (layer dropout, distillation)
+# The training recipe: exits that agree with the final head (layer dropout, self-distillation)
 
 def layer_dropout_prob(layer, config):
     """LayerSkip's rate for block `layer`: 0 at the bottom, rising exponentially to layer_dropout
@@ -1027,9 +728,339 @@ def count_params(model):
     heads = sum(p.numel() for p in model.exit_heads.parameters())
     return sum(p.numel() for p in model.parameters()) - heads, heads
 
+# -----------------------------------------------------------------------------
+# Deferred recompute: fill the holes later, in one chunk with the next token that needs them
+
+class Deferred(Backfill):
+    """An exit parks its state; the next token that needs a layer runs the parked positions and
+    itself there as one causal chunk. Exact, like backfill, with the work postponed and batched."""
+    parked = None  # (B, block_size, C): the state each position reached, for the layers it skipped
+
+    def park(self, cache, x, pos):
+        if self.parked is None:
+            self.parked = x.new_zeros(x.size(0), cache.k.size(3), x.size(2))
+        self.parked[:, pos] = x[:, 0]
+
+    def run_layer(self, block, cache, layer, x, pos):
+        n = cache.lengths[layer]
+        if n == pos:  # nothing parked below this position
+            return block(x, cache, layer)
+        self.park(cache, x, pos)
+        # (B, pos + 1 - n, C): the parked positions and this one, as one causal chunk
+        self.parked[:, n : pos + 1] = block(self.parked[:, n : pos + 1], cache, layer)
+        return self.parked[:, pos : pos + 1].clone()  # not a view: a rule reads it after the next
+
+    def skip_layers(self, model, cache, x, pos, layer):
+        self.park(cache, x, pos)  # the state the skipped layers will start from
 
 # -----------------------------------------------------------------------------
-# Choosing the exit rule, 1: record every exit once, teacher-forced, then sweep without the model
+# State copy (CALM): the skipped layers' keys and values computed from the exit state
+
+def kv_projection(block):
+    """A block's x -> (K, V) map with ln_1's gain and bias folded in: (2C, C) weight, (2C,) bias.
+
+    K and V of a state x are W_kv (g * norm(x) + beta) + b_kv
+    = (W_kv g) norm(x) + (W_kv beta + b_kv): one matrix per layer, applied to one shared norm(x)."""
+    C = block.ln_1.weight.numel()
+    w = block.attn.c_attn.weight[C:]  # (2C, C): the K and V rows of the fused projection
+    bias = w.new_zeros(2 * C)
+    if block.ln_1.bias is not None:  # config.bias gives ln_1 and c_attn their biases together
+        bias = w @ block.ln_1.bias + block.attn.c_attn.bias[C:]
+    return w * block.ln_1.weight, bias
+
+def state_copy_projections(model):
+    """Every layer's folded K/V projection, stacked: (L, 2C, C) and (L, 2C)."""
+    return tuple(map(torch.stack, zip(*map(kv_projection, model.transformer.h))))
+
+def write_state_copy(cache, first_layer, x, weight, bias):
+    """CALM's state propagation: the K and V of layers first_layer.. computed from the exit state
+    x (B, 1, C), written at the next position of a level cache. One batched matmul serves every
+    skipped layer."""
+    n = cache.lengths[first_layer]
+    assert all(m == n for m in cache.lengths[first_layer:]), "state copy needs level skipped layers"
+    xn = F.layer_norm(x[:, 0], x.shape[-1:])  # (B, C): the normalisation shared by every ln_1
+    # (J, B, 2C): every skipped layer's K and V at once
+    kv = torch.matmul(xn, weight[first_layer:].transpose(1, 2)) + bias[first_layer:, None]
+    k, v = kv.unflatten(-1, (2 * cache.k.size(2), -1)).chunk(2, dim=2)  # (J, B, nh, hs) each
+    cache.k[first_layer:, :, :, n] = k
+    cache.v[first_layer:, :, :, n] = v
+    for layer in range(first_layer, len(cache.lengths)):
+        cache.lengths[layer] = n + 1
+
+class StateCopy(Backfill):
+    """Approximate: the skipped layers see the exit state where their own input would have been."""
+    projections = None  # state_copy_projections(model), once per generation
+
+    def skip_layers(self, model, cache, x, pos, layer):
+        if self.projections is None:
+            self.projections = state_copy_projections(model)
+        write_state_copy(cache, layer + 1, x, *self.projections)
+
+# -----------------------------------------------------------------------------
+# Holes: the failure case, where the skipped layers write nothing
+
+class Holes(Backfill):
+    """Later tokens attend only to the entries that exist: skipped layers' caches have fewer."""
+    def skip_layers(self, model, cache, x, pos, layer):
+        pass
+
+# -----------------------------------------------------------------------------
+# SkipDecode: an exit layer fixed by window position, never rising, so no hole is ever read
+
+class SkipDecode(Holes):
+    """After SkipDecode (arXiv:2307.02628): the token at window position pos exits at layer
+    schedule[pos], a depth that never rises along the window, so a later token never reads a layer
+    an earlier one skipped: no hole is ever read, and a batch saves what a row saves. Its plan's
+    checked_exits is that schedule, and its threshold 0: the scheduled exit always fires."""
+    def exit_checks(self, pos, checked_exits):
+        return [checked_exits[pos]]  # at the last layer: no check, full depth
+
+def window_positions(n_positions, block_size):
+    """(N,): the window position at which sequential decoding feeds the token predicting each
+    position."""
+    return torch.cat([torch.arange(first - start, end - start)
+                      for start, end, first in decoder_windows(n_positions, block_size)])
+
+def choose_schedule(records, n_layer, block_size, budget):
+    """SkipDecode's plan, chosen on val: the schedule saving the most within `budget` disagreement
+    with full depth, full depth before window position a and exit layer e from there on (a, e on
+    a grid)."""
+    last = n_layer - 1
+    wpos = window_positions(records.targets.numel(), block_size).to(records.pred.device)
+    best = {"checked_exits": [last] * block_size, "compute_saved": 0.0, "disagreement": 0.0,
+            "label": "-"}
+    for a in range(0, block_size, max(1, block_size // 16)):
+        for e in range(last):
+            figures = exit_summary(records, torch.where(wpos >= a, e, last))
+            if (figures["disagreement"] <= budget
+                    and figures["compute_saved"] > best["compute_saved"]):
+                best = {"checked_exits": [last] * a + [e] * (block_size - a), "from_position": a,
+                        "exit_layer": e, "compute_saved": figures["compute_saved"],
+                        "disagreement": figures["disagreement"], "label": f"{e} from {a}"}
+    return {**best, "measure": "top1", "threshold": 0.0}
+
+# every answer to the holes, by name: each makes a fresh strategy for one generation
+KV_STRATEGIES = {"backfill": Backfill, "deferred": Deferred, "state_copy": StateCopy,
+                 "holes": Holes, "skipdecode": SkipDecode}
+
+# -----------------------------------------------------------------------------
+# Self-speculative decoding (LayerSkip): early layers draft, the rest verify; one decoder, any batch
+
+class RowKVCache(KVCache):
+    """The KV cache with a length per row, for a batch whose rows accept different numbers of
+    drafts, roll back and slide their windows on their own.
+
+    A round starts with every layer of row b holding its window positions [0, pos[b]); each block
+    call of the round appends the same number of positions T to every row, at the row's own slots
+    from pos[b] + fed, where fed counts what this round already gave that layer. Rolling a row back
+    is starting its next round at a smaller pos: the entries past it are stale, masked, then
+    overwritten. Attention reads the slots any row has filled by then (the width W), through one
+    mask. Made with a block_size num_draft larger: those spare slots take the drafts of rows with
+    less room than others, and are always rolled back."""
+    def start_round(self, pos, furthest):
+        """A round begins at each row's window position pos (B,); furthest = max(pos), read once."""
+        self.pos, self.furthest = pos, furthest
+        self.fed = [0] * len(self.lengths)  # positions appended this round, per layer
+        self.layouts = {}  # (fed, T) -> its layout: the block calls of a round share a few
+
+    def layout(self, fed, T):
+        """Where T new entries of every row go after `fed` this round: (slots (B, T), their scatter
+        index, the mask of what each query may see, W). One row's slots are the last T of its W: a
+        single query needs no mask, a chunk a causal one (and append writes a slice)."""
+        width = self.furthest + fed + T
+        slots = self.pos[:, None] + fed + torch.arange(T, device=self.pos.device)  # (B, T)
+        if len(slots) == 1:
+            mask = None
+            if T > 1:
+                mask = torch.ones(T, width, dtype=torch.bool, device=slots.device).tril(width - T)
+            return slots, None, mask, width
+        seen = torch.arange(width, device=slots.device) <= slots[:, :, None]  # (B, T, W)
+        mask = torch.where(seen, 0.0, float("-inf"))[:, None]  # (B, 1, T, W)
+        # (B, nh, T, hs): where each entry goes
+        index = slots[:, None, :, None].expand(-1, self.k.size(2), -1, self.k.size(4))
+        return slots, index, mask, width
+
+    def keep_rows(self, keep):
+        """Drop the rows of a batch that are done: keep (B,) bool; the rest become rows 0..R-1."""
+        self.k = self.k[:, keep]
+        self.v = self.v[:, keep]
+
+    def append(self, layer, k, v):
+        """Write k, v (B, nh, T, hs) at each row's slots; return the first W slots and the mask."""
+        key = (self.fed[layer], k.size(2))
+        if key not in self.layouts:
+            self.layouts[key] = self.layout(*key)
+        slots, index, mask, width = self.layouts[key]
+        self.fed[layer] += k.size(2)
+        if index is None:  # one row: its T new entries are the last T of its W slots
+            self.k[layer, :, :, width - k.size(2) : width] = k
+            self.v[layer, :, :, width - k.size(2) : width] = v
+        elif k.size(2) == 1:  # (B, nh, S, hs): each row's new entry at its own slot
+            self.k[layer].scatter_(2, index, k)
+            self.v[layer].scatter_(2, index, v)
+        else:  # a chunk: indexing writes it faster than scatter
+            rows = torch.arange(k.size(0), device=k.device)[:, None]
+            self.k[layer][rows, :, slots] = k.transpose(1, 2)  # (B, T, nh, hs)
+            self.v[layer][rows, :, slots] = v.transpose(1, 2)
+        return self.k[layer, :, :, :width], self.v[layer, :, :, :width], mask
+
+def prefill_rows(model, cache, tokens, rows, starts, n):
+    """Re-prefill the windows of `rows`, each tokens[b, starts[b] : n[b] - 1], at full depth (equal
+    lengths). Returns the block runs per row; they are not counted in cache.layer_evals."""
+    m = int(n[rows[0]] - 1 - starts[rows[0]])
+    idx = tokens[rows[:, None], starts[rows][:, None] + torch.arange(m, device=tokens.device)]
+    # a plain cache for just these rows (no per-row mask: they are level), then copied into place
+    level = KVCache(replace(model.config, block_size=m), len(rows), tokens.device)
+    prefill(model, level, idx, 0)
+    cache.k[:, rows, :, :m] = level.k
+    cache.v[:, rows, :, :m] = level.v
+    return m * model.config.n_layer
+
+def slide_rows(model, cache, tokens, starts, n):
+    """Each row slides its window by window_start's rule; rows that moved re-prefill together,
+    grouped by window length. Returns the block runs summed over rows."""
+    if not bool((n - starts > model.config.block_size).any()):  # most rounds: no row moves
+        return 0
+    moved = {}
+    for b in range(len(n)):
+        s = window_start(None if starts[b] < 0 else int(starts[b]), int(n[b]),
+                         model.config.block_size)
+        if s != starts[b]:
+            starts[b] = s
+            moved.setdefault(int(n[b]) - 1 - s, []).append(b)
+    runs = 0
+    for group in moved.values():
+        rows = torch.tensor(group, device=n.device)
+        runs += len(group) * prefill_rows(model, cache, tokens, rows, starts, n)
+    return runs
+
+def draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k, generator):
+    """Every row drafts with layers 0..draft_exit from its own position pos[b], max(room) steps.
+    Returns the draft logits (B, k, V), the drafts (B, k) and their states (B, k, C), which the
+    verify pass takes up from."""
+    k, furthest = torch.stack((room.max(), pos.max())).tolist()  # one read of the device a round
+    cache.start_round(pos, furthest)
+    steps = torch.arange(k, device=n.device)
+    # k x (B, C): a row with less room than k drafts on at the last position, in spare slots;
+    # those drafts are never kept
+    wpe = model.transformer.wpe((pos[:, None] + steps).clamp(max=model.config.block_size - 1))
+    token, q, states, drafts = tokens.gather(1, n[:, None] - 1)[:, 0], [], [], []  # token: (B,)
+    for j in range(k):
+        x = (model.transformer.wte(token) + wpe[:, j])[:, None]  # (B, 1, C); never dropped out
+        for l in range(draft_exit + 1):
+            x = model.transformer.h[l](x, cache, l)
+        logits = model.exit_logits(x[:, 0], draft_exit)  # (B, V)
+        token = sample(logits, temperature, top_k, generator)
+        q.append(logits)
+        states.append(x)
+        drafts.append(token)
+    drafts = torch.stack(drafts, dim=1)  # (B, k)
+    tokens.scatter_(1, n[:, None] + steps, drafts)
+    return torch.stack(q, dim=1), drafts, torch.cat(states, dim=1)
+
+def speculative_accept(drafts, q, p, room, temperature, generator):
+    """How many drafts each row keeps (at most room[b]), and the full model's token after them.
+
+    Greedy (q, p logits): keep the longest prefix that matches the full model's argmax, then take
+    the full model's choice. Sampled (q, p probabilities): keep draft d with probability
+    min(1, p(d) / q(d)); at the first rejection draw from max(p - q, 0), renormalised. Either way
+    each emitted token has exactly the full model's distribution (speculative sampling: Leviathan
+    et al. 2023, Chen et al. 2023). drafts (B, k), q, p (B, k, V), room (B,): how many drafts each
+    row may keep. Returns (accepted (B,), next token (B,), has_next (B,)): has_next is false where
+    a row kept all it could."""
+    B, k = drafts.shape
+    rows = torch.arange(B, device=drafts.device)
+    if temperature == 0:
+        target = p.argmax(-1)  # (B, k)
+        keep = target == drafts
+    else:
+        ratio = (p / q).gather(-1, drafts[..., None])[..., 0]  # (B, k): p(d) / q(d), q(d) > 0
+        keep = torch.rand(B, k, generator=generator, device=drafts.device) < ratio
+    keep &= torch.arange(k, device=drafts.device) < room[:, None]  # (B, k)
+    accepted = keep.long().cumprod(1).sum(1)  # (B,)
+    has_next = accepted < room
+    at = accepted.clamp(max=k - 1)
+    if temperature == 0:
+        return accepted, target[rows, at], has_next
+    if not bool(has_next.any()):  # no row rejected: nothing to draw
+        return accepted, drafts[:, -1], has_next
+    # + 1 on rows without a rejection: their draw is unused, but must not divide by zero
+    residual = (p - q)[rows, at].clamp_min(0) + (~has_next)[:, None]
+    return accepted, draw(residual / residual.sum(-1, keepdim=True), generator), has_next
+
+def speculative_round(model, cache, tokens, exited, n, pos, room, draft_exit, temperature, top_k,
+                      generator):
+    """One round of every row: draft up to room[b] tokens from window position pos[b], verify them
+    in one pass, keep each row's accepted prefix, write the full model's token after it, and mark
+    in exited the layer each of the round's tokens left at. Returns (accepted (B,), has_next (B,)),
+    as speculative_accept."""
+    L = model.config.n_layer
+    q, drafts, x = draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k,
+                         generator)
+    for l in range(draft_exit + 1, L):  # verify: the layers above the draft, once over every draft
+        x = model.transformer.h[l](x, cache, l)
+    p = model.exit_logits(x, L - 1)  # (B, k, V)
+    if temperature > 0:
+        q = probs_from_logits(q, temperature, top_k)
+        p = probs_from_logits(p, temperature, top_k)
+    accepted, nxt, has_next = speculative_accept(drafts, q, p, room, temperature, generator)
+    # a row that kept all it could writes a slot its next round overwrites
+    tokens[torch.arange(len(n), device=n.device), n + accepted] = nxt
+    # kept drafts left at the draft's exit, the full model's token at the top (later rounds
+    # overwrite the marks past it)
+    steps = torch.arange(drafts.size(1), device=n.device)
+    marks = torch.where(steps < accepted[:, None], draft_exit, L - 1)  # (B, k)
+    exited.scatter_(1, n[:, None] + steps, marks)
+    return accepted, has_next
+
+@dataclass
+class SpeculativeGeneration(Generation):
+    stats: dict = None  # rounds (verify passes), drafted (keepable drafts), accepted, num_draft
+
+@torch.inference_mode()
+def generate_self_speculative(model, idx, max_new_tokens, draft_exit=0, num_draft=8,
+                              temperature=0.0, top_k=0, generator=None):
+    """Self-speculative decoding of B rows at once: each round every row drafts up to num_draft
+    tokens with layers 0..draft_exit, the layers above verify them in one pass, and each row keeps
+    its accepted prefix, rolls back and slides its window on its own; a row that is done leaves.
+    Every row's tokens are those it would get alone at full depth (greedy), or have their
+    distribution (sampled)."""
+    cfg, (B, T0), dev = model.config, idx.shape, idx.device
+    if not 0 <= draft_exit < cfg.n_layer - 1 or num_draft < 1:
+        raise ValueError(f"need 0 <= draft_exit < {cfg.n_layer - 1} and num_draft >= 1, "
+                         f"got draft_exit={draft_exit}, num_draft={num_draft}")
+    end = T0 + max_new_tokens
+    tokens = F.pad(idx, (0, max_new_tokens + num_draft))  # zeros: room for the tokens and drafts
+    exited = torch.full_like(tokens, cfg.n_layer - 1)  # the layer each token left at
+    out_tokens, out_exited = tokens[:, :end].clone(), exited[:, :end].clone()
+    cache = RowKVCache(replace(cfg, block_size=cfg.block_size + num_draft), B, dev)
+    n = idx.new_full((B,), T0)  # (R,): each row's length; no window yet (start far back)
+    starts = torch.full_like(n, -cfg.block_size - 1)
+    ids, rounds, drafted, kept, prefilled = torch.arange(B, device=dev), 0, 0, 0, 0.0
+    clock = [tick(dev, T0)]
+    while max_new_tokens > 0 and len(ids):  # ids (R,): the rows still in the batch
+        prefilled += slide_rows(model, cache, tokens, starts, n) / B
+        pos = n - 1 - starts  # (R,) window position of each row's first token fed this round
+        # (R,) how many drafts each row may keep: none past end, no position past block_size
+        room = torch.minimum(end - n, cfg.block_size - pos).clamp(max=num_draft)
+        accepted, has_next = speculative_round(model, cache, tokens, exited, n, pos, room,
+                                               draft_exit, temperature, top_k, generator)
+        rounds, drafted, kept = rounds + 1, drafted + room.sum(), kept + accepted.sum()
+        n = n + accepted + has_next  # n back past a rejected draft: the row's cache rolls back
+        clock.append(tick(dev, min(int(n[0]), end)))  # row 0's length: the tail at batch 1
+        done = n >= end  # rows that are done leave: the next rounds run on the rest only
+        if bool(done.any()):
+            out_tokens[ids[done]], out_exited[ids[done]] = tokens[done, :end], exited[done, :end]
+            tokens, exited, n, starts, ids = (t[~done] for t in (tokens, exited, n, starts, ids))
+            cache.keep_rows(~done)
+    stats = {"rounds": rounds, "drafted": int(drafted), "accepted": int(kept),
+             "num_draft": num_draft}
+    # layers run: the re-prefills ran in caches of their own, so cache.layer_evals has none of them
+    return SpeculativeGeneration(out_tokens, out_exited[:, T0:], None, sum(cache.layer_evals),
+                                 prefilled, clock, stats=stats)
+
+# -----------------------------------------------------------------------------
+# The exit rules: how sure an exit is, five ways beyond top-1, and a rule learned from data
 
 def margin(probs, state):
     """Top-1 minus top-2 probability: (..., V) -> (...)."""
@@ -1054,8 +1085,9 @@ def saturation(probs, state):
     """CALM's hidden-state saturation: the cosine between the layer's output and its input."""
     return F.cosine_similarity(state["h"], state["below"], dim=-1).clamp(max=1.0)
 
-CONFIDENCE_MEASURES.update(margin=margin, entropy=normalised_entropy, patience=patience,
-                           saturation=saturation)
+# the lab's rules: Part I's, and four more (a dict of its own: Part I's is left as it is)
+EXIT_RULES = {**CONFIDENCE_MEASURES, "margin": margin, "entropy": normalised_entropy,
+              "patience": patience, "saturation": saturation}
 
 def exit_features(probs, state):
     """The learned rule's features (..., F): four rules' confidences, agreement with the exit
@@ -1063,8 +1095,7 @@ def exit_features(probs, state):
     pred = probs.argmax(-1)
     agree = (pred == state.get("pred", -1)).float()
     state["pred"] = pred
-    cheap = [CONFIDENCE_MEASURES[m](probs, state) for m in ("top1", "margin", "entropy",
-                                                             "saturation")]
+    cheap = [EXIT_RULES[m](probs, state) for m in ("top1", "margin", "entropy", "saturation")]
     one_hot = F.one_hot(pred, probs.size(-1)).to(probs.dtype)
     return torch.cat([torch.stack([*cheap, agree, torch.ones_like(agree)], -1), one_hot], -1)
 
@@ -1072,12 +1103,14 @@ def learned(weights, probs, state):
     """The learned rule: per exit, a logistic model's P(this exit's top-1 is full depth's)."""
     return torch.sigmoid(exit_features(probs, state) @ weights[state["layer"]])
 
-def exit_rules(model):
-    """name -> rule: CONFIDENCE_MEASURES, and the learned rule once fit_exit_predictor ran."""
-    weights = getattr(model, "exit_predictor", None)
+def exit_rules(weights=None):
+    """name -> rule: EXIT_RULES, and the learned rule with its weights (L, F) when given them."""
     if weights is None:
-        return CONFIDENCE_MEASURES
-    return {**CONFIDENCE_MEASURES, "learned": partial(learned, weights)}
+        return dict(EXIT_RULES)
+    return {**EXIT_RULES, "learned": partial(learned, weights)}
+
+# -----------------------------------------------------------------------------
+# Recording, the sweep, calibration and the oracle: every exit read once, then no model needed
 
 @dataclass
 class ExitRecords:
@@ -1111,15 +1144,14 @@ def read_exits(model, x, rules):
     return logits, {name: torch.stack(c) for name, c in read.items()}
 
 @torch.inference_mode()
-def record_exits(model, data, n_positions, rules=None, batch_size=64):
+def record_exits(model, data, n_positions, rules, batch_size=64):
     """One parallel pass: what every exit predicts for data[1 : n_positions + 1], and how sure it
-    is by each rule (exit_rules(model) unless given).
+    is by each rule.
 
     The windows are exactly those of sequential decoding fed data[0], data[1], ...
     (window_start), so a decoder that keeps its cache exact (backfill, deferred) makes exactly
     these predictions; that is tested. Windows of equal length run together, batch_size at a
     time."""
-    rules = rules or exit_rules(model)
     n_positions = min(n_positions, len(data) - 1)
     # every window is block_size long but perhaps the last: run the others batch_size at a time
     *full, last = decoder_windows(n_positions, model.config.block_size)
@@ -1136,9 +1168,9 @@ def record_exits(model, data, n_positions, rules=None, batch_size=64):
     return ExitRecords(dict(zip(rules, confidences)), logits.argmax(-1), nll, targets)
 
 def fit_exit_predictor(model, data, n_positions):
-    """The learned rule's weights (L, F), also kept as model.exit_predictor: per exit, a logistic
-    model of whether its top-1 is full depth's, fitted by Newton's method on the exits recorded on
-    data (the train split). The last exit's row is 0: it always exits."""
+    """The learned rule's weights (L, F): per exit, a logistic model of whether its top-1 is full
+    depth's, fitted by Newton's method on the exits recorded on data (the train split). The last
+    exit's row is 0: it always exits."""
     records = record_exits(model, data, n_positions, {"features": exit_features})
     X = records.confidences["features"][:-1].double().cpu()  # (L - 1, N, F); MPS has no float64
     y = (records.pred[:-1] == records.pred[-1]).double().cpu()  # (L - 1, N): agrees with full
@@ -1149,8 +1181,7 @@ def fit_exit_predictor(model, data, n_positions):
         grad = X.transpose(1, 2) @ (p - y)[..., None] + ridge @ w  # (L - 1, F, 1)
         hess = X.transpose(1, 2) @ (X * (p * (1 - p))[..., None]) + ridge  # (L - 1, F, F)
         w = w - torch.linalg.solve(hess, grad)
-    model.exit_predictor = F.pad(w[..., 0], (0, 0, 0, 1)).float().to(records.pred.device)
-    return model.exit_predictor
+    return F.pad(w[..., 0], (0, 0, 0, 1)).float().to(records.pred.device)
 
 def exits_at_threshold(records, measure, threshold, checked_exits):
     """(N,): the layer each position exits at: the first checked exit above threshold, else the
@@ -1177,9 +1208,6 @@ def exit_summary(records, exits):
         "accuracy": average(pred == records.targets),
         "disagreement": average(pred != records.pred[-1]),
     }
-
-# -----------------------------------------------------------------------------
-# Choosing the exit rule, 2: the threshold sweep on val, and a threshold calibrated with a guarantee
 
 def sweep(records, measure, checked_exits):
     """One entry per threshold: where positions exit, compute saved, loss and disagreement with
@@ -1234,22 +1262,40 @@ def oracle(records, checked_exits, epsilon):
     deepest = exits.float().topk(int(epsilon * exits.numel())).indices
     return exit_summary(records, exits.index_fill(0, deepest, layers[0]))
 
-def calibration_report(val, test, shifted, measure, checked_exits, epsilon, delta):
-    """Calibrate on val, then report the chosen threshold's figures on test (never used to choose)
-    and on the shifted text (None: none), whether epsilon held there, and test's saving as a
-    share of the oracle's. Patience's threshold is also given as k, the exits that must agree."""
-    threshold = calibrate(val, measure, checked_exits, epsilon, delta)
+def calibration_report(records, measure, checked_exits, epsilon, delta):
+    """Calibrate on records["val"], then report the threshold's figures on every text recorded
+    (test and the shifted text are never used to choose), whether epsilon held there, and test's
+    saving as a share of the oracle's. Patience's threshold is also given as k, the exits that
+    must agree."""
+    threshold = calibrate(records["val"], measure, checked_exits, epsilon, delta)
     report = {"measure": measure, "epsilon": epsilon, "delta": delta, "threshold": threshold}
     if measure == "patience" and threshold < 1:
         report["k"] = next(k for k in itertools.count(1) if 1 - 0.5**k > threshold)
-    for name, records in (("val", val), ("test", test), ("shift", shifted)):
-        if records is not None:
-            figures = exit_summary(
-                records, exits_at_threshold(records, measure, threshold, checked_exits))
-            report[name] = {**figures, "held": figures["disagreement"] <= epsilon}
-    best = oracle(test, checked_exits, epsilon)["compute_saved"]
+    for name, split in records.items():
+        figures = exit_summary(split, exits_at_threshold(split, measure, threshold, checked_exits))
+        report[name] = {**figures, "held": figures["disagreement"] <= epsilon}
+    best = oracle(records["test"], checked_exits, epsilon)["compute_saved"]
     report["test"]["oracle_share"] = report["test"]["compute_saved"] / max(best, 1e-9)
     return report
+
+def patience_rows(records, checked_exits):
+    """Patience with k swept: how much k exits agreeing in a row save, and what they cost."""
+    rows = []
+    for k in range(1, len(records.pred) + 1):  # k = n_layer: never leaves early
+        exits = exits_at_threshold(records, "patience", 1 - 0.5 ** (k - 1), checked_exits)
+        rows.append({"k": k, **exit_summary(records, exits)})
+    return rows
+
+def choose_rule(records, rules, checked_exits, epsilon, delta):
+    """The rule chosen on val: each of `rules` calibrated at delta / len(rules) (Bonferroni), so the
+    chance that any of them, and so the chosen one, breaks epsilon stays under delta; the one that
+    saves the most on val wins. Its test figures are reported, never used to choose."""
+    reports = [calibration_report(records, m, checked_exits, epsilon, delta / len(rules))
+               for m in rules]
+    return max(reports, key=lambda r: r["val"]["compute_saved"])
+
+# -----------------------------------------------------------------------------
+# Reading the exits: each exit's calibration, the logit lens, and what "easy" means here
 
 def exit_calibration(records, bins=10):
     """Per exit: the expected calibration error (ECE) of its top-1 confidence against the data
@@ -1271,8 +1317,17 @@ def exit_calibration(records, bins=10):
     rows[-1]["ece_full"] = None  # full depth always agrees with itself
     return rows
 
-# -----------------------------------------------------------------------------
-# Choosing the exit rule, 3: the logit lens, and what "easy" means for this model
+def calibration_note(rows, threshold):
+    """One sentence: do the exits mean the same thing by the same confidence, in the bin of the
+    calibrated threshold (of ten)? rows: exit_calibration's."""
+    b = min(int(10 * threshold), 9)
+    top = [r["bins"]["agreement"][b] for r in rows[:-1] if r["bins"]["positions"][b]] or [0.0]
+    differ = "one threshold means about the same at every exit."
+    if max(top) - min(top) > 0.02:
+        differ = ("the exits differ (by over 2 points), so one threshold does not mean the same "
+                  "at every exit.")
+    return (f"Where an exit is {10 * b}-{10 * b + 10}% sure (the calibrated threshold's bin), "
+            f"its top-1 is full depth's {min(top):.1%} to {max(top):.1%} of the time: {differ}")
 
 @torch.inference_mode()
 def logit_lens(model, x):
@@ -1315,7 +1370,227 @@ def exit_slices(records, exits, tokenizer):
     return rows
 
 # -----------------------------------------------------------------------------
-# Measurement, 1: every decoder on one workload, quality teacher-forced, then wall-clock
+# The cost model: measured unit costs, and the speed-up each plan should give
+
+def typical_position(prompt_len, n_tokens, block_size):
+    """The median window position a workload's decode step feeds at: what a timed block reads."""
+    start, at = None, []
+    for n in range(prompt_len, prompt_len + n_tokens):
+        start = window_start(start, n, block_size)
+        at.append(n - 1 - start)
+    return int(np.median(at))
+
+def exit_check(model, x, rule):
+    """What decode_step does at a checked exit: the head, the rule's confidence and the host sync
+    that decides."""
+    state = {"layer": 0, "below": x[:, 0], "h": x[:, 0]}
+    return int((confidence(model.exit_logits(x[:, 0], 0), rule, state) > 0.9).sum())
+
+@torch.inference_mode()
+def decode_costs(model, prompts, n_tokens, rules, repeats=200, attempts=3):
+    """The unit costs, in seconds at batch 1 (medians): a block attending to a cache of the
+    workload's typical length, an exit check by each rule, a state-copy write, the final head,
+    and a whole token of full depth's decoder (the one every speed-up divides by) continuing
+    these prompts. A token cheaper than n_layer blocks is impossible (a busy machine): measured
+    again, up to `attempts` times."""
+    cfg, device = model.config, prompts.device
+    typical = typical_position(prompts.size(1), n_tokens, cfg.block_size)
+    cache, x = KVCache(cfg, 1, device), torch.zeros(1, 1, cfg.n_embd, device=device)
+    stages = {"block": partial(model.transformer.h[0], x, cache, 0),
+              **{f"check {name}": partial(exit_check, model, x, rule)
+                 for name, rule in rules.items()},
+              "state_copy": partial(write_state_copy, cache, 1, x, *state_copy_projections(model)),
+              "final_head": partial(model.exit_logits, x[:, 0], cfg.n_layer - 1)}
+    for attempt in range(1, attempts + 1):
+        t = {key: [] for key in stages}
+        for _ in range(repeats):
+            for key, stage in stages.items():
+                cache.lengths = [typical] * cfg.n_layer  # their contents do not change the time
+                t0 = time.perf_counter()
+                stage()
+                synchronize(device)  # each timer reads finished work
+                t[key].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for prompt in prompts:
+            generate(model, prompt[None], n_tokens)
+        synchronize(device)
+        costs = {key: float(np.median(v)) for key, v in t.items()}
+        costs.update(token=(time.perf_counter() - t0) / prompts.size(0) / n_tokens,
+                     attempts=attempt, cache_length=typical)
+        if costs["token"] >= cfg.n_layer * costs["block"]:
+            break
+    return costs
+
+def planned_exits(records, name, plan, block_size):
+    """Where each recorded position leaves under KV strategy `name`'s exit plan, and the exit checks
+    it runs on the way: (N,) layers, (N,) checks. SkipDecode leaves at its schedule's layer for the
+    window position, after one check; at threshold 1 no exit is checked."""
+    L = len(records.pred)
+    if name == "skipdecode":
+        wpos = window_positions(records.targets.numel(), block_size).to(records.pred.device)
+        exits = torch.tensor(plan["checked_exits"], device=wpos.device)[wpos]  # (N,)
+        return exits, (exits < L - 1).long()
+    exits = exits_at_threshold(records, plan["measure"], plan["threshold"], plan["checked_exits"])
+    checks = sum((exits >= l).long() for l in plan["checked_exits"])  # every exit passed on the way
+    if plan["threshold"] >= 1:
+        checks = torch.zeros_like(exits)
+    return exits, checks
+
+def predict_speedup(records, name, plan, costs, block_size):
+    """Full depth's measured time per token over the predicted time of a KV strategy's plan.
+
+    Leaving at layer e skips the final head and (but under backfill, which runs the blocks above
+    for the cache) the n_layer - 1 - e blocks above; every check costs a head, a confidence and a
+    host sync, and state_copy a write when it leaves early. Deferred's catch-up rides in the next
+    token's block call, so it is counted as no extra call."""
+    exits, checks = planned_exits(records, name, plan, block_size)
+    L = len(records.pred)
+    early = average(exits < L - 1)
+    saved = early * costs["final_head"]
+    if name != "backfill":
+        saved += average(L - 1 - exits) * costs["block"]
+    extra = average(checks) * costs[f"check {plan['measure']}"]
+    if name == "state_copy":
+        extra += early * costs["state_copy"]
+    return costs["token"] / (costs["token"] - saved + extra)
+
+def best_plan(records, name, measure, threshold, costs, subsets, block_size):
+    """The exits a KV strategy checks, chosen on val: of these subsets at the threshold, the one
+    the cost model predicts fastest. The threshold's guarantee is for every exit checked: a subset
+    can leave later, at an exit that disagrees, so it is not covered."""
+    plans = []
+    for subset in subsets:
+        plan = {"measure": measure, "threshold": threshold, "checked_exits": subset,
+                "label": ",".join(map(str, subset))}
+        plans.append({**plan, "predicted_speedup": predict_speedup(records, name, plan, costs,
+                                                                    block_size)})
+    return max(plans, key=lambda p: p["predicted_speedup"])
+
+def strategy_plans(records, costs, config, threshold, checked=None):
+    """Every KV strategy's plan, chosen on val with the predicted speed-up: checked exits (None:
+    the fastest subset of all) at the threshold, SkipDecode's schedule."""
+    L, T = config.n_layer, config.block_size
+    subsets = [checked]
+    if checked is None:
+        subsets = [list(s) for r in range(1, L) for s in itertools.combinations(range(L - 1), r)]
+    plans = {}
+    for name in KV_STRATEGIES:
+        if name == "skipdecode":
+            plan = choose_schedule(records, L, T, config.schedule_disagreement)
+            plans[name] = {**plan, "predicted_speedup": predict_speedup(records, name, plan,
+                                                                        costs, T)}
+        else:
+            plans[name] = best_plan(records, name, config.confidence_measure, threshold, costs,
+                                    subsets, T)
+    return plans
+
+def prediction(row, plans, speculation, costs, n_layer):
+    """What the cost model says beside a strategies-table row: a KV strategy's plan, speculation
+    as timed on val (its entries), a smaller model's missing blocks; nothing for full depth, the
+    baseline."""
+    name = row["name"]
+    if name in plans:
+        plan = plans[name]
+        return {"exit_at": plan["label"], "threshold": plan["threshold"],
+                "predicted_speedup": plan["predicted_speedup"]}
+    if name == "self_speculative":
+        return {"predicted_speedup": next(e["speedup"] for e in speculation
+                                          if e["mode"] == row["mode"])}
+    if name.endswith("GPT"):  # a smaller model skips its missing blocks, and checks nothing
+        skipped = (n_layer - row["mean_layers"]) * costs["block"]
+        return {"predicted_speedup": costs["token"] / (costs["token"] - skipped)}
+    return {}
+
+def expected_batch_depth(exited_at, batch_sizes, n_layer):
+    """Mean of the deepest exit among B independent draws from the recorded per-token exit layers:
+    the deepest of B is at most l with probability P(exit <= l)^B."""
+    counts = torch.bincount(exited_at.cpu(), minlength=n_layer).double()  # (L,)
+    cdf = counts.cumsum(0) / len(exited_at)  # (L,): P(exit <= l)
+    below = F.pad(cdf[:-1], (1, 0))  # (L,): P(exit < l)
+    depth = torch.arange(1, n_layer + 1)  # (L,): blocks run when the deepest row exits at l
+    return {B: float(((cdf**B - below**B) * depth).sum()) for B in batch_sizes}
+
+def choose_drafts(entries):
+    """From speculation's timings on val: per mode, the k that ran fastest (self_speculative's), and
+    what auto runs: that k, or None (full depth) where no k ran faster than full depth."""
+    drafts, auto = {}, {}
+    for mode in MODES:
+        best = max((e for e in entries if e["mode"] == mode), key=lambda e: e["speedup"])
+        drafts[mode] = best["num_draft"]
+        auto[mode] = best["num_draft"]
+        if best["speedup"] <= 1:
+            auto[mode] = None
+    return drafts, auto
+
+def batch_prediction(row, plans, depth, spec):
+    """The cost model's speed-up beside a batch-table row: state_copy at the batch's expected depth
+    (every row waits for the deepest), skipdecode as a row (a batch saves what a row saves),
+    speculation as it ran on val (spec: (mode, k) -> its entry); auto: the k it ran, or none."""
+    name, B, k = row["name"], row["batch_size"], row.get("num_draft")
+    if name == "state_copy":
+        return {"expected_layers": depth[B],
+                "predicted_speedup": plans[name]["predicted_speedup"] * depth[1] / depth[B]}
+    if name == "skipdecode":
+        return {"predicted_speedup": plans[name]["predicted_speedup"]}
+    figures = {"predicted_speedup": 1.0}  # full depth, and auto where it runs full depth
+    if k is not None:
+        figures["predicted_speedup"] = spec[row["mode"], k]["speedup"]
+    if name == "auto":
+        figures["choice"] = f"k={k}"
+        if k is None:
+            figures["choice"] = "full depth"
+    return figures
+
+# -----------------------------------------------------------------------------
+# Would a smaller model do? Plain GPTs of fewer layers, trained alike, read on the same positions
+
+def train_plain_gpt(config, splits, n_layer, world=1):
+    """A plain GPT (alpha 0, Part I's model) of n_layer blocks with the same width, steps and data,
+    on the splits' device, at the main model's global batch (batch_size a process, world
+    processes): (the model, its val loss on random windows, seconds)."""
+    cfg = replace(config, n_layer=n_layer, alpha=0.0, batch_size=config.batch_size * world)
+    device = splits["train"].device
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg).to(device)
+    seconds = train(model, configure_optimizer(model, cfg), splits, cfg, device, evaluate=False)[0]
+    return model.eval(), estimate_loss(model, splits, cfg, device)["val"][-1], seconds
+
+def nearest_depth(mean_layers, n_layer):
+    """The smaller model to hold against early exit: the depth nearest its exit depth."""
+    return min(max(round(mean_layers), 1), n_layer - 1)
+
+def depth_rows(fixed, test, n_positions, full_loss):
+    """Each plain GPT (depth -> model) on the test positions early exit is reported on: its loss,
+    that loss above the full model's (full_loss), its accuracy."""
+    rows = []
+    for d, small in fixed.items():
+        r = record_exits(small, test, n_positions, {})
+        loss = average(r.nll[-1])
+        rows.append({"layers": d, "test_loss": loss, "excess_loss": loss - full_loss,
+                     "test_accuracy": average(r.pred[-1] == r.targets)})
+    return rows
+
+def verdict(early, speedup, row):
+    """'Would a smaller model do as well?' in two parts, losses on the same test positions and
+    speed-ups on the same workload: early exit with deferred's plan (its depth and loss
+    teacher-forced under that plan, its speed-ups measured) and self-speculation, then the plain
+    GPT nearest that depth. early: the plan and its figures; speedup: (name, mode) -> speed-up."""
+    return [f"early exit (deferred's plan: {early['measure']} > {early['threshold']:g} at exits "
+            f"{early['label']}) at {early['mean_layers']:.2f} layers a token: test loss "
+            f"{early['loss']:.4f}, {speedup['deferred', 'greedy']:.2f}x greedy and "
+            f"{speedup['deferred', 'sampled']:.2f}x sampled; self-speculation at full depth's "
+            f"{early['full_loss']:.4f}, {speedup['self_speculative', 'greedy']:.2f}x greedy and "
+            f"{speedup['self_speculative', 'sampled']:.2f}x sampled",
+            f"a {row['layers']}-layer GPT is "
+            f"{'better' if row['test_loss'] < early['full_loss'] else 'worse'} than full depth "
+            f"(test loss {row['test_loss']:.4f}) at {row['speedup_greedy']:.2f}x greedy, "
+            f"{row['speedup_sampled']:.2f}x sampled"]
+
+# =============================================================================
+# Part III: the harness; the workload and timing, the tables, the page, checkpoints, main
+
+# -----------------------------------------------------------------------------
+# The workload and timing: every decoder on the same prompts, interleaved; quality teacher-forced
 
 def workload(data, n_prompts, prompt_len):
     """n_prompts prompts of prompt_len characters from evenly spaced places of a split:
@@ -1325,7 +1600,7 @@ def workload(data, n_prompts, prompt_len):
     if len(data) < prompt_len + 2:
         raise ValueError(f"a {len(data)}-character split is too short for prompts of {prompt_len}")
     starts = torch.linspace(0, len(data) - prompt_len - 1, n_prompts).long()  # (n_prompts,)
-    return data[starts[:, None] + torch.arange(prompt_len)]  # (n_prompts, prompt_len)
+    return data[starts[:, None] + torch.arange(prompt_len, device=data.device)]
 
 def repetition(tokens, n=4):
     """1 - distinct n-grams / n-grams of one generated sequence: 0 never repeats itself, near 1 a
@@ -1337,69 +1612,68 @@ def repetition(tokens, n=4):
 
 SPECULATIVE = ("self_speculative", "auto")  # exact by construction: no quality pass of their own
 
-def decoder(model, name, plan=None, measure="top1", spec=(0, 8), schedule=None):
+def decoder(model, name, plan=None, rules=EXIT_RULES, spec=(0, 8)):
     """The decoder of one table row, for any batch size: decode(idx (B, T0), n, generator=,
-    temperature=, top_k=, forced=) -> Generation. name: full, a KV strategy with its exit plan,
-    skipdecode with its schedule, or self_speculative with spec = (draft_exit, num_draft). Full
-    depth is one decoder on every device: the predictions and the speed-ups divide by the same
-    baseline."""
+    temperature=, top_k=, forced=) -> Generation. name: full, a KV strategy with its plan (its
+    rule read from rules), or self_speculative with spec = (draft_exit, num_draft). Full depth is
+    one decoder on every device: the predictions and the speed-ups divide by the same baseline."""
     if name == "self_speculative":
         return partial(generate_self_speculative, model, draft_exit=spec[0], num_draft=spec[1])
     if name == "full":
         return partial(generate, model)
-    if name == "skipdecode":
-        return partial(generate, model, strategy=partial(SkipDecode, schedule), exit_threshold=0.0)
-    return partial(generate, model, strategy=kv_strategy(name), exit_threshold=plan["threshold"],
-                   checked_exits=plan["checked_exits"], measure=exit_rules(model)[measure])
+    if name not in KV_STRATEGIES:
+        raise ValueError(f"unknown KV strategy {name!r}: one of {', '.join(KV_STRATEGIES)}")
+    return partial(generate, model, strategy=KV_STRATEGIES[name], exit_threshold=plan["threshold"],
+                   checked_exits=plan["checked_exits"], measure=rules[plan["measure"]])
 
 def quality_pass(decode, data, n_positions, batch_size=1):
     """Teacher-forced decoding of batch_size contiguous pieces of data at once, n_positions in
     all: every decoder sees the same text, and its own cache's effects."""
     per_row = n_positions // batch_size
     pieces = data[: batch_size * (per_row + 1)].view(batch_size, -1)  # (B, per_row + 1)
-    forced = pieces[:, 1:]  # (B, per_row)
-    out = decode(pieces[:, :1], per_row, forced=forced)
-    logits = out.logits.flatten(0, 1)  # (N, V)
-    pred = logits.argmax(-1)  # (N,)
-    targets = forced.flatten().to(logits.device)  # (N,)
-    exited_at = out.exited_at.flatten().cpu()  # (N,)
-    return {"pred": pred, "exited_at": exited_at,
+    out = decode(pieces[:, :1], per_row, forced=pieces[:, 1:])
+    logits, targets = out.logits.flatten(0, 1), pieces[:, 1:].flatten()  # (N, V), (N,)
+    return {"pred": logits.argmax(-1), "exited_at": out.exited_at.flatten().cpu(),
             "mean_layers": out.layers_run / per_row,
             "test_loss": F.cross_entropy(logits, targets).item(),
-            "test_accuracy": average(pred == targets)}
+            "test_accuracy": average(logits.argmax(-1) == targets)}
 
-def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed, top_k):
+def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
     """Every decoder continues the workload, batch_size prompts a call, repeats times, interleaved
     a call at a time (a burst of load on the machine falls on every decoder alike); decoders: key ->
-    (decode, temperature). Per decoder: median over the passes of tokens/s of all rows,
-    block runs per token while decoding (catch-up included) and re-prefilling, how repetitive the
-    text is, and the last pass's Generations."""
+    decode. Per decoder: median over the passes of tokens/s of all rows, block runs per token
+    while decoding (catch-up included) and re-prefilling, how repetitive the text is, and the
+    last pass's Generations."""
     batches = prompts.view(-1, batch_size, prompts.size(1))  # (n_batches, B, T0)
-    times = {key: [] for key in decoders}  # each pass's seconds
+    seconds = {key: [0.0] * repeats for key in decoders}
     # no garbage collection while timing: a collection lands on whichever decoder runs then
     gc.disable()
-    for _ in range(repeats):
+    for r in range(repeats):
         outputs = {key: [] for key in decoders}
-        for key in decoders:
-            times[key].append(0.0)
         for i, batch in enumerate(batches):
-            for key, (decode, temperature) in decoders.items():
+            for key, decode in decoders.items():
+                # batch i samples from seed + i, whichever decoder and pass runs it
+                generator = torch.Generator(prompts.device).manual_seed(seed + i)
                 synchronize(prompts.device)
                 t0 = time.perf_counter()
-                # batch i samples from seed + i, whichever decoder and pass runs it
-                outputs[key].append(decode(
-                    batch, n_tokens, temperature=temperature, top_k=top_k,
-                    generator=torch.Generator(prompts.device).manual_seed(seed + i)))
+                outputs[key].append(decode(batch, n_tokens, generator=generator))
                 synchronize(prompts.device)
-                times[key][-1] += time.perf_counter() - t0
+                seconds[key][r] += time.perf_counter() - t0
     gc.enable()
     steps = len(batches) * n_tokens  # layers_run and prefill_runs count per row
-    return {key: {"tokens_per_second": len(prompts) * n_tokens / float(np.median(times[key])),
+    return {key: {"tokens_per_second": len(prompts) * n_tokens / float(np.median(seconds[key])),
                   "mean_layers": sum(o.layers_run for o in outs) / steps,
                   "prefill_layers": sum(o.prefill_runs for o in outs) / steps,
                   "repetition": float(np.mean([repetition(r[-n_tokens:].tolist())
                                                for o in outs for r in o.tokens])),
                   "outputs": outs} for key, outs in outputs.items()}
+
+def in_mode(decoders, config):
+    """(name, mode) -> decode for both modes of name -> {mode: decode}: greedy at temperature 0,
+    sampled at the config's temperature and top_k."""
+    temperature = {"greedy": 0.0, "sampled": config.temperature}
+    return {(name, mode): partial(d[mode], temperature=temperature[mode], top_k=config.top_k)
+            for mode in MODES for name, d in decoders.items()}
 
 def spec_stats(outputs, full_outputs, mode):
     """Acceptance (drafts kept over drafts a row could keep), tokens per verify pass, the draft
@@ -1417,316 +1691,80 @@ def spec_stats(outputs, full_outputs, mode):
             "num_draft": runs[0]["num_draft"], "identical_to_full": same}
 
 def tail(outputs):
-    """Batch 1's latency from its Generations' clocks, in ms: a token's at the mean, p50, p95 and
-    p99 (a step's or round's time shared by the tokens it emitted), and p95 of a prompt's whole."""
-    per_token, per_prompt = [], []
+    """Batch 1's latency as a streaming reader sees it, in ms, from its Generations' clocks: the
+    wait for the first token (p50 over prompts), the gaps between tokens at p50, p95 and p99 (a
+    round's tokens arrive together when it ends: its first waits the round, the rest 0), the mean
+    time a token, and p95 of a prompt's whole continuation."""
+    first, gaps, whole, tokens = [], [], [], 0
     for out in outputs:
-        for (t0, n0), (t1, n1) in zip(out.clock, out.clock[1:]):
-            per_token += [1e3 * (t1 - t0) / (n1 - n0)] * (n1 - n0)
-        per_prompt.append(1e3 * (out.clock[-1][0] - out.clock[0][0]))
-    p50, p95, p99 = np.percentile(per_token, [50, 95, 99]).tolist()
-    return {"ms_mean": sum(per_token) / len(per_token), "ms_p50": p50, "ms_p95": p95, "ms_p99": p99,
-            "prompt_ms_p95": float(np.percentile(per_prompt, 95))}
+        (t0, n0), (t1, n1) = out.clock[:2]
+        first.append(1e3 * (t1 - t0))
+        gaps += [0.0] * (n1 - n0 - 1)  # the first arrival's other tokens
+        for (a, m), (b, n) in zip(out.clock[1:], out.clock[2:]):
+            gaps += [1e3 * (b - a)] + [0.0] * (n - m - 1)
+        whole.append(1e3 * (out.clock[-1][0] - t0))
+        tokens += out.clock[-1][1] - n0
+    p50, p95, p99 = np.percentile(gaps, [50, 95, 99]).tolist()
+    return {"first_ms": float(np.median(first)), "gap_p50": p50, "gap_p95": p95, "gap_p99": p99,
+            "ms_mean": sum(whole) / tokens, "prompt_ms_p95": float(np.percentile(whole, 95))}
 
-def table_row(name, mode, speed, quality, config, batch_size=1):
+def table_row(name, mode, speed, quality, config, batch_size):
     """One row of a decoder table: speed over full depth at the same batch size and mode, quality
     beside it; a speculative decoder's quality is full depth's by construction."""
     s, full = speed[name, mode], speed["full", mode]
     q = quality.get(name, quality["full"])
-    # s: tokens_per_second, mean_layers, prefill_layers, repetition (and outputs, left out)
     row = {"batch_size": batch_size, "name": name, "mode": mode, **s,
            "speedup": s["tokens_per_second"] / full["tokens_per_second"],
            "test_loss": q["test_loss"], "test_accuracy": q["test_accuracy"],
            "agreement": average(q["pred"] == quality["full"]["pred"]),
            "cache": {"state_copy": "approx.", "holes": "holes"}.get(name, "exact")}
     del row["outputs"]
+    row["output"] = f"agree {row['agreement']:.3f}"
     if batch_size == 1:
         row.update(tail(s["outputs"]))
     if name in SPECULATIVE:
         row.update(spec_stats(s["outputs"], full["outputs"], mode), draft_exit=config.draft_exit)
-    # full depth's output: its own, and speculation's (sampled: tested; greedy: compared here)
-    row["output"] = f"agree {row['agreement']:.3f}"
-    if name in ("full", *SPECULATIVE):
-        row["output"] = "same tokens" if mode == "greedy" else "same dist."
-    if row.get("identical_to_full") is False:
-        row["output"] = "NOT same"
+    if name in ("full", *SPECULATIVE):  # full depth's output (sampled: tested; greedy: compared)
+        same = row.get("identical_to_full", mode == "greedy" or None)
+        row["output"] = {True: "same tokens", None: "same dist.", False: "NOT same"}[same]
     return row
-
-def time_decoders(decoders, prompts, config, batch_size):
-    """speed_pass of name -> {mode: decode} in both modes, interleaved: (name, mode) -> figures."""
-    timed = {(name, mode): (d[mode], 0.0 if mode == "greedy" else config.temperature)
-             for mode in MODES for name, d in decoders.items()}
-    return speed_pass(timed, prompts, batch_size, config.bench_tokens, config.bench_repeats,
-                      config.seed, config.top_k)
 
 def measure_decoders(decoders, test, prompts, config, batch_size=1):
     """The rows of a decoder table at one batch size, both modes: quality (greedy decoders,
-    teacher-forced on test) and speed on the test workload. decoders: name -> {mode: decode}."""
+    teacher-forced on test) and speed on the workload, interleaved. decoders: name -> {mode:
+    decode}. Returns (rows, quality)."""
     quality = {name: quality_pass(d["greedy"], test, config.quality_positions, batch_size)
                for name, d in decoders.items() if name not in SPECULATIVE}
-    speed = time_decoders(decoders, prompts, config, batch_size)
-    rows = [table_row(name, mode, speed, quality, config, batch_size)
-            for mode in MODES for name in decoders]
-    return rows, quality
-
-@torch.inference_mode()
-def decode_costs(model, prompts, n_tokens, repeats=200, attempts=3):
-    """Seconds, one new token at batch 1 (medians): a block, an exit check by each rule (head,
-    confidence and the host sync that decides), a state-copy write, the final head, and a whole
-    full-depth token on these prompts, by the same full-depth decoder the speed-ups divide by. A
-    token cheaper than n_layer blocks is impossible (a busy machine): measured again, up to
-    `attempts` times."""
-    cfg, device = model.config, prompts.device
-    cache, x = KVCache(cfg, 1, device), torch.zeros(1, 1, cfg.n_embd, device=device)
-    stages = {"block": partial(model.transformer.h[0], x, cache, 0),
-              **{f"check {name}": partial(exit_check, model, x, rule)
-                 for name, rule in exit_rules(model).items()},
-              "state_copy": partial(write_state_copy, cache, 1, x, *state_copy_projections(model)),
-              "final_head": partial(model.exit_logits, x[:, 0], cfg.n_layer - 1)}
-    full = {"full": (decoder(model, "full"), 0.0)}  # the full-depth token, greedy
-    for attempt in range(1, attempts + 1):
-        t = {key: [] for key in stages}
-        for _ in range(repeats):
-            cache.reset()
-            for key, stage in stages.items():
-                t0 = time.perf_counter()
-                stage()
-                synchronize(device)  # each timer reads finished work
-                t[key].append(time.perf_counter() - t0)
-        costs = {key: float(np.median(v)) for key, v in t.items()}
-        token = 1.0 / speed_pass(full, prompts, 1, n_tokens, 1, 0, 0)["full"]["tokens_per_second"]
-        costs.update(token=token, attempts=attempt)
-        if token >= cfg.n_layer * costs["block"]:
-            break
-    return costs
-
-def exit_check(model, x, rule):
-    """What decode_step does at a checked exit: the head, the rule's confidence and the host sync
-    that decides."""
-    state = {"layer": 0, "below": x[:, 0], "h": x[:, 0]}
-    return bool((confidence(model.exit_logits(x[:, 0], 0), rule, state) > 0.9).any())
-
-def predict_speedup(records, measure, threshold, checked_exits, costs, strategy, n_layer):
-    """Full depth's measured time per token over the predicted time of a strategy checking these
-    exits.
-
-    Exiting at layer e skips n_layer - 1 - e blocks and the final head (not under backfill, which
-    runs them all) and costs a state-copy write under state_copy; every checked exit at or below e
-    costs a check. Deferred's catch-up rides in the next token's block call, so it is counted as
-    no extra call."""
-    exits = exits_at_threshold(records, measure, threshold, checked_exits).float()  # (N,)
-    checks = average(sum((exits >= l).float() for l in checked_exits))
-    early = average(exits < n_layer - 1)
-    saved = 0.0
-    if strategy != "backfill":
-        saved = average(n_layer - 1 - exits) * costs["block"] + early * costs["final_head"]
-    extra = checks * costs[f"check {measure}"]
-    if strategy == "state_copy":
-        extra += early * costs["state_copy"]
-    return costs["token"] / (costs["token"] - saved + extra)
-
-def plan_exits(records, measure, costs, strategy, n_layer, threshold, subsets=None):
-    """The cost-aware exit plan: every subset of exits (or the given subsets) at the threshold,
-    ranked by predicted speed-up; best first. The threshold's guarantee is for every exit checked:
-    a subset can leave later, at an exit that disagrees, so it is not covered."""
-    if subsets is None:
-        subsets = [list(s) for r in range(1, n_layer)
-                   for s in itertools.combinations(range(n_layer - 1), r)]
-    plans = [{"checked_exits": subset, "threshold": threshold, "predicted_speedup":
-              predict_speedup(records, measure, threshold, subset, costs, strategy, n_layer)}
-             for subset in subsets]
-    return sorted(plans, key=lambda p: -p["predicted_speedup"])
-
-def strategy_plans(val_records, costs, config, threshold):
-    """Per KV strategy: the exits it checks (the best subset under exit_layers=auto) at the
-    threshold, and the predicted speed-up, chosen on val. Patience and the learned rule read the
-    exit below, so they check every exit."""
-    subsets = None  # auto: every subset
-    if config.exit_layers != "auto" or config.confidence_measure in ("patience", "learned"):
-        subsets = [parse_exit_layers(config.exit_layers, config.n_layer)]
-    return {name: plan_exits(val_records, config.confidence_measure, costs, name, config.n_layer,
-                             threshold, subsets)[0] for name in KV_STRATEGIES}
+    speed = speed_pass(in_mode(decoders, config), prompts, batch_size, config.bench_tokens,
+                       config.bench_repeats, config.seed)
+    return [table_row(name, mode, speed, quality, config, batch_size)
+            for name, mode in speed], quality
 
 def speculation_costs(model, prompts, config, batch_size, cells):
     """Self-speculation on a workload at batch_size, every (draft_exit, num_draft) cell beside full
-    depth, both modes, interleaved: an entry per cell and mode. Speculation is costed per round:
-    a round takes ms_per_round (its drafts, the verify pass, the accept rule, its share of
-    re-prefills) and emits tokens_per_verify over the batch (kept drafts and the full model's
-    token: fewer at window edges, and a batch waits for its slowest row); the speed-up is full
-    depth's time per token over a round's time per token emitted, which is the speed-up measured
-    on this workload. Timed on val, it is the prediction beside test's speed-ups (how well val's
-    speed carries over to test) and what auto chooses by."""
+    depth, both modes, interleaved: an entry per cell and mode. A round takes ms_per_round (its
+    drafts, the verify pass, the accept rule, its share of re-prefills) and emits
+    tokens_per_verify over the batch; the speed-up over full depth on this workload is full
+    depth's time a token over a round's time a token emitted. Timed on val, it is the prediction
+    beside test's speed-ups, and what auto chooses by."""
     decoders = {cell: dict.fromkeys(MODES, decoder(model, "self_speculative", spec=cell))
                 for cell in cells}
-    speed = time_decoders({"full": dict.fromkeys(MODES, decoder(model, "full")), **decoders},
-                          prompts, config, batch_size)
+    speed = speed_pass(in_mode({"full": dict.fromkeys(MODES, decoder(model, "full")), **decoders},
+                               config), prompts, batch_size, config.bench_tokens,
+                       config.bench_repeats, config.seed)
     entries = []
-    for mode in MODES:
-        for cell in cells:
-            s, full = speed[cell, mode], speed["full", mode]
+    for (cell, mode), s in speed.items():
+        full = speed["full", mode]
+        if cell != "full":
             stats = spec_stats(s["outputs"], full["outputs"], mode)
-            ms_per_round = (1e3 * len(prompts) * config.bench_tokens / s["tokens_per_second"]
-                            / stats["rounds"])
-            # full depth's time per token of the batch, times the tokens a round emits, over a
-            # round's time
-            speedup = 1e3 / full["tokens_per_second"] * stats["tokens_per_verify"] / ms_per_round
             entries.append({**stats, "draft_exit": cell[0], "mode": mode,
-                            "ms_per_round": ms_per_round, "speedup": speedup,
-                            "repetition": s["repetition"]})
+                            "speedup": s["tokens_per_second"] / full["tokens_per_second"],
+                            "ms_per_round": 1e3 * len(prompts) * config.bench_tokens
+                            / s["tokens_per_second"] / stats["rounds"]})
     return entries
 
-def workloads(splits, config, device):
-    """The val workload (to choose by) and the test workload (to report)."""
-    return [workload(splits[s], config.bench_prompts, config.bench_prompt_len).to(device)
-            for s in ("val", "test")]
-
-def compare_strategies(model, splits, config, device, fixed, threshold):
-    """The strategies table at batch 1: exit plans chosen on val, quality teacher-forced on test,
-    speed on the test workload, greedy and sampled, at the sample's threshold; fixed: depth -> a
-    plain GPT, timed beside."""
-    val_prompts, test_prompts = workloads(splits, config, device)
-    val_records = record_exits(model, splits["val"].to(device), config.quality_positions)
-    costs = decode_costs(model, val_prompts[:4], config.bench_tokens)
-    plans = strategy_plans(val_records, costs, config, threshold)
-    spec = (config.draft_exit, config.num_draft)
-    # one timed pass on val: a prediction, not a reported figure
-    one_pass = replace(config, bench_repeats=1)
-    predicted = dict(zip(MODES, speculation_costs(model, val_prompts, one_pass, 1, [spec])))
-    decoders = {name: dict.fromkeys(MODES, decoder(model, name, plans.get(name),
-                                                   config.confidence_measure, spec))
-                for name in ("full", *KV_STRATEGIES, "self_speculative")}
-    decoders.update({f"{d}-layer GPT": dict.fromkeys(MODES, decoder(small, "full"))
-                     for d, small in fixed.items()})
-    rows, quality = measure_decoders(decoders, splits["test"].to(device), test_prompts, config)
-    for row in rows:
-        plan = plans.get(row["name"])
-        if plan:
-            row.update(plan, checked_exits=",".join(map(str, plan["checked_exits"])))
-        if row["name"] == "self_speculative":
-            row["predicted_speedup"] = predicted[row["mode"]]["speedup"]
-        if row["name"].endswith("GPT"):  # a smaller model skips its missing blocks, no checks
-            skipped = (config.n_layer - row["mean_layers"]) * costs["block"]
-            row["predicted_speedup"] = costs["token"] / (costs["token"] - skipped)
-    return rows, quality, plans, costs, val_records
-
 # -----------------------------------------------------------------------------
-# Batches: a batch runs as deep as its deepest row, unless a schedule (SkipDecode) or drafts decide
-
-def expected_batch_depth(exited_at, batch_sizes, n_layer):
-    """Mean of the deepest exit among B independent draws from the recorded per-token exit layers:
-    the deepest of B is at most l with probability P(exit <= l)^B."""
-    counts = torch.bincount(exited_at.cpu(), minlength=n_layer).double()  # (L,)
-    cdf = counts.cumsum(0) / len(exited_at)  # (L,): P(exit <= l)
-    below = F.pad(cdf[:-1], (1, 0))  # (L,): P(exit < l)
-    depth = torch.arange(1, n_layer + 1)  # (L,): blocks run when the deepest row exits at l
-    return {B: float(((cdf**B - below**B) * depth).sum()) for B in batch_sizes}
-
-class SkipDecode(Holes):
-    """After SkipDecode (arXiv:2307.02628): every row at window position pos exits at
-    schedule[pos], a depth that never rises along the window, so a later token never reads a layer
-    an earlier one skipped: no holes are ever read, no exit check is needed, and a batch saves what
-    a row saves."""
-    def __init__(self, schedule):
-        self.schedule = schedule
-
-    def exit_checks(self, pos, checked_exits):
-        return [self.schedule[pos]]  # the last layer is never checked: it always exits
-
-def window_positions(n_positions, block_size):
-    """(N,): the window position at which sequential decoding feeds the token predicting each
-    position."""
-    return torch.cat([torch.arange(first - start, end - start)
-                      for start, end, first in decoder_windows(n_positions, block_size)])
-
-def choose_schedule(records, n_layer, block_size, budget):
-    """The SkipDecode schedule saving the most on val within `budget` disagreement with full
-    depth: full depth before window position a, exit layer e from there on (a, e on a grid)."""
-    last = n_layer - 1
-    wpos = window_positions(records.targets.numel(), block_size).to(records.pred.device)
-    best = {"schedule": [last] * block_size, "compute_saved": 0.0, "disagreement": 0.0}
-    for a in range(0, block_size, max(1, block_size // 16)):
-        for e in range(last):
-            figures = exit_summary(records, torch.where(wpos >= a, e, last))
-            if (figures["disagreement"] <= budget
-                    and figures["compute_saved"] > best["compute_saved"]):
-                best = {"schedule": [last] * a + [e] * (block_size - a), "from_position": a,
-                        "exit_layer": e, "compute_saved": figures["compute_saved"],
-                        "disagreement": figures["disagreement"]}
-    return best
-
-BATCH_DESIGNS = ("full", "state_copy", "skipdecode", "self_speculative", "auto")
-# num_draft tried in batches (11 fills 33 new tokens: half of block 64, plus 1)
-BATCH_DRAFTS = (4, 8, 11, 16)
-
-def choose_drafts(entries):
-    """From speculation_costs' entries: per mode, the k predicted fastest (self_speculative's), and
-    what auto runs: that k, or None (full depth) where no k is predicted faster than full depth."""
-    drafts, auto = {}, {}
-    for mode in MODES:
-        best = max((e for e in entries if e["mode"] == mode), key=lambda e: e["speedup"])
-        drafts[mode] = best["num_draft"]
-        auto[mode] = best["num_draft"] if best["speedup"] > 1 else None
-    return drafts, auto
-
-def batch_decoders(model, config, plan, schedule, drafts, auto):
-    """The batch table's decoders: name -> {mode: decode}. drafts: the k of self_speculative per
-    mode; auto: per mode, the k it runs, or None for full depth."""
-    decoders = {name: dict.fromkeys(MODES, decoder(model, name, plan, config.confidence_measure,
-                                                   schedule=schedule["schedule"]))
-                for name in BATCH_DESIGNS[:3]}
-    decoders["self_speculative"] = {mode: decoder(model, "self_speculative",
-                                                  spec=(config.draft_exit, k))
-                                    for mode, k in drafts.items()}
-    decoders["auto"] = {mode: decoders["full" if k is None else "self_speculative"][mode]
-                        for mode, k in auto.items()}
-    return decoders
-
-def batch_predictions(row, plan, skip, depth, spec):
-    """The cost models' speed-up beside a batch-table row: state_copy at the batch's expected depth
-    (every row waits for the deepest), skipdecode from the block runs it skips, speculation per
-    round (on val); auto's choice is the k it ran (none: full depth)."""
-    name, B, k = row["name"], row["batch_size"], row.get("num_draft")
-    if name == "state_copy":
-        return {"expected_layers": depth[B],
-                "predicted_speedup": plan["predicted_speedup"] * depth[1] / depth[B]}
-    if name == "skipdecode":
-        return {"predicted_speedup": skip}
-    figures = {"predicted_speedup": 1.0}  # full depth, and auto where it runs full depth
-    if k is not None:
-        figures["predicted_speedup"] = spec[row["mode"], k]["speedup"]
-    if name == "auto":
-        figures["choice"] = "full depth" if k is None else f"k={k}"
-    return figures
-
-def measure_batches(model, splits, config, device, plans, val_records, unit_costs):
-    """The batch table: every design at every batch size, greedy and sampled, quality beside
-    speed, and the cost models' predictions (unit_costs: decode_costs' batch-1 figures)."""
-    L, plan = config.n_layer, plans["state_copy"]
-    val_prompts, test_prompts = workloads(splits, config, device)
-    schedule = choose_schedule(val_records, L, config.block_size, config.schedule_disagreement)
-    exits = exits_at_threshold(val_records, config.confidence_measure, plan["threshold"],
-                               plan["checked_exits"])
-    depth = expected_batch_depth(exits, BATCH_SIZES, L)  # a step runs as deep as its deepest row
-    # skipdecode skips the same share of block runs in every row, with no checks
-    skip = unit_costs["token"] / (unit_costs["token"]
-                                  - schedule["compute_saved"] * L * unit_costs["block"])
-    cells = [(config.draft_exit, k) for k in sorted({*BATCH_DRAFTS, config.num_draft})]
-    rows, chosen = [], {}
-    for B in BATCH_SIZES:
-        if config.bench_prompts % B:
-            continue
-        entries = speculation_costs(model, val_prompts, config, B, cells)
-        drafts, auto = choose_drafts(entries)  # on val
-        chosen[B] = {"num_draft": drafts, "auto": auto, "speculation_costs": entries}
-        spec = {(e["mode"], e["num_draft"]): e for e in entries}
-        decoders = batch_decoders(model, config, plan, schedule, drafts, auto)
-        test = splits["test"].to(device)
-        batch_rows = measure_decoders(decoders, test, test_prompts, config, B)[0]
-        rows += [dict(r, **batch_predictions(r, plan, skip, depth, spec)) for r in batch_rows]
-    return {"entries": rows, "schedule": schedule, "plan": plan, "drafts": chosen}
-
-# -----------------------------------------------------------------------------
-# Reports: tables for people, JSON for programs
+# Tables: each defined once, printed on the console and drawn on the page from that definition
 
 WIDTH = 100  # console tables and their notes fit this many columns
 
@@ -1738,15 +1776,16 @@ def table(text):
     return question, [[part.strip() for part in column.split("|")] for column in columns]
 
 SWEEP_TABLE = table("""Which threshold?
-threshold     | threshold              | {:.2f} | a position leaves at the first exit this sure
-fractions     | % exiting at layer 0.. | {}     | where the positions leave
-mean_layers   | layers                 | {:.2f} | mean layers run per position
-compute_saved | val saved              | {:.1%} | the share of layer runs skipped
-loss          | val loss               | {:.4f} | the loss of the head each position leaves at
-disagreement  | disagree               | {:.2%} | the share whose top-1 is not full depth's""")
+threshold      | threshold         | {:.2f}  | a position leaves at the first exit this sure
+exit_fractions | exiting at layer 0.. | {:6.1%} | where the positions leave
+mean_layers    | layers            | {:.2f}  | mean layers run per position
+compute_saved  | val saved         | {:.1%}  | the share of layer runs skipped
+loss           | val loss          | {:.4f}  | the loss of the head each position leaves at
+disagreement   | disagree          | {:.2%}  | the share whose top-1 is not full depth's""")
 CALIBRATION_TABLE = table("""Which exit rule, with a guarantee, and how near the best possible?
 measure            | rule         | {}     | how sure an exit is (oracle: knows full depth's top-1)
 k                  | k            | {}     | patience: the exits in a row that must agree
+delta              | delta        | {:.3g} | the chance allowed that its threshold breaks epsilon
 threshold          | threshold    | {:.3g} | the threshold Learn then Test chooses on val
 test.compute_saved | test saved   | {:.1%} | the share of layer runs it skips on test
 test.oracle_share  | of oracle    | {:.0%} | that share over the oracle's at the same epsilon
@@ -1754,11 +1793,6 @@ test.disagreement  | disagree     | {:.2%} | the share whose top-1 is not full d
 test.loss          | test loss    | {:.4f} | the loss of the heads the positions leave at
 test.full_loss     | full depth's | {:.4f} | full depth's loss on the same positions
 test.accuracy      | accuracy     | {:.3f} | how often the exit's top-1 is the next character""")
-LENS_TABLE = table("""Does an exit need a trained head?
-layer      | layer         | {}     | the layer read
-readout    | readout       | {}     | its own exit head, or the final one (untrained there)
-agreement  | top-1 = final | {:.3f} | how often its top-1 is the final prediction
-confidence | confidence    | {:.3f} | its mean top-1 probability""")
 PATIENCE_TABLE = table("""How patient? (patience on val, k swept)
 k             | k         | {}     | the exits in a row that must agree on the top-1
 mean_layers   | layers    | {:.2f} | mean layers run per position
@@ -1778,6 +1812,11 @@ shift.disagreement  | shift dis.  | {:.2%} | and on the shifted text
 shift.held          | held        | {}     | shift dis. within epsilon
 shift.loss          | shift loss  | {:.4f} | the loss of the exits on the shifted text
 shift.full_loss     | full depth's| {:.4f} | full depth's loss there""")
+LENS_TABLE = table("""Does an exit need a trained head?
+layer      | layer         | {}     | the layer read
+readout    | readout       | {}     | its own exit head, or the final one (untrained there)
+agreement  | top-1 = final | {:.3f} | how often its top-1 is the final prediction
+confidence | confidence    | {:.3f} | its mean top-1 probability""")
 KINDS_TABLE = table("""What does 'easy' mean here, and who pays for the disagreement?
 kind          | kind      | {}      | the kind of the character to predict
 positions     | positions | {:,}    | test positions of that kind
@@ -1786,26 +1825,11 @@ disagreement  | disagree  | {:.2%}  | the share whose top-1 is not full depth's
 accuracy_lost | acc. lost | {:+.3f} | full depth's accuracy minus the exits', both on the same \
 positions (an exit's accuracy over only the positions that leave there falls with depth: the hard \
 positions are the ones that go deep, a selection effect, not worse heads)""")
-TAIL_TABLE = table("""Average or tail?
-mode          | mode       | {}     | greedy, or sampled
-name          | decoder    | {}     | as in the strategies table
-ms_mean       | mean       | {:.2f} | ms a token
-ms_p50        | p50        | {:.2f} | the median token's ms
-ms_p95        | p95        | {:.2f} | 95% of tokens took at most this many ms
-ms_p99        | p99        | {:.2f} | and 99%
-prompt_ms_p95 | prompt p95 | {:.0f} | ms for a prompt's whole continuation, 95th percentile""")
-DEPTH_TABLE = table("""Would a smaller model do as well?
-layers            | layers     | {}      | a plain GPT of this depth (alpha 0)
-test_loss         | test loss  | {:.4f}  | on the test positions the exit rules are reported on
-excess_loss       | above full | {:+.4f} | over the full model's loss there
-test_accuracy     | accuracy   | {:.3f}  | how often its top-1 is the next character
-tokens_per_second_greedy | tok/s | {:,.0f} | greedy, batch 1, the test workload
-speedup_greedy    | greedy     | {:.2f}x | over the full model, as in the strategies table
-speedup_sampled   | sampled    | {:.2f}x | and sampled""")
 STRATEGY_TABLE = table("""What does each KV strategy buy?
 mode              | mode      | {}      | greedy, or sampled
 name              | decoder   | {}      | how the skipped layers' cache is filled
-checked_exits     | exit at   | layer {} | the exits checked ('-': none)
+exit_at           | exit at   | {}      | the exits checked ('-': none; skipdecode: its layer \
+from a window position on)
 threshold         | thr       | {:.2f}  | their threshold
 speedup           | speed-up  | {:.2f}x | tokens per second over full depth's in the same mode
 predicted_speedup | predicted | {:.2f}x | the cost model's speed-up, from measured costs
@@ -1818,6 +1842,24 @@ cache             | cache     | {}      | the skipped layers' keys and values: e
 output            | output    | {}      | same tokens as full depth (greedy), same distribution \
 (sampled), or differs: how often its top-1 is full depth's (agree), teacher-forced on \
 quality_positions test positions""")
+TAIL_TABLE = table("""Average or tail, as a streaming reader sees it?
+mode          | mode       | {}     | greedy, or sampled
+name          | decoder    | {}     | as in the strategies table
+ms_mean       | mean       | {:.2f} | ms a token
+first_ms      | first      | {:.2f} | ms to a prompt's first token (the prefill's step), median
+gap_p50       | gap p50    | {:.2f} | the median gap in ms between a token and the one before
+gap_p95       | gap p95    | {:.2f} | 95% of gaps are at most this (a round's tokens arrive at \
+once: its first waits the round, the rest 0)
+gap_p99       | gap p99    | {:.2f} | and 99%
+prompt_ms_p95 | prompt p95 | {:.0f} | ms for a prompt's whole continuation, 95th percentile""")
+DEPTH_TABLE = table("""Would a smaller model do as well?
+layers            | layers     | {}      | a plain GPT of this depth (alpha 0)
+test_loss         | test loss  | {:.4f}  | on the test positions the exit rules are reported on
+excess_loss       | above full | {:+.4f} | over the full model's loss there
+test_accuracy     | accuracy   | {:.3f}  | how often its top-1 is the next character
+tokens_per_second_greedy | tok/s | {:,.0f} | greedy, batch 1, the test workload
+speedup_greedy    | greedy     | {:.2f}x | over the full model, as in the strategies table
+speedup_sampled   | sampled    | {:.2f}x | and sampled""")
 BATCH_TABLE = table("""Does early exit still save in a batch?
 batch_size        | B         | {}      | rows decoded together, a prompt each
 mode              | mode      | {}      | greedy, or sampled
@@ -1842,9 +1884,11 @@ def field(row, key):
     return row
 
 def format_cell(value, fmt):
-    """A table cell as text: '-' where a row has no such figure."""
+    """A table cell as text: '-' where a row has no such figure; a list, each item formatted."""
     if value is None:
         return "-"
+    if isinstance(value, list):
+        return " ".join(map(fmt.format, value))
     return fmt.format(value)
 
 def print_table(table, rows, conditions="", notes=()):
@@ -1860,125 +1904,281 @@ def print_table(table, rows, conditions="", notes=()):
     for note in (legend(columns), *notes):
         print(textwrap.fill(note, WIDTH, subsequent_indent="  ", break_on_hyphens=False))
 
-def print_strategies(entries, config, costs, depths):
-    """The strategies table, then what it rests on: the drafts, the measured costs and a batch's
-    depth."""
-    L, b = config.n_layer, costs["block"]
-    exact = {True: "identical to full depth on every prompt", False: "NOT identical to full depth",
-             None: "exact in distribution (tested)"}
-    notes = [f"self_speculative {e['mode']}: draft_exit={e['draft_exit']}, num_draft="
-             f"{e['num_draft']}, acceptance {e['acceptance_rate']:.3f} (drafts kept over drafts "
-             f"a row could keep), "
-             f"{e['tokens_per_verify']:.2f} tokens a verify pass, " + exact[e["identical_to_full"]]
-             for e in entries if e["name"] == "self_speculative"]
-    # the full model's decoders: a smaller GPT re-prefills fewer layers
-    prefill = sorted({round(e["prefill_layers"], 2) for e in entries if "GPT" not in e["name"]})
-    depth = ", ".join(f"B={B}: {d:.2f}" for B, d in depths.items())
-    impossible = ""
-    if costs["token"] < L * b:
-        impossible = f", IMPOSSIBLE ({L} blocks): so after {costs['attempts']} measurements"
-    check = config.confidence_measure
-    notes += [f"Chosen on val: exits (exit_layers={config.exit_layers!r}) at the sample's "
-              "threshold, and self_speculative's prediction, its speed-up timed on val (per round: "
-              "a round's time over the tokens it emits). Prefilling the prompt and re-prefilling "
-              "the window every block_size/2 tokens adds "
-              + " to ".join(f"{p:.2f}" for p in prefill) + " per token for every decoder. Sampled: "
-              f"temperature {config.temperature:g}, top_k {config.top_k}.",
-              f"output's agreement: on {config.quality_positions:,} test positions, "
-              "teacher-forced. The guarantee of a calibrated threshold covers every exit checked "
-              "with an exact cache: not a subset of exits, nor state_copy or holes.",
-              f"Measured at batch 1: a block {1e6 * b:.0f} us; in blocks, an exit check "
-              f"{costs['check ' + check] / b:.2f} ({check}), a state-copy write "
-              f"{costs['state_copy'] / b:.2f}, the final head {costs['final_head'] / b:.2f}, a "
-              f"full-depth token {costs['token'] / b:.1f}{impossible}.",
-              f"A batch runs as deep as its deepest row; expected layers a step (of {L}): {depth}."]
-    print_table(STRATEGY_TABLE, entries, f"{config.bench_prompts} test prompts of "
-                f"{config.bench_prompt_len} characters, {config.bench_tokens} more each, batch 1, "
-                f"median of {config.bench_repeats} interleaved runs", notes)
+# -----------------------------------------------------------------------------
+# The analyses: what the run computes for each question, with the notes under its table
 
-def batch_notes(batched, cfg):
-    """The notes under the batch table; cfg: the config as a dict (report.json's)."""
-    plan, schedule = batched["plan"], batched["schedule"]
-    chose = [f"B={r['batch_size']} {r['mode']} {r['choice']}" for r in batched["entries"]
-             if r["name"] == "auto"]
-    drafts = sorted({*BATCH_DRAFTS, cfg["num_draft"]})
-    return [f"auto chose: {', '.join(chose)} (the cost model's first choice: k drafts a round, or "
-            f"full depth). state_copy: exits {plan['checked_exits']}, "
-            f"{cfg['confidence_measure']} > {plan['threshold']:g}, each row waiting for the "
-            "deepest. skipdecode: every row exits at layer "
-            f"{schedule.get('exit_layer', cfg['n_layer'] - 1)} from window position "
-            f"{schedule.get('from_position', '-')} (val: {schedule['compute_saved']:.1%} saved, "
-            f"{schedule['disagreement']:.2%} disagreement). self_speculative: draft_exit="
-            f"{cfg['draft_exit']}, k the fastest on val of {drafts}."]
+class Lab:
+    """What the analyses share, each piece computed once, when one first asks for it: the model,
+    its data (on its device), what every exit says, the calibrations, the plans, the timings."""
+    def __init__(self, model, tokenizer, splits, config, device, world=1):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.device, self.world = device, world
+        self.splits = {name: text.to(device) for name, text in splits.items()}
+        self.checked = list(range(config.n_layer - 1))  # every exit: the rules read them all
+        # the val workload (to choose by) and the test workload (to report)
+        self.workloads = [workload(self.splits[s], config.bench_prompts, config.bench_prompt_len)
+                          for s in ("val", "test")]
 
-def print_batches(batched, config):
-    print_table(BATCH_TABLE, batched["entries"], "The test workload, one prompt per row, batch "
-                f"{', '.join(str(B) for B in BATCH_SIZES if config.bench_prompts % B == 0)}, "
-                f"median of {config.bench_repeats} interleaved runs",
-                batch_notes(batched, asdict(config)))
+    @cached_property
+    def rules(self):
+        """Every exit rule, the learned one fitted on ten pieces from across train (one play
+        alone fits it worse)."""
+        train, step = self.splits["train"], len(self.splits["train"]) // 10
+        n = min(self.config.sweep_positions // 10, step - 1)  # ten pieces that never overlap
+        pieces = train.unfold(0, n + 1, step)[:10].flatten()
+        return exit_rules(fit_exit_predictor(self.model, pieces, 10 * n))
+
+    @cached_property
+    def records(self):
+        """val, test and the shifted text (if any) -> what every exit says there, by every rule."""
+        cfg, texts = self.config, {s: self.splits[s] for s in ("val", "test")}
+        if cfg.shift_path:
+            shift = self.tokenizer.encode(read_text(cfg, "shift_path"))
+            texts["shift"] = torch.tensor(shift, device=self.device)
+        return {s: record_exits(self.model, t, cfg.sweep_positions, self.rules)
+                for s, t in texts.items()}
+
+    @cached_property
+    def calibrations(self):
+        """rule -> its threshold calibrated on val, with its figures on every text recorded."""
+        cfg = self.config
+        return {m: calibration_report(self.records, m, self.checked, cfg.epsilon, cfg.delta)
+                for m in self.rules}
+
+    @cached_property
+    def threshold(self):
+        """The threshold of the samples and the decoders: the config's, or the calibrated one."""
+        if self.config.exit_threshold >= 0:
+            return self.config.exit_threshold
+        return self.calibrations[self.config.confidence_measure]["threshold"]
+
+    @cached_property
+    def plans(self):
+        """The unit costs, and every KV strategy's exit plan chosen on val with them (patience
+        and the learned rule read the exit below, so they check every exit): (costs, plans)."""
+        cfg, checked = self.config, None
+        if cfg.exit_layers != "auto" or cfg.confidence_measure in ("patience", "learned"):
+            checked = parse_exit_layers(cfg.exit_layers, cfg.n_layer)
+        costs = decode_costs(self.model, self.workloads[0][:4], cfg.bench_tokens, self.rules)
+        return costs, strategy_plans(self.records["val"], costs, cfg, self.threshold, checked)
+
+    def early_exit(self, split):
+        """Deferred's plan with its figures on a split's records: the verdict's early exit."""
+        plan = self.plans[1]["deferred"]
+        exits = planned_exits(self.records[split], "deferred", plan, self.config.block_size)[0]
+        return {**plan, **exit_summary(self.records[split], exits)}
+
+    @cached_property
+    def smaller(self):
+        """depth -> a plain GPT trained alike: the depth nearest early exit's on val, or all."""
+        cfg, fixed = self.config, {}
+        depths = range(1, cfg.n_layer)
+        if not cfg.compare_depths:
+            depths = [nearest_depth(self.early_exit("val")["mean_layers"], cfg.n_layer)]
+        for d in depths:
+            fixed[d], loss, seconds = train_plain_gpt(lesson_config(cfg), self.splits, d,
+                                                      self.world)
+            print(f"\n--- a {d}-layer GPT trained as a plain model (alpha 0) with the same width, "
+                  f"steps, data and global batch: val loss {loss:.4f}, {seconds:.1f} s ---")
+        return fixed
+
+    @cached_property
+    def measured(self):
+        """The strategies table: every decoder and the plain GPTs at batch 1 on the test workload,
+        both modes, quality teacher-forced on test, each beside its prediction: (rows, quality)."""
+        cfg, (costs, plans) = self.config, self.plans
+        spec = (cfg.draft_exit, cfg.num_draft)
+        # one timed pass on val: a prediction, not a reported figure
+        on_val = speculation_costs(self.model, self.workloads[0], replace(cfg, bench_repeats=1), 1,
+                                   [spec])
+        decoders = {name: dict.fromkeys(MODES, decoder(self.model, name, plans.get(name),
+                                                       self.rules, spec))
+                    for name in ("full", *KV_STRATEGIES, "self_speculative")}
+        decoders.update({f"{d}-layer GPT": dict.fromkeys(MODES, decoder(small, "full"))
+                         for d, small in self.smaller.items()})
+        rows, quality = measure_decoders(decoders, self.splits["test"], self.workloads[1], cfg)
+        for row in rows:
+            row.update(prediction(row, plans, on_val, costs, cfg.n_layer))
+        return rows, quality
+
+def threshold_sweep(lab):
+    """Every threshold on val, the table's every tenth, and the test sweep the depth chart draws."""
+    m, n = lab.config.confidence_measure, f"{lab.config.sweep_positions:,}"
+    val = sweep(lab.records["val"], m, lab.checked)
+    return {"sweep": [e for e in val if round(10 * e["threshold"], 6) % 1 == 0],
+            "sweep_curve": val, "test_sweep": sweep(lab.records["test"], m, lab.checked),
+            "notes": [f"The sweep on {n} val positions, teacher-forced ({m}): compute saved "
+                      "against quality", f"full depth's val loss on the {n} val positions: "
+                      f"{val[0]['full_loss']:.4f}"]}
 
 def guarantee(cal, positions):
     return (f"Learn then Test: disagreement <= {100 * cal['epsilon']:g}% with probability >= "
             f"{100 * (1 - cal['delta']):g}%, chosen on val, reported on "
             f"{positions:,} test positions")
 
-def calibration_note(rows, threshold):
-    """One sentence: do the exits mean the same thing by the same confidence, in the bin of the
-    calibrated threshold (of ten)?"""
-    b = min(int(10 * threshold), 9)
-    top = [r["bins"]["agreement"][b] for r in rows[:-1] if r["bins"]["positions"][b]] or [0.0]
-    return (f"Where an exit is {10 * b}-{10 * b + 10}% sure (the calibrated threshold's bin), "
-            f"its top-1 is full depth's {min(top):.1%} to "
-            f"{max(top):.1%} of the time: " + ("the exits differ (by over 2 points), so one "
-                                              "threshold does not mean the same at every exit."
-                                              if max(top) - min(top) > 0.02 else "one threshold "
-                                              "means about the same at every exit."))
+def rule_calibrations(lab):
+    """Every rule calibrated on val and reported on test, the rule chosen on val, the oracle."""
+    cfg, test, R = lab.config, lab.records["test"], len(lab.rules)
+    cal = lab.calibrations[cfg.confidence_measure]
+    chosen = choose_rule(lab.records, lab.rules, lab.checked, cfg.epsilon, cfg.delta)
+    best = {**oracle(test, lab.checked, cfg.epsilon), "oracle_share": 1.0}
+    rows = [*lab.calibrations.values(), {**chosen, "measure": f"{chosen['measure']}, chosen"},
+            {"measure": "oracle", "test": best}]
+    return {"calibration_by_measure": rows, "calibration": cal, "chosen_rule": chosen, "notes": [
+        guarantee(cal, cfg.sweep_positions), "Teacher-forced, with an exact cache, every exit "
+        "checked. The oracle leaves at the first exit whose top-1 is full depth's, and spends "
+        "epsilon where that saves most: no rule saves more at the same disagreement.",
+        f"The chosen rule, {chosen['measure']}: of the {R}, the one that saves the most on val "
+        f"when each is calibrated at delta / {R} (Bonferroni), so that the choice keeps the "
+        "guarantee; a rule picked by its test figures would not."]}
 
-def shift_notes(cal, path):
-    """The monitor line and the plain answer: did epsilon hold on the shifted text?"""
+def patience_sweep(lab):
+    rows = patience_rows(lab.records["val"], lab.checked)
+    return {"patience": rows, "notes": [f"{lab.config.sweep_positions:,} val positions"]}
+
+def exit_calibrations(lab):
+    rows = exit_calibration(lab.records["test"])
+    return {"exit_calibration": rows, "notes": [
+        f"{lab.config.sweep_positions:,} test positions",
+        calibration_note(rows, lab.calibrations["top1"]["threshold"])]}
+
+def shifted_text(lab):
+    """Did epsilon hold on the shifted text? Every rule at its threshold calibrated on val."""
+    if "shift" not in lab.records:
+        return {}
+    path, cal = lab.config.shift_path, lab.calibrations[lab.config.confidence_measure]
     t, sh = cal["test"], cal["shift"]
-    return [f"share leaving at layer 0 ({cal['measure']}): test {t['exit_fractions'][0]:.1%}, "
-            f"shifted {sh['exit_fractions'][0]:.1%}",
-            f"On {path}, epsilon {'held' if sh['held'] else 'was BROKEN'} for {cal['measure']}: "
-            f"{sh['disagreement']:.2%} disagreement against {100 * cal['epsilon']:g}%. The "
-            "guarantee covers text like val, and nothing else."]
+    return {"shift": list(lab.calibrations.values()), "notes": [
+        f"{path}, up to {lab.config.sweep_positions:,} positions",
+        f"share leaving at layer 0 ({cal['measure']}): test {t['exit_fractions'][0]:.1%}, "
+        f"shifted {sh['exit_fractions'][0]:.1%}",
+        f"On {path}, epsilon {'held' if sh['held'] else 'was BROKEN'} for {cal['measure']}: "
+        f"{sh['disagreement']:.2%} disagreement against {100 * cal['epsilon']:g}%. The "
+        "guarantee covers text like val, and nothing else."]}
 
-def tail_note(rows):
-    full = {r["mode"]: r["ms_p99"] for r in rows if r["name"] == "full"}
-    worse = [f"{r['name']} {r['mode']}" for r in rows if r["ms_p99"] > 1.1 * full[r["mode"]]]
-    return (f"p99 over 10% above full depth's (a worse tail): {', '.join(worse) or 'none'}. Each "
-            "step timed with the device synchronised, in the last timed pass; a round of "
-            "speculation is shared by the tokens it emits. A prompt's first step prefills it, and "
-            "a step that slides the window re-prefills it: those steps are the tail.")
+def lens(lab):
+    T = lab.config.block_size
+    # (<= 64, T): back-to-back windows of val, each character followed by one more
+    return {"logit_lens": logit_lens(lab.model, lab.splits["val"][:-1].unfold(0, T, T)[:64]),
+            "notes": ["The logit lens on up to 64 val windows: each layer through the final head "
+                      "and through its own exit head"]}
 
-def print_exit_rule(rule, config):
-    """The analysis of choosing the exit rule, each part under the question it answers."""
-    n, cal = f"{config.sweep_positions:,}", rule["calibration"]
-    shown = [dict(e, fractions=" ".join(f"{100 * f:5.1f}" for f in e["exit_fractions"]))
-             for e in rule["sweep"] if round(10 * e["threshold"], 6) % 1 == 0]  # 1.0, 0.9, ...
-    print_table(SWEEP_TABLE, shown, f"The sweep on {n} val positions, teacher-forced "
-                f"({config.confidence_measure}): compute saved against quality",
-                [f"full depth's val loss on the {n} val positions: "
-                 f"{rule['sweep'][0]['full_loss']:.4f}"])
-    print_table(CALIBRATION_TABLE, rule["calibration_by_measure"],
-                guarantee(cal, config.sweep_positions),
-                ["Teacher-forced, with an exact cache, every exit checked. The oracle leaves at "
-                 "the first exit whose top-1 is full depth's, and spends epsilon where that saves "
-                 "most: no rule saves more at the same disagreement."])
-    print_table(PATIENCE_TABLE, rule["patience"], f"{n} val positions")
-    print_table(EXIT_CALIBRATION_TABLE, rule["exit_calibration"], f"{n} test positions",
-                [calibration_note(rule["exit_calibration"],
-                                  rule["calibration_by_measure"][0]["threshold"])])  # top1's
-    if "shift" in cal:
-        print_table(SHIFT_TABLE, rule["calibration_by_measure"], f"{config.shift_path}, up to {n} "
-                    "positions", shift_notes(cal, config.shift_path))
-    print_table(LENS_TABLE, rule["logit_lens"], "The logit lens on up to 64 val windows: each "
-                "layer through the final head and through its own exit head")
-    print_table(KINDS_TABLE, rule["slices"], f"The {n} test positions by the kind of the character "
-                f"to predict (calibrated threshold {cal['threshold']:g})")
+def slices(lab):
+    cal, test = lab.calibrations[lab.config.confidence_measure], lab.records["test"]
+    exits = exits_at_threshold(test, cal["measure"], cal["threshold"], lab.checked)
+    return {"slices": exit_slices(test, exits, lab.tokenizer), "notes": [
+        f"The {lab.config.sweep_positions:,} test positions by the kind of the character to "
+        f"predict (calibrated threshold {cal['threshold']:g})"]}
+
+def strategies(lab):
+    """The strategies table, and under it what it rests on: the drafts, the measured costs, the
+    depth of a batch."""
+    cfg, (costs, plans), (rows, quality) = lab.config, lab.plans, lab.measured
+    L, b, check = cfg.n_layer, costs["block"], cfg.confidence_measure
+    depth = expected_batch_depth(quality["backfill"]["exited_at"], BATCH_SIZES, L)
+    exact = {True: "identical to full depth on every prompt", False: "NOT identical to full depth",
+             None: "exact in distribution (tested)"}
+    notes = [f"self_speculative {e['mode']}: draft_exit={e['draft_exit']}, num_draft="
+             f"{e['num_draft']}, acceptance {e['acceptance_rate']:.3f} (drafts kept over drafts "
+             f"a row could keep), {e['tokens_per_verify']:.2f} tokens a verify pass, "
+             + exact[e["identical_to_full"]] for e in rows if e["name"] == "self_speculative"]
+    # the full model's decoders: a smaller GPT re-prefills fewer layers
+    prefill = sorted({round(e["prefill_layers"], 2) for e in rows if "GPT" not in e["name"]})
+    impossible = ""
+    if costs["token"] < L * b:
+        impossible = f", IMPOSSIBLE ({L} blocks): so after {costs['attempts']} measurements"
+    return {"strategies": rows, "decode_costs": costs, "plans": plans, "notes": [
+        f"{cfg.bench_prompts} test prompts of {cfg.bench_prompt_len} characters, "
+        f"{cfg.bench_tokens} more each, batch 1, median of {cfg.bench_repeats} interleaved runs",
+        *notes, f"Chosen on val: exits (exit_layers={cfg.exit_layers!r}) at the sample's "
+        "threshold, skipdecode's schedule, and self_speculative's prediction, its speed-up timed "
+        "on val (per round: a round's time over the tokens it emits). Prefilling the prompt and "
+        "re-prefilling the window every block_size/2 tokens adds "
+        f"{' to '.join(f'{p:.2f}' for p in prefill)} per token for every decoder. Sampled: "
+        f"temperature {cfg.temperature:g}, top_k {cfg.top_k}.",
+        f"output's agreement: on {cfg.quality_positions:,} test positions, teacher-forced. The "
+        "guarantee of a calibrated threshold covers every exit checked with an exact cache: not "
+        "a subset of exits, nor state_copy or holes.",
+        f"Measured at batch 1, attending to {costs['cache_length']} cached positions: a block "
+        f"{1e6 * b:.0f} us; in blocks, an exit check {costs['check ' + check] / b:.2f} ({check}), "
+        f"a state-copy write {costs['state_copy'] / b:.2f}, the final head "
+        f"{costs['final_head'] / b:.2f}, a full-depth token {costs['token'] / b:.1f}{impossible}.",
+        "A batch runs as deep as its deepest row; expected layers a step (of "
+        f"{L}): {', '.join(f'B={B}: {d:.2f}' for B, d in depth.items())}."]}
+
+def tails(lab):
+    """Average or tail: the strategies rows' latency, and which decoders have a worse tail."""
+    rows = [{k: row[k] for k, *_ in TAIL_TABLE[1]} for row in lab.measured[0]]
+    full = {r["mode"]: r for r in rows if r["name"] == "full"}
+    worse = [f"{r['name']} {r['mode']}" for r in rows
+             if max(r[p] / full[r["mode"]][p] for p in ("gap_p95", "gap_p99")) > 1.1]
+    return {"tail": rows, "notes": [
+        "Batch 1, the test workload, every step or round timed with the device synchronised, in "
+        "the last timed pass", "gap p95 or p99 over 10% above full depth's (a worse tail): "
+        f"{', '.join(worse) or 'none'}. A prompt's first step prefills it, and a step that slides "
+        "the window re-prefills it: those steps are the tail of every decoder."]}
+
+def depths(lab):
+    """The plain GPTs on the test positions, their speeds, and the verdict beside early exit."""
+    cfg, early = lab.config, lab.early_exit("test")
+    speed = {(r["name"], r["mode"]): r for r in lab.measured[0]}
+    rows = depth_rows(lab.smaller, lab.splits["test"], cfg.sweep_positions, early["full_loss"])
+    for row in rows:
+        greedy, sampled = (speed[f"{row['layers']}-layer GPT", mode] for mode in MODES)
+        row.update(tokens_per_second_greedy=greedy["tokens_per_second"],
+                   speedup_greedy=greedy["speedup"], speedup_sampled=sampled["speedup"])
+    nearest = nearest_depth(lab.early_exit("val")["mean_layers"], cfg.n_layer)
+    said = verdict(early, {key: r["speedup"] for key, r in speed.items()},
+                   next(r for r in rows if r["layers"] == nearest))
+    return {"depths": rows, "verdict": said, "early_exit": early, "notes": [
+        f"Plain GPTs, {cfg.sweep_positions:,} test positions", f"Worth it? {'; '.join(said)}."]}
+
+BATCH_DESIGNS = ("full", "state_copy", "skipdecode")  # then self_speculative and auto
+# num_draft tried in batches (11 fills 33 new tokens: half of block 64, plus 1)
+BATCH_DRAFTS = (4, 8, 11, 16)
+
+def batch_rows(lab, B, cells, depth):
+    """The batch table's rows at batch size B, and what auto chose: the fastest k on val for
+    self_speculative, and for auto that k or full depth, each mode on its own."""
+    cfg, (_, plans), model = lab.config, lab.plans, lab.model
+    entries = speculation_costs(model, lab.workloads[0], cfg, B, cells)
+    drafts, auto = choose_drafts(entries)  # on val
+    decoders = {name: dict.fromkeys(MODES, decoder(model, name, plans.get(name), lab.rules))
+                for name in BATCH_DESIGNS}
+    decoders["self_speculative"] = {mode: decoder(model, "self_speculative",
+                                                  spec=(cfg.draft_exit, k))
+                                    for mode, k in drafts.items()}
+    decoders["auto"] = {mode: decoders["full" if k is None else "self_speculative"][mode]
+                        for mode, k in auto.items()}
+    spec = {(e["mode"], e["num_draft"]): e for e in entries}
+    rows = measure_decoders(decoders, lab.splits["test"], lab.workloads[1], cfg, B)[0]
+    return [dict(r, **batch_prediction(r, plans, depth, spec)) for r in rows]
+
+def batches(lab):
+    """The batch table: every design at every batch size, greedy and sampled, quality beside
+    speed, and the cost model's predictions (--bench_batch only)."""
+    cfg, (_, plans) = lab.config, lab.plans
+    if not cfg.bench_batch:
+        return {}
+    exits = planned_exits(lab.records["val"], "state_copy", plans["state_copy"], cfg.block_size)[0]
+    depth = expected_batch_depth(exits, BATCH_SIZES, cfg.n_layer)  # as deep as its deepest row
+    cells = [(cfg.draft_exit, k) for k in sorted({*BATCH_DRAFTS, cfg.num_draft})]
+    sizes = [B for B in BATCH_SIZES if cfg.bench_prompts % B == 0]
+    rows = [row for B in sizes for row in batch_rows(lab, B, cells, depth)]
+    chose = [f"B={r['batch_size']} {r['mode']} {r['choice']}" for r in rows if r["name"] == "auto"]
+    skip = plans["skipdecode"]
+    return {"batched": rows, "notes": [
+        f"The test workload, one prompt per row, batch {', '.join(map(str, sizes))}, median of "
+        f"{cfg.bench_repeats} interleaved runs", f"auto chose: {', '.join(chose)} (the cost "
+        "model's first choice: k drafts a round, or full depth). state_copy: exits "
+        f"{plans['state_copy']['label']}, {cfg.confidence_measure} > {lab.threshold:g}, each row "
+        f"waiting for the deepest. skipdecode: every row exits at layer {skip['label']} (window "
+        f"position; val: {skip['compute_saved']:.1%} saved, {skip['disagreement']:.2%} "
+        f"disagreement). self_speculative: draft_exit={cfg.draft_exit}, k the fastest on val of "
+        f"{[k for _, k in cells]}."]}
 
 # -----------------------------------------------------------------------------
-# Reports, 2: out_dir/report.html, one self-contained page (inline CSS and SVG, no script)
+# The page: out_dir/report.html, one self-contained page (inline CSS and SVG, no script)
 
 # viridis, dark to light: the layers' order reads without hue (colour-blind safe)
 VIRIDIS = ("#440154 #411c66 #3e3779 #3b528b #32678b #2a7c8c #21918c #35a47e #4ab670 #5ec962 "
@@ -2157,7 +2357,7 @@ def html_generation(report):
 SWEEP_LINES = (("compute saved (share of layer runs)", "a", "compute_saved"),
                ("disagreement with full depth (share of positions)", "b", "disagreement"))
 
-def html_sweep(report):
+def sweep_charts(report):
     """What each threshold trades on val, compute for disagreement, each on its own axis: the
     disagreement's zoomed to twice the budget (epsilon drawn); the calibrated threshold marked."""
     cal = report["calibration"]
@@ -2166,108 +2366,73 @@ def html_sweep(report):
     mark = (cal["threshold"], "calibration.threshold", f"calibrated: {cal['threshold']:g}")
     titles, charts = (f"exit threshold ({cal['measure']} confidence)", "share"), []
     for (name, cls, key), line in zip(SWEEP_LINES, (None, (eps, f"epsilon: {100 * eps:g}%"))):
-        points = [(e["threshold"], e[key], f"sweep.{j}.{key}",
+        points = [(e["threshold"], e[key], f"sweep_curve.{j}.{key}",
                    f"threshold {e['threshold']:g}: {e[key]:.2%}")
-                  for j, e in enumerate(report["sweep"])]
+                  for j, e in enumerate(report["sweep_curve"])]
         charts.append(svg_chart([(name, cls, points)], ticks, titles, "{:.1%}", mark=mark,
                                 line=line, top=line and 2 * eps))
-    return section("threshold", f"Which threshold? ({cal['measure']}, val)", *charts,
-                   "<p class='muted'>Disagreement over twice epsilon is drawn at the top of its "
-                   "axis; hover for the value.</p>")
+    return "".join(charts) + ("<p class='muted'>Disagreement over twice epsilon is drawn at the "
+                              "top of its axis; hover for the value.</p>")
 
-def html_speedups(rows, prefix, batch_size):
+def speedup_chart(report, key="strategies", batch_size=1):
     """The measured speed-up of each decoder at one batch size, greedy and sampled side by side."""
-    shown = [(i, r) for i, r in enumerate(rows) if r["batch_size"] == batch_size]
+    shown = [(i, r) for i, r in enumerate(report[key]) if r["batch_size"] == batch_size]
     names = list(dict.fromkeys(r["name"] for _, r in shown))
     at = {name: (n + 0.5) / len(names) for n, name in enumerate(names)}  # the middle of its group
-    series = [(mode, cls, [(at[r["name"]], r["speedup"], f"{prefix}.{i}.speedup", f"{r['name']}, "
+    series = [(mode, cls, [(at[r["name"]], r["speedup"], f"{key}.{i}.speedup", f"{r['name']}, "
                             f"{mode}: {r['speedup']:.2f}x") for i, r in shown if r["mode"] == mode])
               for cls, mode in zip("ab", MODES)]
     titles = (f"decoder, batch {batch_size}", "speed-up over full depth, measured")
     return svg_chart(series, at, titles, "{:.1f}x", bars=True, line=(1, "1.0x: full depth"))
 
-def rows_section(report, part, table, *before):
-    """A section that shows report[part]'s rows as a table, after any charts or words."""
-    rows = html_table(table, report[part], f"{part}.{{}}.{{}}".format)
-    return section(part, table[0], *before, rows)
+def batch_charts(report):
+    sizes = dict.fromkeys(r["batch_size"] for r in report["batched"])
+    return "".join(speedup_chart(report, "batched", B) for B in sizes)
 
-def html_calibration(report):
-    conditions = guarantee(report["calibration"], report["config"]["sweep_positions"])
-    return rows_section(report, "calibration_by_measure", CALIBRATION_TABLE,
-                        f"<p>{conditions}, teacher-forced, with an exact cache.</p>")
-
-def html_exit_calibration(report):
-    note = calibration_note(report["exit_calibration"],
-                            report["calibration_by_measure"][0]["threshold"])  # top1's
-    return rows_section(report, "exit_calibration", EXIT_CALIBRATION_TABLE, f"<p>{esc(note)}</p>")
-
-def html_shift(report):
-    cal, rows = report["calibration"], report["calibration_by_measure"]
-    if "shift" not in cal:
-        return ""
-    notes = shift_notes(cal, report["config"]["shift_path"])
-    table = html_table(SHIFT_TABLE, rows, "calibration_by_measure.{}.{}".format, notes)
-    return section("shift", SHIFT_TABLE[0], table)
-
-def html_strategies(report):
-    chart = html_speedups(report["strategies"], "strategies", 1)
-    return rows_section(report, "strategies", STRATEGY_TABLE, chart)
-
-def html_tail(report):
-    rows = report["strategies"]
-    return section("tail", TAIL_TABLE[0], html_table(TAIL_TABLE, rows, "strategies.{}.{}".format,
-                                                      [tail_note(rows)]))
-
-def html_depths(report):
+def depth_chart(report):
     """Test loss above the full model's against layers run a token: early exit's threshold curve
-    (test), the fixed models as points; the verdict; the table."""
-    rows, L = report["depths"]["rows"], report["config"]["n_layer"]
+    (test), the plain GPTs as points."""
+    L = report["config"]["n_layer"]
     curve = [(e["mean_layers"] / L, e["excess_loss"], f"test_sweep.{j}.excess_loss",
               f"threshold {e['threshold']:g}: {e['mean_layers']:.2f} layers, "
               f"{e['excess_loss']:+.4f}") for j, e in enumerate(report["test_sweep"])]
-    fixed = [(r["layers"] / L, r["excess_loss"], f"depths.rows.{j}.excess_loss",
-              f"a {r['layers']}-layer GPT: {r['excess_loss']:+.4f}") for j, r in enumerate(rows)]
-    chart = svg_chart([("early exit, by threshold", "a", curve), ("a smaller GPT", "b", fixed)],
-                      {f"{l}": l / L for l in range(1, L + 1)},
-                      ("exit depth, teacher-forced (layers a token)",
-                       "test loss above the full model's"), "{:+.2f}")
-    return section("depths", DEPTH_TABLE[0], chart,
-                   f"<p>Worth it? {esc('; '.join(report['depths']['verdict']))}.</p>",
-                   html_table(DEPTH_TABLE, rows, "depths.rows.{}.{}".format))
+    fixed = [(r["layers"] / L, r["excess_loss"], f"depths.{j}.excess_loss",
+              f"a {r['layers']}-layer GPT: {r['excess_loss']:+.4f}")
+             for j, r in enumerate(report["depths"])]
+    return svg_chart([("early exit, by threshold", "a", curve), ("a smaller GPT", "b", fixed)],
+                     {f"{l}": l / L for l in range(1, L + 1)},
+                     ("exit depth, teacher-forced (layers a token)",
+                      "test loss above the full model's"), "{:+.2f}")
 
-def html_batches(report):
-    rows = report["batched"]["entries"]
-    charts = [html_speedups(rows, "batched.entries", B)
-              for B in sorted({r["batch_size"] for r in rows})]
-    notes = batch_notes(report["batched"], report["config"])
-    return section("batches", BATCH_TABLE[0], *charts,
-                   html_table(BATCH_TABLE, rows, "batched.entries.{}.{}".format, notes))
-
-# the page's sections in reading order, each drawn where its part of the report is there: by a
-# function, or (a table alone) by rows_section
-HTML_SECTIONS = (("generation", html_generation),
-                 ("sweep", html_sweep), ("calibration_by_measure", html_calibration),
-                 ("patience", PATIENCE_TABLE), ("exit_calibration", html_exit_calibration),
-                 ("calibration", html_shift), ("logit_lens", LENS_TABLE), ("slices", KINDS_TABLE),
-                 ("strategies", html_strategies), ("strategies", html_tail),
-                 ("depths", html_depths), ("batched", html_batches))
+def html_analysis(analysis, report):
+    """An analysis's section of the page: its conditions, its chart, its table and notes."""
+    conditions, *notes = report["notes"][analysis.key]
+    chart = analysis.chart(report) if analysis.chart else ""
+    rows = html_table(analysis.table, report[analysis.key], f"{analysis.key}.{{}}.{{}}".format,
+                      notes)
+    return section(analysis.key, analysis.table[0], f"<p>{esc(conditions)}</p>", chart, rows)
 
 def write_html_report(report, path):
-    """out_dir/report.html: report.json's numbers on a page that reads on a phone."""
-    body = "".join(render(report) if callable(render) else rows_section(report, part, render)
-                   for part, render in HTML_SECTIONS if report.get(part))
+    """out_dir/report.html: report.json's numbers on a page that reads on a phone: the summary,
+    the sample, then every analysis of the run in the list's order."""
+    body = "".join(html_analysis(a, report) for a in ANALYSES if a.key in report)
+    if "generation" in report:
+        body = html_generation(report) + body
     found = re.findall(r"<section id='([^']+)'><h2>([^<]+)</h2>", body)
     write_text('<!doctype html><html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
                'content="width=device-width, initial-scale=1"><meta name="color-scheme" '
                'content="light dark"><title>nanogpt_exit_head report</title>'
                f"<style>{HTML_STYLE}</style></head><body><h1>Early exit in a character-level GPT"
-               "</h1>"
-               f"{html_summary(report, found)}{body}</body></html>", path)
+               f"</h1>{html_summary(report, found)}{body}</body></html>", path)
 
 # -----------------------------------------------------------------------------
 # Checkpoints: written to a temporary file, then renamed; resume, Ctrl-C, torchrun
 
 ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias")  # forced on resume
+# the recipe a run trains with: a resume takes these from its checkpoint, unless given anew
+TRAINING_FIELDS = ("seed", "dropout", "alpha", "batch_size", "max_iters", "learning_rate", "min_lr",
+                   "warmup_iters", "weight_decay", "beta1", "beta2", "grad_clip", "eval_interval",
+                   "eval_iters", "distill_weight", "distill_temperature", "layer_dropout")
 PROGRESS = ("vocab", "iter_num", "train_seconds", "train_log")  # a run's plain data
 CHECKPOINT_KEYS = {"model", "optimizer", "config", "rng", *PROGRESS}
 
@@ -2281,7 +2446,7 @@ def write_json(obj, path):
 
 def random_states(device):
     """torch's random states (dropout, layer dropout): the CPU's, and the GPU's if training runs
-    on one. Every process of a torchrun job seeds and draws them alike: rank 0's are everyone's."""
+    on one. A checkpoint keeps rank 0's."""
     states = {"torch": torch.get_rng_state()}
     if torch.device(device).type == "cuda":
         states["cuda"] = torch.cuda.get_rng_state(device)
@@ -2301,7 +2466,9 @@ def save_checkpoint(path, model, optimizer, config, progress):
     os.replace(path + ".tmp", path)
 
 def load_checkpoint(path, config, overridden, tokenizer):
-    """Load ckpt.pt; architecture fields come from it, and must agree with explicit overrides."""
+    """Load ckpt.pt into (checkpoint, overrides). The architecture comes from it and must agree
+    with the command line; so does the recipe, unless given anew: overrides names each field the
+    command line changes."""
     if not zipfile.is_zipfile(path):  # torch.save writes a zip; a truncated one lost its directory
         raise ValueError(f"no readable checkpoint at {path!r} (none, truncated, or not a zip); "
                          "train one with --init_from=scratch")
@@ -2315,23 +2482,29 @@ def load_checkpoint(path, config, overridden, tokenizer):
     if ckpt["vocab"] != tokenizer.chars:
         raise ValueError(f"checkpoint vocabulary ({len(ckpt['vocab'])} chars) does not match "
                          f"{config.input_path!r}")
-    for name in ARCH_FIELDS:
-        if name in overridden and getattr(config, name) != ckpt["config"][name]:
-            raise ValueError(f"checkpoint has {name}={ckpt['config'][name]}, but "
-                             f"--{name}={getattr(config, name)} was given")
-        setattr(config, name, ckpt["config"][name])
-    return ckpt
+    overrides = []
+    for name in (*ARCH_FIELDS, *TRAINING_FIELDS):
+        saved, given = ckpt["config"][name], getattr(config, name)
+        if name in overridden and given != saved and name in ARCH_FIELDS:
+            raise ValueError(f"checkpoint has {name}={saved}, but --{name}={given} was given")
+        if name in overridden and given != saved:
+            overrides.append(f"--{name}={given} (the checkpoint's: {saved})")
+        setattr(config, name, given if name in overridden else saved)
+    return ckpt, overrides
 
 class Interrupted(Exception):
     """Ctrl-C stopped training; the checkpoint at `path` holds every step done."""
 
 def start_processes(config):
     """Under torchrun (RANK set): join the process group, nccl on CUDA and gloo on the CPU.
-    Returns (rank, world size, device); (0, 1, None) for a plain run."""
+    Returns (rank, world size, device); a plain run is rank 0 of 1 on its picked device."""
     if "RANK" not in os.environ:
-        return 0, 1, None
-    device, backend = "cpu", "gloo"
-    if torch.cuda.is_available() and config.device in ("auto", "cuda"):
+        return 0, 1, pick_device(config.device)
+    if config.device not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"--device={config.device} under torchrun: each process takes its own "
+                         "GPU (auto or cuda: cuda:LOCAL_RANK) or the CPU (cpu)")
+    device, backend = pick_device(config.device), "gloo"
+    if device == "cuda":
         device, backend = f"cuda:{os.environ['LOCAL_RANK']}", "nccl"
         torch.cuda.set_device(device)
     torch.distributed.init_process_group(backend)
@@ -2356,40 +2529,37 @@ def batch_sampler(config, splits, rank, steps):
         get_batch(splits["train"], config.block_size, config.batch_size, generator, "cpu")
     return generator
 
-def new_or_resumed(config, tokenizer, device, overridden):
-    """(model, optimizer, progress): new, or the checkpoint's with its random states back."""
+def new_or_resumed(config, tokenizer, device, overridden, rank=0):
+    """(model, optimizer, progress): new, or the checkpoint's with its random states back. Every
+    process builds the same model; then a process above rank 0 reseeds (from seed, rank and the
+    step), so that each draws dropout masks of its own. On resume, rank 0 prints what the command
+    line changes of the checkpoint's recipe."""
     ckpt = {"vocab": tokenizer.chars, "iter_num": 0, "train_seconds": 0.0, "train_log": []}
     if config.init_from == "resume":  # before the model is built: it sets the architecture
-        ckpt = load_checkpoint(os.path.join(config.out_dir, "ckpt.pt"), config, overridden,
-                               tokenizer)
+        ckpt, overrides = load_checkpoint(os.path.join(config.out_dir, "ckpt.pt"), config,
+                                          overridden, tokenizer)
+        if overrides and rank == 0:
+            print("resumed with the checkpoint's recipe but " + ", ".join(overrides))
+    torch.manual_seed(config.seed)
     model = RecipeGPT(config).to(device)
     optimizer = configure_optimizer(model, config)
     if config.init_from == "resume":
         try:  # strict: every name and shape must match
             model.load_state_dict(ckpt["model"])
         except RuntimeError as e:
-            message = " ".join(str(e).split())[:300]
-            raise ValueError(f"checkpoint does not fit the model: {message}") from None
+            raise ValueError("checkpoint does not fit the model: "
+                             + " ".join(str(e).split())[:300]) from None
         optimizer.load_state_dict(ckpt["optimizer"])  # a ValueError where its groups do not fit
         set_random_states(ckpt["rng"], device)
+    if rank > 0:
+        torch.manual_seed(config.seed + 1_000_003 * rank + ckpt["iter_num"])
     return model, optimizer, {key: ckpt[key] for key in PROGRESS}
 
-def print_setup(model, config, tokenizer, splits, device, world):
-    base, heads = count_params(model)
-    sizes = "/".join(f"{len(split):,}" for split in splits.values())
-    print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: "
-          f"{sizes} characters | processes: {world}")
-    print(f"parameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in {config.n_layer - 1} "
-          f"exit heads ({100 * heads / base:.2f}% overhead)")
-    print(f"losses while training: each split's mean over {config.eval_iters} batches of "
-          f"{config.batch_size} random windows of {config.block_size} characters; 'val loss' is "
-          "full depth's")
-
-def train_with_checkpoints(model, optimizer, splits, config, device, progress, path, rank, world):
+def train_with_checkpoints(model, optimizer, splits, config, device, progress, rank, world):
     """Train from progress's step to max_iters; rank 0 saves a checkpoint at every evaluation and
     on Ctrl-C, which then raises Interrupted. Updates progress; returns (seconds, ms a step)."""
-    done, seconds, log = progress["iter_num"], progress["train_seconds"], progress["train_log"]
-    stop, t0 = [], time.time()
+    path, done = os.path.join(config.out_dir, "ckpt.pt"), progress["iter_num"]
+    seconds, log, stop, t0 = progress["train_seconds"], progress["train_log"], [], time.time()
 
     def on_step(it, new_log):  # before every step
         if rank == 0 and (stop or (it % config.eval_interval == 0 and it > done)):
@@ -2407,7 +2577,7 @@ def train_with_checkpoints(model, optimizer, splits, config, device, progress, p
                                   step_model_for(model, config, world), evaluate=rank == 0)
     finally:
         signal.signal(signal.SIGINT, handler)
-    progress.update(iter_num=config.max_iters, train_seconds=seconds + took,
+    progress.update(iter_num=max(done, config.max_iters), train_seconds=seconds + took,
                     train_log=log + new_log)
     return took, ms
 
@@ -2415,32 +2585,42 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
     """A new model or the checkpoint's, trained up to max_iters with a checkpoint at every
     evaluation and on Ctrl-C; None on the ranks of a torchrun job above 0. The training figures go
     into report."""
-    path = os.path.join(config.out_dir, "ckpt.pt")
-    model, optimizer, progress = new_or_resumed(config, tokenizer, device, overridden)
-    done, took, ms_per_iter = progress["iter_num"], 0.0, None
+    model, optimizer, progress = new_or_resumed(config, tokenizer, device, overridden, rank)
+    done, path = progress["iter_num"], os.path.join(config.out_dir, "ckpt.pt")
     if rank == 0:
-        print_setup(model, config, tokenizer, splits, device, world)
         os.makedirs(config.out_dir, exist_ok=True)
-    if done < config.max_iters:
-        took, ms_per_iter = train_with_checkpoints(model, optimizer, splits, config, device,
-                                                   progress, path, rank, world)
+        print_setup(model, config, tokenizer, splits, device, world)
+    took, ms = train_with_checkpoints(model, optimizer, splits, config, device, progress, rank,
+                                      world)
     if rank > 0:
         return None
     losses = estimate_loss(model, splits, config, device)
     print(format_eval(progress["iter_num"], losses))
     save_checkpoint(path, model, optimizer, config, progress)
-    if ms_per_iter is None:
+    if done >= config.max_iters:
+        ms = None
         print(f"resumed from {path} at step {done} of max_iters={config.max_iters}: no training "
               "this run")
     else:
-        print(f"trained steps {done}..{config.max_iters} in {took:.1f} s, median "
-              f"{ms_per_iter:.1f} ms a step; checkpoint: {path}")
+        print(f"trained steps {done}..{config.max_iters} in {took:.1f} s, median {ms:.1f} ms a "
+              f"step; checkpoint: {path}")
     base, heads = count_params(model)
     report.update(config=asdict(config), n_params=base, n_params_exit_heads=heads,
-                  train_seconds=progress["train_seconds"], ms_per_iter=ms_per_iter,
+                  train_seconds=progress["train_seconds"], ms_per_iter=ms,
                   val_loss={"final": losses["val"][-1], "exits": losses["val"][:-1]},
                   train_loss=losses["train"][-1], train_log=progress["train_log"], processes=world)
     return model.eval()
+
+def print_setup(model, config, tokenizer, splits, device, world):
+    base, heads = count_params(model)
+    sizes = "/".join(f"{len(split):,}" for split in splits.values())
+    print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: "
+          f"{sizes} characters | processes: {world}")
+    print(f"parameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in {config.n_layer - 1} "
+          f"exit heads ({100 * heads / base:.2f}% overhead)")
+    print(f"losses while training: each split's mean over {config.eval_iters} batches of "
+          f"{config.batch_size} random windows of {config.block_size} characters; 'val loss' is "
+          "full depth's")
 
 # -----------------------------------------------------------------------------
 # Command line: every Config field as --name=value (argparse), and the rules it checks
@@ -2450,7 +2630,8 @@ RANGES = {  # the numbers each field takes: [ or ] includes that end, ( or ) lea
                  "weight_decay", "grad_clip", "temperature", "distill_weight"),
     "[1, inf)": ("n_head", "n_embd", "batch_size", "eval_interval", "eval_iters", "max_new_tokens",
                  "num_draft", "quality_positions", "bench_prompts", "bench_prompt_len",
-                 "bench_tokens", "bench_repeats", "sweep_positions"),
+                 "bench_tokens", "bench_repeats"),
+    "[10, inf)": ("sweep_positions",),  # the learned rule is fitted on ten pieces of train
     "[2, inf)": ("n_layer", "block_size"),
     "(0, inf)": ("learning_rate", "distill_temperature"),
     "[0, 1)": ("dropout", "beta1", "beta2", "layer_dropout"),
@@ -2460,7 +2641,7 @@ RANGES = {  # the numbers each field takes: [ or ] includes that end, ( or ) lea
 }
 CHOICES = {"init_from": ("scratch", "resume"),
            "kv_strategy": (*KV_STRATEGIES, "self_speculative"),
-           "confidence_measure": (*CONFIDENCE_MEASURES, "learned")}
+           "confidence_measure": (*EXIT_RULES, "learned")}
 
 def boolean(text):
     """An argparse type: true/false or 1/0."""
@@ -2529,6 +2710,8 @@ def validate(config):
              f"--bench_batch needs quality_positions >= {max(BATCH_SIZES)}: a position a row"),
             (config.lesson_only and (config.init_from == "resume" or config.sample_only),
              "--lesson_only is Part I alone: it trains anew, with no resume or samples only"),
+            (config.sample_only and config.init_from != "resume",
+             "--sample_only=1 samples from a checkpoint: add --init_from=resume"),
             (config.confidence_measure in ("patience", "learned") and (
                 config.lesson_only or config.exit_layers not in ("auto", "all")),
              "patience and the learned rule read every exit, in the lab: no --lesson_only, and "
@@ -2553,6 +2736,9 @@ def check_text(config):
     """The input file is UTF-8 text long enough for every split; the prompt's and the shifted
     text's characters are in its vocabulary."""
     text = read_text(config, "input_path")
+    if len(set(text)) < 2:
+        raise ValueError(f"--input_path={config.input_path!r} holds {len(set(text))} distinct "
+                         "characters: a model needs at least 2 to choose between")
     need = max(config.block_size, config.bench_prompt_len, config.quality_positions) + 2
     if min(map(len, split_data(text).values())) < need:
         raise ValueError(f"--input_path={config.input_path!r} ({len(text):,} characters) is too "
@@ -2595,123 +2781,60 @@ def pick_device(name):
     return name
 
 # -----------------------------------------------------------------------------
-# Main: the lesson, then the lab, every analysis under the question it answers
+# Main: the lesson's samples, then every analysis of the one list, the summary and the page
 
-def choose_exit_rule(model, tokenizer, splits, config, device):
-    """Sweep on val; calibrate every rule on val, report it on test and on the shifted text beside
-    the oracle; patience's k swept on val; each exit's calibration, the logit lens, the slices."""
-    texts = {s: splits[s] for s in ("val", "test")}
-    if config.shift_path:
-        texts["shift"] = torch.tensor(tokenizer.encode(read_text(config, "shift_path")))
-    records = {s: record_exits(model, t.to(device), config.sweep_positions)
-               for s, t in texts.items()}
-    val, test, shifted = records["val"], records["test"], records.get("shift")
-    checked = list(range(config.n_layer - 1))  # every rule, as it reads every exit
-    measure = config.confidence_measure
-    cals = {m: calibration_report(val, test, shifted, m, checked, config.epsilon, config.delta)
-            for m in exit_rules(model)}
-    best = {**oracle(test, checked, config.epsilon), "oracle_share": 1.0}
-    by_k = [{"k": k, **exit_summary(val, exits_at_threshold(val, "patience", 1 - 0.5 ** (k - 1),
-                                                            checked))}
-            for k in range(1, config.n_layer + 1)]  # k = n_layer: never leaves early
-    T = config.block_size
-    # (<= 64, T): back-to-back windows of val, each character followed by one more
-    windows = splits["val"][:-1].unfold(0, T, T)[:64].to(device)
-    exits = exits_at_threshold(test, measure, cals[measure]["threshold"], checked)
-    return {"sweep": sweep(val, measure, checked), "test_sweep": sweep(test, measure, checked),
-            "calibration": cals[measure],
-            "calibration_by_measure": [*cals.values(), {"measure": "oracle", "test": best}],
-            "patience": by_k, "exit_calibration": exit_calibration(test),
-            "logit_lens": logit_lens(model, windows), "slices": exit_slices(test, exits, tokenizer)}
+class Analysis(NamedTuple):
+    """One question the run answers: compute(lab) -> the report entries it adds, "notes" among
+    them (the conditions it was measured in, then the notes under its table), or nothing where the
+    run does not ask it; key: the entry its table shows; chart(report) -> its SVG on the page."""
+    key: str
+    table: tuple
+    compute: object
+    chart: object = None
 
-def sample_decoder(model, config, threshold):
-    """The early-exit sample's decoder (--kv_strategy), its label and the exits it checks."""
-    if config.kv_strategy == "self_speculative":
-        spec = (config.draft_exit, config.num_draft)
-        label = f"self_speculative, layer {spec[0]} drafts up to {spec[1]} a round, the rest verify"
-        return decoder(model, "self_speculative", spec=spec), label, ()
-    checked = parse_exit_layers(config.exit_layers, config.n_layer)
-    plan = {"threshold": threshold, "checked_exits": checked}
-    label = f"{config.kv_strategy}, {config.confidence_measure} > {threshold:g}"
-    return decoder(model, config.kv_strategy, plan, config.confidence_measure), label, checked
+# the run's questions, in the order the console prints them and the page shows them
+ANALYSES = (
+    Analysis("sweep", SWEEP_TABLE, threshold_sweep, sweep_charts),
+    Analysis("calibration_by_measure", CALIBRATION_TABLE, rule_calibrations),
+    Analysis("patience", PATIENCE_TABLE, patience_sweep),
+    Analysis("exit_calibration", EXIT_CALIBRATION_TABLE, exit_calibrations),
+    Analysis("shift", SHIFT_TABLE, shifted_text),
+    Analysis("logit_lens", LENS_TABLE, lens),
+    Analysis("slices", KINDS_TABLE, slices),
+    Analysis("strategies", STRATEGY_TABLE, strategies, speedup_chart),
+    Analysis("tail", TAIL_TABLE, tails),
+    Analysis("depths", DEPTH_TABLE, depths, depth_chart),
+    Analysis("batched", BATCH_TABLE, batches, batch_charts),
+)
 
-def generation_report(tokenizer, idx, samples, threshold, config):
+def sample_decoder(lab):
+    """The early-exit sample's decoder (--kv_strategy) and its label."""
+    cfg, name = lab.config, lab.config.kv_strategy
+    if name == "self_speculative":
+        label = (f"self_speculative, layer {cfg.draft_exit} drafts up to {cfg.num_draft} a round, "
+                 "the rest verify")
+        return decoder(lab.model, name, spec=(cfg.draft_exit, cfg.num_draft)), label
+    plan = {"measure": cfg.confidence_measure, "threshold": lab.threshold,
+            "checked_exits": parse_exit_layers(cfg.exit_layers, cfg.n_layer)}
+    if name == "skipdecode":
+        plan = lab.plans[1][name]
+    label = f"{name}, {plan['measure']} > {plan['threshold']:g}"
+    return decoder(lab.model, name, plan, lab.rules), label
+
+def generation_report(lab, samples):
     """The report.json entry of both samples (report.html colours each character by its exit)."""
-    (full, full_speed), (early, speed) = samples.values()
-    T0 = idx.size(1)
-    exited_at = early.exited_at[0]  # (max_new_tokens,)
-    return {"exit_threshold": threshold, "kv_strategy": config.kv_strategy,
-            "exit_counts": torch.bincount(exited_at, minlength=config.n_layer).tolist(),
+    (full, full_speed), (early, speed) = samples["full-depth"], samples["early-exit"]
+    T0, exited_at = len(lab.config.prompt), early.exited_at[0].tolist()
+    return {"exit_threshold": lab.threshold, "kv_strategy": lab.config.kv_strategy,
+            "exit_counts": [exited_at.count(l) for l in range(lab.config.n_layer)],
             "tokens_per_second": speed, "full_depth_tokens_per_second": full_speed,
-            "sample": tokenizer.decode(early.tokens[0, T0:].tolist()),
-            "exited_at": exited_at.tolist(),
-            "full_depth_sample": tokenizer.decode(full.tokens[0, T0:].tolist())}
-
-def measure_strategies(model, splits, config, device, fixed, threshold):
-    """The strategies table on the workload, costs and plans, batch depth, and (--bench_batch) the
-    batch table."""
-    entries, quality, plans, costs, val_records = compare_strategies(model, splits, config, device,
-                                                                     fixed, threshold)
-    depths = expected_batch_depth(quality["backfill"]["exited_at"], BATCH_SIZES, config.n_layer)
-    print_strategies(entries, config, costs, depths)
-    print_table(TAIL_TABLE, entries, "Batch 1, the test workload", [tail_note(entries)])
-    report = {"strategies": entries, "decode_costs": costs,
-              "workload": {"split": "test", "prompts": config.bench_prompts,
-                           "prompt_len": config.bench_prompt_len, "tokens": config.bench_tokens,
-                           "repeats": config.bench_repeats, "chosen_on": "val"}}
-    if config.bench_batch:
-        report["batched"] = measure_batches(model, splits, config, device, plans, val_records,
-                                            costs)
-        print_batches(report["batched"], config)
-    return report
-
-def train_fixed_depths(config, splits, device, depths):
-    """depth -> a plain GPT (alpha 0) of that depth: the same width, steps and data."""
-    fixed = {}
-    for d in depths:
-        print(f"\n--- a {d}-layer GPT trained as a plain model (alpha 0: its exit heads untrained "
-              "and unused), with the same width, steps and data ---")
-        # evaluated once, at the end: its training log is not the question
-        config_d = replace(lesson_config(config), n_layer=d, alpha=0.0,
-                           eval_interval=config.max_iters)
-        fixed[d] = train_new_model(config_d, splits, device)
-    return fixed
-
-def depth_rows(fixed, test, config, strategies, full_loss):
-    """Each fixed model on the test positions the exit rules are reported on (its loss, and above
-    full_loss, the full model's), with its speed from the strategies table."""
-    rows = []
-    for d, small in fixed.items():
-        r = record_exits(small, test, config.sweep_positions)
-        loss = average(r.nll[-1])
-        rows.append({"layers": d, "test_loss": loss, "excess_loss": loss - full_loss,
-                     "test_accuracy": average(r.pred[-1] == r.targets),
-                     **{f"{k}_{e['mode']}": e[k] for k in ("speedup", "tokens_per_second")
-                        for e in strategies if e["name"] == f"{d}-layer GPT"}})
-    return rows
-
-def verdict(cal, strategies, row):
-    """'Would a smaller model do as well?' in two parts: early exit at the calibrated threshold
-    (its exit depth and test loss teacher-forced, deferred's and self-speculation's speed-ups),
-    then the fixed model nearest that depth; losses on the same test positions, speed-ups on the
-    same workload."""
-    x, t = {(e["name"], e["mode"]): e["speedup"] for e in strategies}, cal["test"]
-    return [f"early exit ({cal['measure']} > {cal['threshold']:g}) at {t['mean_layers']:.2f} "
-            f"layers a token: test loss {t['loss']:.4f}, deferred {x['deferred', 'greedy']:.2f}x "
-            f"greedy and {x['deferred', 'sampled']:.2f}x sampled; self-speculation at full "
-            f"depth's {t['full_loss']:.4f}, {x['self_speculative', 'greedy']:.2f}x greedy and "
-            f"{x['self_speculative', 'sampled']:.2f}x sampled",
-            f"a {row['layers']}-layer GPT is "
-            f"{'better' if row['test_loss'] < t['full_loss'] else 'worse'} than full depth "
-            f"(test loss {row['test_loss']:.4f}) at {row['speedup_greedy']:.2f}x greedy, "
-            f"{row['speedup_sampled']:.2f}x sampled"]
+            "sample": lab.tokenizer.decode(early.tokens[0, T0:].tolist()), "exited_at": exited_at,
+            "full_depth_sample": lab.tokenizer.decode(full.tokens[0, T0:].tolist())}
 
 def summary(report):
     """The run's answers in four lines: the model's loss, what early exit skips with a guarantee,
     the fastest decoder with an exact cache in each mode, and the smaller model's verdict."""
-    cal = report["calibration"]
-    best = max(report["calibration_by_measure"][:-1],  # not the oracle
-               key=lambda c: c["test"]["compute_saved"])
+    cal, chosen = report["calibration"], report["chosen_rule"]
     exact = [e for e in report["strategies"] if e["name"] in ("full", "backfill", "deferred",
                                                                "self_speculative")]
     # each mode's fastest: the last of its rows sorted by speed (full depth: none is faster)
@@ -2719,12 +2842,13 @@ def summary(report):
     return [f"val loss {report['val_loss']['final']:.4f}: full depth, on random windows of val",
             f"saved at the guarantee (disagreement <= {100 * cal['epsilon']:g}% with probability "
             f"{100 * (1 - cal['delta']):g}%): {cal['test']['compute_saved']:.1%} of layer runs on "
-            f"test ({cal['measure']} > {cal['threshold']:g}); the best rule, {best['measure']}: "
-            f"{best['test']['compute_saved']:.1%} (test disagreement "
-            f"{best['test']['disagreement']:.2%})",
+            f"test ({cal['measure']} > {cal['threshold']:g}); the rule chosen on val, "
+            f"{chosen['measure']} (each rule at delta / {len(report['calibration_by_measure']) - 2}"
+            f"): {chosen['test']['compute_saved']:.1%} (test disagreement "
+            f"{chosen['test']['disagreement']:.2%})",
             "fastest with an exact cache: " + ", ".join(
                 f"{fastest[m]['name']} {fastest[m]['speedup']:.2f}x {m}" for m in MODES),
-            f"smaller model: {report['depths']['verdict'][1]}"]
+            f"smaller model: {report['verdict'][1]}"]
 
 def lesson_config(config):
     """Part I's Config from the lab's fields, with Part I's own threshold where the lab's says
@@ -2740,64 +2864,52 @@ def write_report(report, config, name):
     write_html_report(report, path + ".html")
     print(f"page: {path}.html (its numbers: {name}.json beside it)")
 
-def run_lab(model, tokenizer, splits, config, device, report):
+def run_lab(lab, report):
     """Part I's samples from the lab's model, threshold and decoder, then every analysis of the
-    lab."""
-    # the learned rule, fitted on ten pieces from across train (one play alone fits it worse)
-    train, step = splits["train"], len(splits["train"]) // 10
-    n = min(config.sweep_positions // 10, step - 1)  # ten pieces that never overlap
-    fit_exit_predictor(model, train.unfold(0, n + 1, step)[:10].flatten().to(device), 10 * n)
-    rule = None
-    threshold = config.exit_threshold
-    if threshold < 0:  # calibrate on val (Learn then Test)
-        rule = choose_exit_rule(model, tokenizer, splits, config, device)
-        threshold = rule["calibration"]["threshold"]
-        print(f"\nthe early-exit sample uses the threshold calibrated on val ({threshold:g})")
-    # sample_decoder gives show_samples its (early_exit, label, checked_exits)
-    idx, samples = show_samples(model, tokenizer, config, device,
-                                *sample_decoder(model, config, threshold))
-    report["generation"] = generation_report(tokenizer, idx, samples, threshold, config)
-    if config.sample_only:  # sampling leaves the trained run's report alone: samples.*
-        return write_report({"config": asdict(config), **report}, config, "samples")
-    if rule is None:  # an explicit threshold: the exit rule is still analysed
-        rule = choose_exit_rule(model, tokenizer, splits, config, device)
-    print_exit_rule(rule, config)
-    report.update(rule)
-    L, cal = config.n_layer, rule["calibration"]
-    nearest = min(max(round(cal["test"]["mean_layers"]), 1), L - 1)  # to the calibrated depth
-    fixed = train_fixed_depths(config, splits, device,
-                               range(1, L) if config.compare_depths else [nearest])
-    report.update(measure_strategies(model, splits, config, device, fixed, threshold))
-    rows = depth_rows(fixed, splits["test"].to(device), config, report["strategies"],
-                      cal["test"]["full_loss"])
-    report["depths"] = {"rows": rows, "verdict": verdict(cal, report["strategies"],
-                                                         rows[list(fixed).index(nearest)])}
-    print_table(DEPTH_TABLE, rows, f"Plain GPTs, {config.sweep_positions:,} test positions",
-                ["Worth it? " + "; ".join(report["depths"]["verdict"]) + "."])
+    list in its order, the summary and the page (--sample_only: the samples alone)."""
+    if lab.config.exit_threshold < 0:  # calibrate on val (Learn then Test)
+        print(f"\nthe early-exit sample uses the threshold calibrated on val ({lab.threshold:g})")
+    samples = show_samples(lab.model, lab.tokenizer, lab.config, lab.device, *sample_decoder(lab))
+    report.update(config=asdict(lab.config), generation=generation_report(lab, samples), notes={})
+    if lab.config.sample_only:  # sampling leaves the trained run's report alone: samples.*
+        return write_report(report, lab.config, "samples")
+    for analysis in ANALYSES:
+        found = analysis.compute(lab)
+        if found:
+            report["notes"][analysis.key] = found.pop("notes")
+            report.update(found)
+            conditions, *notes = report["notes"][analysis.key]
+            print_table(analysis.table, report[analysis.key], conditions, notes)
     report["summary"] = summary(report)
     print("\nsummary:\n  " + "\n  ".join(report["summary"]))
-    write_report(report, config, "report")
+    write_report(report, lab.config, "report")
 
 def run(config, overridden):
     """The default job: the lab's model (trained, resumed or loaded), its samples and every
-    analysis; --lesson_only runs Part I alone."""
+    analysis; --lesson_only runs Part I alone. Under torchrun every process trains, and rank 0
+    alone analyses, prints and writes."""
     torch.manual_seed(config.seed)
     if config.lesson_only:
         return run_lesson(lesson_config(config), pick_device(config.device))
-    rank, world, process_device = start_processes(config)
-    device = process_device or pick_device(config.device)
+    if config.sample_only:
+        return sample_only(config, overridden)
+    rank, world, device = start_processes(config)
     tokenizer, splits = load_data(config)
     report = {}
-    if config.sample_only:
-        if config.init_from != "resume":
-            raise ValueError("--sample_only=1 samples from a checkpoint: add --init_from=resume")
-        model = new_or_resumed(config, tokenizer, device, overridden)[0].eval()  # no training
-    else:
-        model = train_or_resume(config, tokenizer, splits, device, overridden, rank, world, report)
+    model = train_or_resume(config, tokenizer, splits, device, overridden, rank, world, report)
     if world > 1:
         torch.distributed.destroy_process_group()
-    if model is not None:  # None: a torchrun rank above 0; only rank 0 analyses, prints and writes
-        run_lab(model, tokenizer, splits, config, device, report)
+    if rank == 0:
+        run_lab(Lab(model, tokenizer, splits, config, device, world), report)
+
+def sample_only(config, overridden):
+    """--sample_only: the checkpoint's two samples, in one process (under torchrun: rank 0's)."""
+    if int(os.environ.get("RANK", "0")) > 0:
+        return
+    device = pick_device(config.device)
+    tokenizer, splits = load_data(config)
+    model = new_or_resumed(config, tokenizer, device, overridden)[0].eval()  # no training
+    run_lab(Lab(model, tokenizer, splits, config, device), {})
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
