@@ -1206,6 +1206,7 @@ def exit_summary(records, exits):
         "full_loss": average(records.nll[-1]),
         "excess_loss": average(records.nll[exits, cols] - records.nll[-1]),
         "accuracy": average(pred == records.targets),
+        "full_accuracy": average(records.pred[-1] == records.targets),
         "disagreement": average(pred != records.pred[-1]),
     }
 
@@ -1302,18 +1303,18 @@ def exit_calibration(records, bins=10):
     and against full depth's top-1 (not for full depth itself), and its reliability table: per
     confidence bin, the mean confidence, accuracy, agreement with full depth and positions."""
     conf = records.confidences["top1"]  # (L, N)
-    which = (conf * bins).long().clamp(max=bins - 1)  # (L, N): each position's bin
-    rows = []
-    for l, pred in enumerate(records.pred):
-        count = torch.bincount(which[l], minlength=bins).float()  # (bins,)
-        sums = torch.stack([torch.bincount(which[l], v.float(), bins) for v in
-                            (conf[l], pred == records.targets, pred == records.pred[-1])])
-        mean = sums / count.clamp_min(1)  # (3, bins): confidence, accuracy, agreement
-        ece = ((mean[1:] - mean[0]).abs() * count).sum(-1) / conf.size(1)  # (2,)
-        table = dict(zip(("confidence", "accuracy", "agreement", "positions"), [*mean, count]))
-        rows.append({"layer": l, "ece_data": ece[0].item(), "ece_full": ece[1].item(),
-                     "bins": {k: v.tolist() for k, v in table.items()}, "reliability": " ".join(
-                         f"{a:.2f}" if n else "-" for a, n in zip(table["accuracy"], count))})
+    which = F.one_hot((conf * bins).long().clamp(max=bins - 1), bins).float()  # (L, N, bins)
+    right = [records.pred == records.targets, records.pred == records.pred[-1]]  # 2 x (L, N)
+    count = which.sum(1)  # (L, bins)
+    # (3, L, bins): each bin's mean confidence, accuracy and agreement
+    mean = torch.einsum("vln,lnb->vlb", torch.stack([conf, *right]).float(), which) / count.clamp(1)
+    ece = ((mean[1:] - mean[0]).abs() * count).sum(-1) / conf.size(1)  # (2, L)
+    rows = [{"layer": l, "ece_data": ece[0, l].item(), "ece_full": ece[1, l].item(),
+             "bins": dict(zip(("confidence", "accuracy", "agreement", "positions"),
+                              [*mean[:, l].tolist(), count[l].tolist()])),
+             "reliability": " ".join(f"{a:.2f}" if n else "-"
+                                     for a, n in zip(mean[1, l], count[l]))}
+            for l in range(len(conf))]
     rows[-1]["ece_full"] = None  # full depth always agrees with itself
     return rows
 
@@ -1345,7 +1346,7 @@ def logit_lens(model, x):
                             "confidence": average(confidence(logits))})
     return entries
 
-KINDS = ("lowercase", "capital", "space", "punctuation", "newline")
+KINDS = "lowercase capital space punctuation newline".split()
 
 def character_kind(ch):
     """lowercase, capital, space, newline, or punctuation (the rest)."""
@@ -1354,19 +1355,18 @@ def character_kind(ch):
     return {" ": "space", "\n": "newline"}.get(ch, "punctuation")
 
 def exit_slices(records, exits, tokenizer):
-    """At these exits, per kind of character to predict: how deep it runs, how often it disagrees
-    with full depth, and the accuracy it loses against full depth."""
-    pred = records.pred[exits, torch.arange(len(exits), device=exits.device)]
-    right, full_right = pred == records.targets, records.pred[-1] == records.targets
+    """At these exits, per kind of character to predict: exit_summary's figures on its positions,
+    and the accuracy it loses against full depth there."""
     kinds = [character_kind(ch) for ch in tokenizer.decode(records.targets.tolist())]
     rows = []
     for kind in KINDS:
         here = torch.tensor([k == kind for k in kinds], device=exits.device)
         if here.any():
-            rows.append({"kind": kind, "positions": int(here.sum()),
-                         "mean_layers": average(exits[here] + 1),
-                         "disagreement": average((pred != records.pred[-1])[here]),
-                         "accuracy_lost": average(full_right[here]) - average(right[here])})
+            part = ExitRecords({}, records.pred[:, here], records.nll[:, here],
+                               records.targets[here])
+            figures = exit_summary(part, exits[here])
+            rows.append({"kind": kind, "positions": int(here.sum()), **figures,
+                         "accuracy_lost": figures["full_accuracy"] - figures["accuracy"]})
     return rows
 
 # -----------------------------------------------------------------------------
@@ -1414,9 +1414,9 @@ def decode_costs(model, prompts, n_tokens, rules, repeats=200, attempts=3):
         for prompt in prompts:
             generate(model, prompt[None], n_tokens)
         synchronize(device)
+        token = (time.perf_counter() - t0) / prompts.size(0) / n_tokens
         costs = {key: float(np.median(v)) for key, v in t.items()}
-        costs.update(token=(time.perf_counter() - t0) / prompts.size(0) / n_tokens,
-                     attempts=attempt, cache_length=typical)
+        costs.update(token=token, attempts=attempt, cache_length=typical)
         if costs["token"] >= cfg.n_layer * costs["block"]:
             break
     return costs
@@ -1697,32 +1697,34 @@ def tail(outputs):
     time a token, and p95 of a prompt's whole continuation."""
     first, gaps, whole, tokens = [], [], [], 0
     for out in outputs:
-        (t0, n0), (t1, n1) = out.clock[:2]
-        first.append(1e3 * (t1 - t0))
-        gaps += [0.0] * (n1 - n0 - 1)  # the first arrival's other tokens
-        for (a, m), (b, n) in zip(out.clock[1:], out.clock[2:]):
-            gaps += [1e3 * (b - a)] + [0.0] * (n - m - 1)
-        whole.append(1e3 * (out.clock[-1][0] - t0))
-        tokens += out.clock[-1][1] - n0
+        t0, arrivals = out.clock[0][0], []
+        for (_, m), (t, n) in zip(out.clock, out.clock[1:]):  # a step's tokens arrive as it ends
+            arrivals += [1e3 * (t - t0)] * (n - m)
+        first.append(arrivals[0])
+        gaps += [b - a for a, b in zip(arrivals, arrivals[1:])]
+        whole.append(arrivals[-1])
+        tokens += len(arrivals)
     p50, p95, p99 = np.percentile(gaps, [50, 95, 99]).tolist()
     return {"first_ms": float(np.median(first)), "gap_p50": p50, "gap_p95": p95, "gap_p99": p99,
             "ms_mean": sum(whole) / tokens, "prompt_ms_p95": float(np.percentile(whole, 95))}
 
 def table_row(name, mode, speed, quality, config, batch_size):
-    """One row of a decoder table: speed over full depth at the same batch size and mode, quality
-    beside it; a speculative decoder's quality is full depth's by construction."""
+    """One row of a decoder table: speed over full depth at the same batch size and mode, and
+    quality beside it, teacher-forced (a speculative decoder's is full depth's by construction;
+    no quality: none measured)."""
     s, full = speed[name, mode], speed["full", mode]
-    q = quality.get(name, quality["full"])
     row = {"batch_size": batch_size, "name": name, "mode": mode, **s,
            "speedup": s["tokens_per_second"] / full["tokens_per_second"],
-           "test_loss": q["test_loss"], "test_accuracy": q["test_accuracy"],
-           "agreement": average(q["pred"] == quality["full"]["pred"]),
            "cache": {"state_copy": "approx.", "holes": "holes"}.get(name, "exact")}
     del row["outputs"]
-    row["output"] = f"agree {row['agreement']:.3f}"
     if batch_size == 1:
         row.update(tail(s["outputs"]))
-    if name in SPECULATIVE:
+    if quality:
+        q = quality.get(name, quality["full"])
+        row.update(test_loss=q["test_loss"], test_accuracy=q["test_accuracy"],
+                   agreement=average(q["pred"] == quality["full"]["pred"]))
+        row["output"] = f"agree {row['agreement']:.3f}"
+    if name not in quality:  # speculation: acceptance, and the output it equals
         row.update(spec_stats(s["outputs"], full["outputs"], mode), draft_exit=config.draft_exit)
     if name in ("full", *SPECULATIVE):  # full depth's output (sampled: tested; greedy: compared)
         same = row.get("identical_to_full", mode == "greedy" or None)
@@ -1730,11 +1732,13 @@ def table_row(name, mode, speed, quality, config, batch_size):
     return row
 
 def measure_decoders(decoders, test, prompts, config, batch_size=1):
-    """The rows of a decoder table at one batch size, both modes: quality (greedy decoders,
-    teacher-forced on test) and speed on the workload, interleaved. decoders: name -> {mode:
+    """The rows of a decoder table at one batch size, both modes: speed on the workload,
+    interleaved, and quality teacher-forced on test (test None: none). decoders: name -> {mode:
     decode}. Returns (rows, quality)."""
-    quality = {name: quality_pass(d["greedy"], test, config.quality_positions, batch_size)
-               for name, d in decoders.items() if name not in SPECULATIVE}
+    quality = {}
+    if test is not None:
+        quality = {name: quality_pass(d["greedy"], test, config.quality_positions, batch_size)
+                   for name, d in decoders.items() if name not in SPECULATIVE}
     speed = speed_pass(in_mode(decoders, config), prompts, batch_size, config.bench_tokens,
                        config.bench_repeats, config.seed)
     return [table_row(name, mode, speed, quality, config, batch_size)
@@ -1742,26 +1746,14 @@ def measure_decoders(decoders, test, prompts, config, batch_size=1):
 
 def speculation_costs(model, prompts, config, batch_size, cells):
     """Self-speculation on a workload at batch_size, every (draft_exit, num_draft) cell beside full
-    depth, both modes, interleaved: an entry per cell and mode. A round takes ms_per_round (its
-    drafts, the verify pass, the accept rule, its share of re-prefills) and emits
-    tokens_per_verify over the batch; the speed-up over full depth on this workload is full
-    depth's time a token over a round's time a token emitted. Timed on val, it is the prediction
-    beside test's speed-ups, and what auto chooses by."""
+    depth, both modes, interleaved: its rows (no quality), each speed-up full depth's time a token
+    over a round's time a token emitted. Timed on val, it is the prediction beside test's
+    speed-ups, and what auto chooses by."""
     decoders = {cell: dict.fromkeys(MODES, decoder(model, "self_speculative", spec=cell))
                 for cell in cells}
-    speed = speed_pass(in_mode({"full": dict.fromkeys(MODES, decoder(model, "full")), **decoders},
-                               config), prompts, batch_size, config.bench_tokens,
-                       config.bench_repeats, config.seed)
-    entries = []
-    for (cell, mode), s in speed.items():
-        full = speed["full", mode]
-        if cell != "full":
-            stats = spec_stats(s["outputs"], full["outputs"], mode)
-            entries.append({**stats, "draft_exit": cell[0], "mode": mode,
-                            "speedup": s["tokens_per_second"] / full["tokens_per_second"],
-                            "ms_per_round": 1e3 * len(prompts) * config.bench_tokens
-                            / s["tokens_per_second"] / stats["rounds"]})
-    return entries
+    decoders["full"] = dict.fromkeys(MODES, decoder(model, "full"))
+    rows = measure_decoders(decoders, None, prompts, config, batch_size)[0]
+    return [row for row in rows if row["name"] != "full"]
 
 # -----------------------------------------------------------------------------
 # Tables: each defined once, printed on the console and drawn on the page from that definition
@@ -1791,7 +1783,7 @@ test.compute_saved | test saved   | {:.1%} | the share of layer runs it skips on
 test.oracle_share  | of oracle    | {:.0%} | that share over the oracle's at the same epsilon
 test.disagreement  | disagree     | {:.2%} | the share whose top-1 is not full depth's
 test.loss          | test loss    | {:.4f} | the loss of the heads the positions leave at
-test.full_loss     | full depth's | {:.4f} | full depth's loss on the same positions
+test.full_loss     | full loss    | {:.4f} | full depth's loss on the same positions
 test.accuracy      | accuracy     | {:.3f} | how often the exit's top-1 is the next character""")
 PATIENCE_TABLE = table("""How patient? (patience on val, k swept)
 k             | k         | {}     | the exits in a row that must agree on the top-1
@@ -1908,49 +1900,33 @@ def print_table(table, rows, conditions="", notes=()):
 # The analyses: what the run computes for each question, with the notes under its table
 
 class Lab:
-    """What the analyses share, each piece computed once, when one first asks for it: the model,
-    its data (on its device), what every exit says, the calibrations, the plans, the timings."""
+    """What the analyses share. At once: the model, its data on its device, the workloads, every
+    exit rule, what every exit says, each rule's calibration and the threshold. When an analysis
+    first asks: the unit costs and the exit plans, the smaller models, the strategies table."""
     def __init__(self, model, tokenizer, splits, config, device, world=1):
-        self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.device, self.world = device, world
+        self.model, self.tokenizer, self.config, self.device, self.world = (
+            model, tokenizer, config, device, world)
         self.splits = {name: text.to(device) for name, text in splits.items()}
         self.checked = list(range(config.n_layer - 1))  # every exit: the rules read them all
         # the val workload (to choose by) and the test workload (to report)
         self.workloads = [workload(self.splits[s], config.bench_prompts, config.bench_prompt_len)
                           for s in ("val", "test")]
-
-    @cached_property
-    def rules(self):
-        """Every exit rule, the learned one fitted on ten pieces from across train (one play
-        alone fits it worse)."""
+        # the learned rule, fitted on ten pieces from across train (one play alone fits it worse)
         train, step = self.splits["train"], len(self.splits["train"]) // 10
-        n = min(self.config.sweep_positions // 10, step - 1)  # ten pieces that never overlap
+        n = min(config.sweep_positions // 10, step - 1)  # ten pieces that never overlap
         pieces = train.unfold(0, n + 1, step)[:10].flatten()
-        return exit_rules(fit_exit_predictor(self.model, pieces, 10 * n))
-
-    @cached_property
-    def records(self):
-        """val, test and the shifted text (if any) -> what every exit says there, by every rule."""
-        cfg, texts = self.config, {s: self.splits[s] for s in ("val", "test")}
-        if cfg.shift_path:
-            shift = self.tokenizer.encode(read_text(cfg, "shift_path"))
-            texts["shift"] = torch.tensor(shift, device=self.device)
-        return {s: record_exits(self.model, t, cfg.sweep_positions, self.rules)
-                for s, t in texts.items()}
-
-    @cached_property
-    def calibrations(self):
-        """rule -> its threshold calibrated on val, with its figures on every text recorded."""
-        cfg = self.config
-        return {m: calibration_report(self.records, m, self.checked, cfg.epsilon, cfg.delta)
-                for m in self.rules}
-
-    @cached_property
-    def threshold(self):
-        """The threshold of the samples and the decoders: the config's, or the calibrated one."""
-        if self.config.exit_threshold >= 0:
-            return self.config.exit_threshold
-        return self.calibrations[self.config.confidence_measure]["threshold"]
+        self.rules = exit_rules(fit_exit_predictor(model, pieces, 10 * n))
+        texts = {s: self.splits[s] for s in ("val", "test")}
+        if config.shift_path:
+            shift = tokenizer.encode(read_text(config, "shift_path"))
+            texts["shift"] = torch.tensor(shift, device=device)
+        self.records = {s: record_exits(model, t, config.sweep_positions, self.rules)
+                        for s, t in texts.items()}
+        self.calibrations = {m: calibration_report(self.records, m, self.checked, config.epsilon,
+                                                   config.delta) for m in self.rules}
+        self.threshold = config.exit_threshold  # -1: the calibrated one
+        if self.threshold < 0:
+            self.threshold = self.calibrations[config.confidence_measure]["threshold"]
 
     @cached_property
     def plans(self):
@@ -2428,12 +2404,12 @@ def write_html_report(report, path):
 # -----------------------------------------------------------------------------
 # Checkpoints: written to a temporary file, then renamed; resume, Ctrl-C, torchrun
 
-ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias")  # forced on resume
+ARCH_FIELDS = "n_layer n_head n_embd block_size bias".split()  # forced on resume
 # the recipe a run trains with: a resume takes these from its checkpoint, unless given anew
-TRAINING_FIELDS = ("seed", "dropout", "alpha", "batch_size", "max_iters", "learning_rate", "min_lr",
-                   "warmup_iters", "weight_decay", "beta1", "beta2", "grad_clip", "eval_interval",
-                   "eval_iters", "distill_weight", "distill_temperature", "layer_dropout")
-PROGRESS = ("vocab", "iter_num", "train_seconds", "train_log")  # a run's plain data
+TRAINING_FIELDS = ("seed dropout alpha batch_size max_iters learning_rate min_lr warmup_iters "
+                   "weight_decay beta1 beta2 grad_clip eval_interval eval_iters distill_weight "
+                   "distill_temperature layer_dropout").split()
+PROGRESS = "vocab iter_num train_seconds train_log".split()  # a run's plain data
 CHECKPOINT_KEYS = {"model", "optimizer", "config", "rng", *PROGRESS}
 
 def write_text(text, path):
@@ -2444,25 +2420,20 @@ def write_text(text, path):
 def write_json(obj, path):
     write_text(json.dumps(obj, indent=2), path)
 
-def random_states(device):
-    """torch's random states (dropout, layer dropout): the CPU's, and the GPU's if training runs
-    on one. A checkpoint keeps rank 0's."""
-    states = {"torch": torch.get_rng_state()}
-    if torch.device(device).type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(device)
-    return states
+def random_states():
+    """torch's random states (dropout, layer dropout): the CPU's and every GPU's (none on a
+    machine without). A checkpoint keeps rank 0's."""
+    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()}
 
-def set_random_states(states, device):
+def set_random_states(states):
     torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.device(device).type == "cuda":
-        torch.cuda.set_rng_state(states["cuda"], device)
+    torch.cuda.set_rng_state_all(states["cuda"])
 
 def save_checkpoint(path, model, optimizer, config, progress):
     """Tensors and plain data only, so torch.load(weights_only=True) reads it back. progress: the
     vocabulary, iter_num (steps done), train_seconds and train_log. Atomic, as in write_text."""
-    rng = random_states(next(model.parameters()).device)
     torch.save({**progress, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "config": asdict(config), "rng": rng}, path + ".tmp")
+                "config": asdict(config), "rng": random_states()}, path + ".tmp")
     os.replace(path + ".tmp", path)
 
 def load_checkpoint(path, config, overridden, tokenizer):
@@ -2495,10 +2466,10 @@ def load_checkpoint(path, config, overridden, tokenizer):
 class Interrupted(Exception):
     """Ctrl-C stopped training; the checkpoint at `path` holds every step done."""
 
-def start_processes(config):
-    """Under torchrun (RANK set): join the process group, nccl on CUDA and gloo on the CPU.
-    Returns (rank, world size, device); a plain run is rank 0 of 1 on its picked device."""
-    if "RANK" not in os.environ:
+def start_processes(config, alone=False):
+    """Under torchrun (RANK set) and not alone: join the process group, nccl on CUDA and gloo on
+    the CPU. Returns (rank, world size, device); otherwise rank 0 of 1 on its picked device."""
+    if "RANK" not in os.environ or alone:
         return 0, 1, pick_device(config.device)
     if config.device not in ("auto", "cuda", "cpu"):
         raise ValueError(f"--device={config.device} under torchrun: each process takes its own "
@@ -2550,7 +2521,7 @@ def new_or_resumed(config, tokenizer, device, overridden, rank=0):
             raise ValueError("checkpoint does not fit the model: "
                              + " ".join(str(e).split())[:300]) from None
         optimizer.load_state_dict(ckpt["optimizer"])  # a ValueError where its groups do not fit
-        set_random_states(ckpt["rng"], device)
+        set_random_states(ckpt["rng"])
     if rank > 0:
         torch.manual_seed(config.seed + 1_000_003 * rank + ckpt["iter_num"])
     return model, optimizer, {key: ckpt[key] for key in PROGRESS}
@@ -2626,18 +2597,17 @@ def print_setup(model, config, tokenizer, splits, device, world):
 # Command line: every Config field as --name=value (argparse), and the rules it checks
 
 RANGES = {  # the numbers each field takes: [ or ] includes that end, ( or ) leaves it out
-    "[0, inf)": ("seed", "max_iters", "warmup_iters", "top_k", "draft_exit", "alpha", "min_lr",
-                 "weight_decay", "grad_clip", "temperature", "distill_weight"),
-    "[1, inf)": ("n_head", "n_embd", "batch_size", "eval_interval", "eval_iters", "max_new_tokens",
-                 "num_draft", "quality_positions", "bench_prompts", "bench_prompt_len",
-                 "bench_tokens", "bench_repeats"),
-    "[10, inf)": ("sweep_positions",),  # the learned rule is fitted on ten pieces of train
-    "[2, inf)": ("n_layer", "block_size"),
-    "(0, inf)": ("learning_rate", "distill_temperature"),
-    "[0, 1)": ("dropout", "beta1", "beta2", "layer_dropout"),
-    "(0, 1)": ("epsilon", "delta"),
-    "[0, 1]": ("schedule_disagreement",),
-    "[-1, 1]": ("exit_threshold",),  # -1 calibrates on val; not in (-1, 0)
+    "[0, inf)": "seed max_iters warmup_iters top_k draft_exit alpha min_lr weight_decay grad_clip "
+                "temperature distill_weight",
+    "[1, inf)": "n_head n_embd batch_size eval_interval eval_iters max_new_tokens num_draft "
+                "quality_positions bench_prompts bench_prompt_len bench_tokens bench_repeats",
+    "[10, inf)": "sweep_positions",  # the learned rule is fitted on ten pieces of train
+    "[2, inf)": "n_layer block_size",
+    "(0, inf)": "learning_rate distill_temperature",
+    "[0, 1)": "dropout beta1 beta2 layer_dropout",
+    "(0, 1)": "epsilon delta",
+    "[0, 1]": "schedule_disagreement",
+    "[-1, 1]": "exit_threshold",  # -1 calibrates on val; not in (-1, 0)
 }
 CHOICES = {"init_from": ("scratch", "resume"),
            "kv_strategy": (*KV_STRATEGIES, "self_speculative"),
@@ -2665,7 +2635,7 @@ def build_parser():
     A field not given stays out of what it parses (SUPPRESS), so LabConfig's default holds."""
     source = inspect.getsource(Config) + inspect.getsource(LabConfig)
     comments = dict(re.findall(r"^ +(\w+): .*?  # (.*)$", source.replace("%", "%%"), re.M))
-    rules = {name: f" in {rule}" for rule, names in RANGES.items() for name in names}
+    rules = {name: f" in {rule}" for rule, names in RANGES.items() for name in names.split()}
     rules.update({name: f" one of {', '.join(choices)}" for name, choices in CHOICES.items()})
     parser = ArgumentParser(
         usage="nanogpt_exit_head.py [--name=value ...]", allow_abbrev=False,
@@ -2694,7 +2664,7 @@ def parse_args(argv):
 def validate(config):
     """The ranges, the rules that tie fields together, the files and the folder."""
     for rule, names in RANGES.items():
-        for name in names:
+        for name in names.split():
             if not in_range(getattr(config, name), rule):
                 raise ValueError(f"--{name}={getattr(config, name)} is outside {rule}")
     for bad, message in (
@@ -2810,26 +2780,27 @@ ANALYSES = (
 def sample_decoder(lab):
     """The early-exit sample's decoder (--kv_strategy) and its label."""
     cfg, name = lab.config, lab.config.kv_strategy
+    spec = (cfg.draft_exit, cfg.num_draft)
     if name == "self_speculative":
-        label = (f"self_speculative, layer {cfg.draft_exit} drafts up to {cfg.num_draft} a round, "
-                 "the rest verify")
-        return decoder(lab.model, name, spec=(cfg.draft_exit, cfg.num_draft)), label
+        return decoder(lab.model, name, spec=spec), (f"{name}, layer {spec[0]} drafts up to "
+                                                     f"{spec[1]} a round, the rest verify")
     plan = {"measure": cfg.confidence_measure, "threshold": lab.threshold,
             "checked_exits": parse_exit_layers(cfg.exit_layers, cfg.n_layer)}
     if name == "skipdecode":
         plan = lab.plans[1][name]
-    label = f"{name}, {plan['measure']} > {plan['threshold']:g}"
-    return decoder(lab.model, name, plan, lab.rules), label
+    return decoder(lab.model, name, plan, lab.rules), (f"{name}, {plan['measure']} > "
+                                                       f"{plan['threshold']:g}")
 
 def generation_report(lab, samples):
     """The report.json entry of both samples (report.html colours each character by its exit)."""
     (full, full_speed), (early, speed) = samples["full-depth"], samples["early-exit"]
-    T0, exited_at = len(lab.config.prompt), early.exited_at[0].tolist()
+    text, T0 = lab.tokenizer.decode, len(lab.config.prompt)
+    exited_at = early.exited_at[0].tolist()
     return {"exit_threshold": lab.threshold, "kv_strategy": lab.config.kv_strategy,
             "exit_counts": [exited_at.count(l) for l in range(lab.config.n_layer)],
             "tokens_per_second": speed, "full_depth_tokens_per_second": full_speed,
-            "sample": lab.tokenizer.decode(early.tokens[0, T0:].tolist()), "exited_at": exited_at,
-            "full_depth_sample": lab.tokenizer.decode(full.tokens[0, T0:].tolist())}
+            "sample": text(early.tokens[0, T0:].tolist()), "exited_at": exited_at,
+            "full_depth_sample": text(full.tokens[0, T0:].tolist())}
 
 def summary(report):
     """The run's answers in four lines: the model's loss, what early exit skips with a guarantee,
@@ -2885,31 +2856,25 @@ def run_lab(lab, report):
     write_report(report, lab.config, "report")
 
 def run(config, overridden):
-    """The default job: the lab's model (trained, resumed or loaded), its samples and every
-    analysis; --lesson_only runs Part I alone. Under torchrun every process trains, and rank 0
-    alone analyses, prints and writes."""
+    """The default job: the lab's model (trained, resumed, or loaded by --sample_only), its
+    samples and every analysis; --lesson_only runs Part I alone. Under torchrun every process
+    trains, and rank 0 alone analyses, prints and writes (--sample_only: rank 0 alone runs)."""
     torch.manual_seed(config.seed)
     if config.lesson_only:
         return run_lesson(lesson_config(config), pick_device(config.device))
-    if config.sample_only:
-        return sample_only(config, overridden)
-    rank, world, device = start_processes(config)
+    if config.sample_only and int(os.environ.get("RANK", "0")) > 0:
+        return None
+    rank, world, device = start_processes(config, config.sample_only)
     tokenizer, splits = load_data(config)
     report = {}
-    model = train_or_resume(config, tokenizer, splits, device, overridden, rank, world, report)
+    if config.sample_only:
+        model = new_or_resumed(config, tokenizer, device, overridden)[0]  # no training
+    else:
+        model = train_or_resume(config, tokenizer, splits, device, overridden, rank, world, report)
     if world > 1:
         torch.distributed.destroy_process_group()
     if rank == 0:
-        run_lab(Lab(model, tokenizer, splits, config, device, world), report)
-
-def sample_only(config, overridden):
-    """--sample_only: the checkpoint's two samples, in one process (under torchrun: rank 0's)."""
-    if int(os.environ.get("RANK", "0")) > 0:
-        return
-    device = pick_device(config.device)
-    tokenizer, splits = load_data(config)
-    model = new_or_resumed(config, tokenizer, device, overridden)[0].eval()  # no training
-    run_lab(Lab(model, tokenizer, splits, config, device), {})
+        run_lab(Lab(model.eval(), tokenizer, splits, config, device, world), report)
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv

@@ -19,6 +19,10 @@
   if (document.documentElement.scrollWidth > W + 0.5) bad.push("page wider than the screen");
   const out = document.createElement("pre");
   out.id = "probe";
-  out.textContent = JSON.stringify({width: W, bad: bad});
+  const shown = [...document.querySelectorAll("table, svg")].filter(e => {
+    const r = e.getBoundingClientRect();
+    return r.width > 0 && r.height > 0;
+  }).length;
+  out.textContent = JSON.stringify({width: W, bad: bad, shown: shown});
   document.body.appendChild(out);
 })();

@@ -1,11 +1,12 @@
 """The command line: overrides, --help, checkpoints and resume, the report, bad input."""
 
 import json
+import os
 
 import pytest
 import torch
 
-from conftest import m
+from conftest import ROOT, m
 
 
 # --- command line, checkpoints, bad input --------------------------------------------
@@ -35,18 +36,33 @@ def test_help_lists_every_field(capsys):
     assert "how many transformer blocks" in out
 
 
-def test_checkpoint_round_trip_and_resume(tmp_path):
-    assert run_main(tmp_path, "--max_iters=4") == 0
+def train_only(tmp_path, *args):
+    """The command line's config, trained or resumed, without the lab after it: (report, stdout is the
+    caller's)."""
+    config, overridden = m.parse_args(TINY_ARGS + [f"--out_dir={tmp_path}", *args])
+    tokenizer, splits = m.load_data(config)
+    report = {}
+    torch.manual_seed(config.seed)
+    with torch.enable_grad():
+        m.train_or_resume(config, tokenizer, splits, "cpu", overridden, report=report)
+    return report
+
+
+def test_checkpoint_round_trip_and_resume(tmp_path, capsys):
+    report = train_only(tmp_path, "--max_iters=4")
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
     assert ckpt["iter_num"] == 4 and set(ckpt) >= {"model", "optimizer", "config", "vocab"}
-    report = json.loads((tmp_path / "report.json").read_text())
     # resuming a finished run trains nothing and evaluates the same weights
-    assert run_main(tmp_path, "--max_iters=4", "--init_from=resume") == 0
-    again = json.loads((tmp_path / "report.json").read_text())
-    assert again["val_loss"] == report["val_loss"]
+    capsys.readouterr()
+    again = train_only(tmp_path, "--init_from=resume")
+    out = capsys.readouterr().out
+    assert again["val_loss"] == report["val_loss"] and again["ms_per_iter"] is None
+    assert f"resumed from {tmp_path / 'ckpt.pt'} at step 4 of max_iters=4: no training this run" in out
+    assert "trained steps" not in out
     # resuming with a larger budget continues from iteration 4
-    assert run_main(tmp_path, "--max_iters=6", "--init_from=resume") == 0
+    train_only(tmp_path, "--max_iters=6", "--init_from=resume")
     assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["iter_num"] == 6
+    assert "trained steps 4..6 in" in capsys.readouterr().out
     assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
 
 
@@ -80,6 +96,7 @@ BAD_INPUTS = [
     (["max_iters=10"], "--name=value"),
     (["--kv_strategy=magic"], "kv_strategy"),
     (["--init_from=resume"], "no readable checkpoint"),
+    (["--sweep_positions=9"], "--sweep_positions=9 is outside [10, inf)"),  # the learned rule's ten pieces
 ]
 
 
@@ -91,11 +108,25 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, message):
     assert not (tmp_path / "ckpt.pt").exists()
 
 
-def test_empty_input_file(tmp_path, capsys):
-    empty = tmp_path / "empty.txt"
-    empty.write_text("")
-    assert run_main(tmp_path, f"--input_path={empty}") == 2
-    assert "(0 characters) is too short" in capsys.readouterr().err
+def test_a_text_of_fewer_than_two_characters_is_refused_before_training(tmp_path, capsys):
+    """A model chooses between characters: a text of none or one is one line and status 2; two run."""
+    for text, distinct in (("", 0), ("a" * 5000, 1)):
+        path = tmp_path / f"{distinct}.txt"
+        path.write_text(text)
+        assert run_main(tmp_path / "out", f"--input_path={path}", "--prompt=a") == 2
+        err = capsys.readouterr().err
+        assert f"holds {distinct} distinct characters" in err and err.count("\n") == 1
+        assert not (tmp_path / "out" / "ckpt.pt").exists()
+    two = tmp_path / "two.txt"
+    two.write_text("ab" * 2500)
+    assert run_main(tmp_path / "ok", f"--input_path={two}", "--prompt=a", "--max_iters=1", "--shift_path=") == 0
+
+
+def test_sweep_positions_of_ten_run_the_whole_lab(tmp_path):
+    """The learned rule is fitted on ten pieces of train: ten positions is the least that runs, one fewer
+    is refused before training (BAD_INPUTS)."""
+    assert run_main(tmp_path, "--sweep_positions=10", "--max_iters=1") == 0
+    assert json.loads((tmp_path / "report.json").read_text())["config"]["sweep_positions"] == 10
 
 
 def test_mismatched_checkpoint(tmp_path, capsys):
@@ -117,31 +148,40 @@ def test_mismatched_checkpoint(tmp_path, capsys):
 def test_report_has_the_strategies_and_calibration(tmp_path):
     assert run_main(tmp_path, "--n_layer=3", "--max_iters=2") == 0
     r = json.loads((tmp_path / "report.json").read_text())
-    names = ["full", "backfill", "deferred", "state_copy", "holes", "self_speculative", "2-layer GPT"]
+    names = ["full", "backfill", "deferred", "state_copy", "holes", "skipdecode", "self_speculative", "2-layer GPT"]
     assert [(row["mode"], row["name"]) for row in r["strategies"]] == [(mode, n) for mode in ("greedy", "sampled")
                                                                       for n in names]
     keys = {"name", "mode", "tokens_per_second", "speedup", "mean_layers", "prefill_layers",
             "repetition", "test_loss", "test_accuracy", "agreement"}
     assert all(keys <= set(row) for row in r["strategies"])
     per_token = [row for row in r["strategies"] if row["name"] in ("backfill", "deferred", "state_copy", "holes")]
-    assert all({"checked_exits", "threshold", "predicted_speedup"} <= set(row) for row in per_token)
-    assert all(0 <= row["threshold"] <= 1 for row in per_token)
+    for row in per_token:  # the plan chosen on val, and its predicted speed-up, are the row's
+        plan = r["plans"][row["name"]]
+        assert (row["exit_at"], row["threshold"], row["predicted_speedup"]) == (
+            plan["label"], plan["threshold"], plan["predicted_speedup"])
+        assert row["threshold"] == r["generation"]["exit_threshold"]
     spec = [row for row in r["strategies"] if row["name"] == "self_speculative"]
     assert all({"acceptance_rate", "draft_exit", "num_draft", "identical_to_full"} <= set(s) for s in spec)
     assert spec[0]["identical_to_full"] is True and spec[1]["identical_to_full"] is None
-    assert r["workload"] == {"split": "test", "prompts": 2, "prompt_len": 8, "tokens": 20, "repeats": 1,
-                             "chosen_on": "val"}
+    assert r["notes"]["strategies"][0] == "2 test prompts of 8 characters, 20 more each, batch 1, median of 1 interleaved runs"
     cal = r["calibration"]
     assert {"measure", "epsilon", "delta", "threshold", "val", "test"} <= set(cal)
     assert {"disagreement", "loss", "full_loss", "accuracy", "compute_saved"} <= set(cal["test"])
-    assert len(r["sweep"]) == len(m.THRESHOLDS)
+    assert len(r["sweep_curve"]) == len(m.THRESHOLDS) and [e["threshold"] for e in r["sweep"]] == [
+        t / 10 for t in range(10, -1, -1)]  # the table shows every tenth
     rules = [c["measure"] for c in r["calibration_by_measure"]]
-    assert rules == ["top1", "margin", "entropy", "patience", "saturation", "learned", "oracle"]
-    assert all(0 <= c["test"]["oracle_share"] <= 1 for c in r["calibration_by_measure"])
-    assert all({"ms_p50", "ms_p95", "ms_p99", "prompt_ms_p95"} <= set(row) for row in r["strategies"])
-    assert [row["layers"] for row in r["depths"]["rows"]] == [2] and r["depths"]["verdict"][1].startswith("a 2-layer GPT is ")
+    chosen = r["chosen_rule"]
+    assert rules == ["top1", "margin", "entropy", "patience", "saturation", "learned", f"{chosen['measure']}, chosen",
+                     "oracle"]
+    assert chosen["delta"] == pytest.approx(0.05 / 6) and chosen["measure"] in rules[:6]
+    oracle = r["calibration_by_measure"][-1]["test"]["compute_saved"]
+    for c in r["calibration_by_measure"]:
+        assert c["test"]["oracle_share"] == pytest.approx(c["test"]["compute_saved"] / max(oracle, 1e-9))
+    assert all({"first_ms", "gap_p50", "gap_p95", "gap_p99", "prompt_ms_p95"} <= set(row) for row in r["strategies"])
+    assert [row["layers"] for row in r["depths"]] == [2] and r["verdict"][1].startswith("a 2-layer GPT is ")
     assert [k["kind"] for k in r["slices"]] == ["lowercase", "capital", "space", "punctuation", "newline"]
-    assert r["calibration"]["shift"]["held"] in (True, False) and len(r["exit_calibration"]) == 3
+    shift = r["calibration"]["shift"]
+    assert shift["held"] == (shift["disagreement"] <= r["calibration"]["epsilon"]) and len(r["exit_calibration"]) == 3
 
 
 def test_default_run_tells_the_story_in_order(tmp_path, capsys):
@@ -151,7 +191,7 @@ def test_default_run_tells_the_story_in_order(tmp_path, capsys):
              "=== Which threshold?", "=== Which exit rule, with a guarantee", "=== How patient?",
              "=== Does one confidence mean the same", "=== Does the guarantee hold on text of another kind?",
              "Does an exit need a trained head?", "What does 'easy' mean", "What does each KV strategy buy?",
-             "=== Average or tail?", "=== Would a smaller model do as well?", "Worth it?"]
+             "=== Average or tail", "=== Would a smaller model do as well?", "Worth it?"]
     positions = [out.index(o) for o in order]
     assert positions == sorted(positions)
 
@@ -189,6 +229,23 @@ def test_part_one_is_within_5000_tokens_and_never_calls_forward():
     assert {"ExitHead", "GPT", "KVCache", "decode_step", "generate", "format_exit_stats", "train", "run_lesson"} <= part1
 
 
+def test_the_text_above_the_part_ii_banner_is_what_the_docstring_says(tmp_path):
+    """Run as a script of its own it defines the lesson and runs nothing (no output, status 0); imported, its
+    run_lesson trains and samples (the next test): as the docstring and the README say."""
+    import subprocess
+    import sys
+
+    text, _ = part_one_text()
+    (tmp_path / "part_one.py").write_text(text)
+    proc = subprocess.run([sys.executable, str(tmp_path / "part_one.py")], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", "")
+    readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    for told in (" ".join(m.__doc__.split()), readme):
+        assert "imports alone, and its run_lesson is what --lesson_only runs" in told
+        assert "when run" not in told and "run only the text above" not in told
+
+
 def test_part_one_runs_alone(capsys, monkeypatch):
     """Only the text above the Part II banner, executed on its own: it trains, samples and prints the statistics."""
     import os
@@ -221,8 +278,8 @@ def test_explicit_exit_layers_still_work(tmp_path):
             "--sweep_positions=500", f"--out_dir={tmp_path}"]
     assert m.main(args) == 0
     rows = json.loads((tmp_path / "report.json").read_text())["strategies"]
-    per_token = [r for r in rows if r["name"] in m.KV_STRATEGIES]
-    assert len(per_token) == 8 and all(r["checked_exits"] == "1" for r in per_token)
+    per_token = [r for r in rows if r["name"] in m.KV_STRATEGIES and r["name"] != "skipdecode"]
+    assert len(per_token) == 8 and all(r["exit_at"] == "1" for r in per_token)
 
 
 def test_no_line_of_the_script_is_over_100_characters():

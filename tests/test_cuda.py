@@ -53,7 +53,11 @@ def test_decode_steps_on_cuda_equal_the_cpus():
     gpu = copy.deepcopy(model).cuda()
     idx, forced = torch.randint(0, 11, (2, 3)), torch.randint(0, 11, (2, 20))
     for strategy in m.KV_STRATEGIES:
-        cpu = m.generate(model, idx, 20, strategy=m.KV_STRATEGIES[strategy], exit_threshold=0.6, forced=forced)
-        cuda = m.generate(gpu, idx.cuda(), 20, strategy=m.KV_STRATEGIES[strategy], exit_threshold=0.6,
-                            forced=forced.cuda())
+        checked = [3] * 6 + [1] * 10 if strategy == "skipdecode" else [0, 1, 2]  # skipdecode: a schedule
+        kw = dict(strategy=m.KV_STRATEGIES[strategy], exit_threshold=0.6, checked_exits=checked)
+        cpu = m.generate(model, idx, 20, forced=forced, **kw)
+        cuda = m.generate(gpu, idx.cuda(), 20, forced=forced.cuda(), **kw)
         assert torch.allclose(cpu.logits, cuda.logits.cpu(), atol=1e-4), strategy
+        assert torch.equal(cpu.exited_at, cuda.exited_at.cpu()), strategy
+    spec = m.generate_self_speculative(gpu, idx.cuda(), 40, 0, 4)
+    assert torch.equal(spec.tokens.cpu(), m.generate(model, idx, 40).tokens)

@@ -70,20 +70,22 @@ def test_lesson_only_is_part_one_alone(tmp_path, capsys, monkeypatch):
 
 def test_an_unknown_strategy_name_is_an_error_not_backfill():
     model = tiny_model()
-    plan = {"threshold": 0.5, "checked_exits": [0, 1, 2]}
+    plan = {"measure": "margin", "threshold": 0.5, "checked_exits": [0, 1, 2]}
     with pytest.raises(ValueError, match="unknown KV strategy 'defered'"):
         m.decoder(model, "defered", plan)
-    assert m.decoder(model, "deferred", plan).keywords["strategy"] is m.Deferred
+    made = m.decoder(model, "deferred", plan).keywords
+    assert made["strategy"] is m.Deferred and made["measure"] is m.EXIT_RULES["margin"]
 
 
 def test_predictions_and_speedups_share_one_full_depth_baseline(monkeypatch):
     """Where full depth could be timed two ways (eager for the cost model, CUDA graphs for the table), the
-    predictions and the measured speed-ups would divide by different baselines: there is one way."""
+    predictions and the measured speed-ups would divide by different baselines: there is one way, the
+    lesson's generate, for the unit costs, the val timings and the table."""
     model = tiny_model()
-    config = model.config
-    config.quality_positions, config.bench_tokens, config.bench_repeats = 40, 6, 1
-    config.bench_prompts, config.bench_prompt_len, config.exit_layers = 4, 6, "all"
-    splits = {name: torch.randint(0, 11, (400,), generator=torch.Generator().manual_seed(i))
+    config = m.LabConfig(**{**vars(model.config), "quality_positions": 40, "bench_tokens": 6, "bench_repeats": 1,
+                            "bench_prompts": 4, "bench_prompt_len": 6, "sweep_positions": 300, "shift_path": "",
+                            "exit_threshold": 0.5})
+    splits = {name: torch.randint(0, 11, (4000,), generator=torch.Generator().manual_seed(i))
               for i, name in enumerate(("train", "val", "test"))}
     full_depth = []
     monkeypatch.setattr(m, "graphs_on", lambda *a: True, raising=False)  # as on CUDA
@@ -95,9 +97,14 @@ def test_predictions_and_speedups_share_one_full_depth_baseline(monkeypatch):
             full_depth.append("eager")
         return real(*args, **kwargs)
     monkeypatch.setattr(m, "generate", generate)
-    rows = m.compare_strategies(model, splits, config, "cpu", {}, 0.5)[0]
-    assert all(r["predicted_speedup"] > 0 for r in rows if r["name"] != "full")
-    assert set(full_depth) == {"eager"}
+    lab = m.Lab(model, m.CharTokenizer("abcdefghijk"), splits, config, "cpu")
+    lab.__dict__["smaller"] = {}  # no plain GPTs to train here
+    rows = lab.measured[0]
+    costs, plans = lab.plans
+    assert costs["token"] > 0 and full_depth and set(full_depth) == {"eager"}
+    for row in rows:
+        if row["name"] in plans:
+            assert row["predicted_speedup"] == plans[row["name"]]["predicted_speedup"]
 
 
 @pytest.mark.parametrize("terminal", ["stdout", "stderr"])

@@ -6,9 +6,7 @@ import math
 import os
 import re
 import shutil
-import struct
 import subprocess
-import zlib
 from html.parser import HTMLParser
 
 import pytest
@@ -56,16 +54,16 @@ def test_every_number_on_the_page_is_the_reports(page):
     parser = Numbers()
     parser.feed(path.read_text())
     keys = {k.split(".")[0] for k, _ in parser.data}
-    assert {"generation", "sweep", "calibration", "calibration_by_measure", "strategies", "logit_lens",
-            "slices", "patience", "exit_calibration", "depths", "test_sweep"} <= keys
+    assert {"generation", "sweep", "sweep_curve", "calibration", "calibration_by_measure", "strategies", "tail",
+            "logit_lens", "slices", "patience", "exit_calibration", "depths", "test_sweep", "shift"} <= keys
     # the Learn-then-Test table: every measure's test figures, and the summary's headline figures
     tagged = {k for k, _ in parser.data}
     for i in range(len(report["calibration_by_measure"])):
         assert {f"calibration_by_measure.{i}.test.{k}" for k in ("compute_saved", "disagreement", "loss",
                                                                  "accuracy", "oracle_share")} <= tagged
     assert {f"slices.{i}.disagreement" for i in range(len(report["slices"]))} <= tagged
-    assert {f"strategies.{i}.ms_p99" for i in range(len(report["strategies"]))} <= tagged
-    assert {f"calibration_by_measure.{i}.shift.disagreement" for i in range(6)} <= tagged
+    assert {f"tail.{i}.gap_p99" for i in range(len(report["tail"]))} <= tagged
+    assert {f"shift.{i}.shift.disagreement" for i in range(6)} <= tagged
     assert {f"exit_calibration.{i}.ece_data" for i in range(report["config"]["n_layer"])} <= tagged
     for key, value in parser.data:
         assert float(value) == pytest.approx(float(lookup(report, key)), rel=1e-12), key
@@ -78,7 +76,7 @@ def test_the_page_is_self_contained_and_has_both_schemes(page):
     assert "prefers-color-scheme: dark" in html and "<svg" in html
     for question in ("What does early exit look like?", "Which threshold?",
                      "What does each KV strategy buy?", "Does an exit need a trained head?",
-                     "Which exit rule, with a guarantee", "Average or tail?", "Would a smaller model do as well?",
+                     "Which exit rule, with a guarantee", "Average or tail", "Would a smaller model do as well?",
                      "Does the guarantee hold on text of another kind?", "What does &#x27;easy&#x27;"
                      if "&#x27;" in html else "What does 'easy' mean"):
         assert question in html
@@ -105,51 +103,44 @@ def test_layer_colours_are_sequential():
     assert m.layer_colour(0, 6) == "#440154" and m.layer_colour(5, 6) == "#fde725"
 
 
-def png_size_and_variety(data):
-    """(width, height, distinct byte values in the decompressed pixel data) of a PNG file."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    width, height = struct.unpack(">II", data[16:24])
-    idat, i = b"", 8
-    while i < len(data):
-        n, kind = struct.unpack(">I4s", data[i : i + 8])
-        if kind == b"IDAT":
-            idat += data[i + 8 : i + 8 + n]
-        i += 12 + n
-    return width, height, len(set(zlib.decompress(idat)))
-
-
 def chromium():
     return next((shutil.which(b) for b in ("chromium", "chromium-headless-shell", "chrome-headless-shell",
                                            "chromium-browser") if shutil.which(b)), None)
 
 
 def test_the_page_renders_in_headless_chromium(page, tmp_path):
+    """At 1200 px wide every table and chart of the page has a box of its own, and nothing runs off."""
     browser = chromium()
     if browser is None:
         pytest.skip("no headless Chromium here; .ci/run installs Debian's chromium-headless-shell")
-    empty = tmp_path / "empty.html"  # the page with no section: a title on a plain background
-    m.write_html_report({"config": page[1]["config"]}, str(empty))
-    shots = {}
-    for name, html in (("report", page[0]), ("empty", empty)):
-        shots[name] = tmp_path / f"{name}.png"
-        subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                        f"--screenshot={shots[name]}", "--window-size=1200,900", html.as_uri()],
-                       check=True, capture_output=True, timeout=120)
-    width, height, variety = png_size_and_variety(shots["report"].read_bytes())
-    assert (width, height) == (1200, 900)
-    assert variety > 50, "the screenshot is blank"
-    # the coloured sample and the charts carry far more detail than a title alone
-    assert shots["report"].stat().st_size > 2 * shots["empty"].stat().st_size
-    # the report's page cut after its summary renders far more than the bare page (title and model line)
-    full = page[0].read_text()
-    pages = {"summary": full[: full.index("</div>", full.index("<div id='summary'>"))] + "</div></body></html>"}
-    for name, html in pages.items():
-        (tmp_path / f"{name}.html").write_text(html)
-        shots[name] = tmp_path / f"{name}.png"
-        subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                        f"--screenshot={shots[name]}", "--window-size=1200,900", (tmp_path / f"{name}.html").as_uri()],
-                       check=True, capture_output=True, timeout=120)
-        assert shots[name].stat().st_size > 2 * shots["empty"].stat().st_size, name
+    html = page[0].read_text()
+    found = probe(browser, html, tmp_path, "wide", 1200)
+    assert found["width"] == 1200 and found["bad"] == []
+    assert found["shown"] == html.count("<table") + html.count("<svg") >= 10
+
+
+def test_numbers_without_a_key_are_the_reports_too(page):
+    """The numbers a page shows outside its keyed cells: the summary's lines, the conditions and notes under
+    each question (report.json keeps them, word for word), and chart ticks that cover the chart's points."""
+    html, report = page[0].read_text(), page[1]
+    for key, (conditions, *notes) in report["notes"].items():
+        section_html = html.split(f"<section id='{key}'>")[1].split("</section>")[0]
+        assert f"<p>{m.esc(conditions)}</p>" in section_html, key
+        assert all(f"<p class='muted'>{m.esc(note)}</p>" in section_html for note in notes), key
+    prose = re.findall(r"<p(?: class='muted')?>([^<]*)</p>", html)
+    told = {m.esc(t) for v in report["notes"].values() for t in v} | {m.esc(m.legend(a.table[1])) for a in m.ANALYSES}
+    cfg, g = report["config"], report["generation"]
+    rest = [[float(n) for n in re.findall(r"\d+(?:\.\d+)?", p)] for p in prose if re.search(r"\d", p) and p not in told]
+    # the model's shape (the summary), and the sample's threshold and layers (its caption)
+    assert rest == [[cfg["n_layer"], cfg["n_head"], cfg["n_embd"], cfg["block_size"]],
+                    [g["exit_threshold"], 0, cfg["n_layer"] - 1]], "a number the report does not hold"
+    for chart in re.findall(r"<svg .*?</svg>", html, flags=re.DOTALL):
+        if "epsilon:" in chart:  # its axis is zoomed on purpose: points above it sit at the top
+            continue
+        ticks = [float(t.strip("x%+")) for t in re.findall(r'text-anchor="end">([^<]+)</text>', chart)]
+        values = [float(v) for v in re.findall(r'data-value="([^"]+)"', chart)]
+        scale = 100 if "%" in chart.split('text-anchor="end">')[1][:12] else 1
+        assert min(ticks) <= scale * min(values) + 1e-9 and max(ticks) >= scale * max(values) - 1e-9
 
 
 def test_the_summary_opens_the_page_and_links_every_section(page):
@@ -162,7 +153,7 @@ def test_the_summary_opens_the_page_and_links_every_section(page):
     assert f"{report['calibration']['test']['compute_saved']:.1%}" in summary
     assert "move with its load" in summary and "val loss" in summary
     assert all(f"<li>{m.esc(line)}</li>" in summary for line in report["summary"]), "the console's summary"
-    assert m.esc(report["depths"]["verdict"][1]) in summary, "the answer to 'worth it?' opens the page"
+    assert m.esc(report["verdict"][1]) in summary, "the answer to 'worth it?' opens the page"
     assert len(report["summary"]) == 4
 
 
@@ -185,26 +176,31 @@ def test_the_page_keeps_three_kinds_of_chart_and_each_has_axis_titles_ticks_and_
     eps = page[1]["calibration"]["epsilon"]
     assert "disagreement with full depth" in sweeps[1] and eps == 0.01 and ">epsilon: 1%</text>" in sweeps[1]
     cal = page[1]["calibration"]
-    assert ">epsilon: 0.5%</text>" in m.html_sweep(dict(page[1], calibration=dict(cal, epsilon=0.005)))
+    assert ">epsilon: 0.5%</text>" in m.sweep_charts(dict(page[1], calibration=dict(cal, epsilon=0.005)))
     # a calibrated threshold near 1 has its label on the left of its line, inside the chart
-    assert 'text-anchor="end">calibrated: 0.95<' in m.html_sweep(dict(page[1], calibration=dict(cal, threshold=0.95)))
-    assert f">{2 * eps:.1%}</text>" in sweeps[1] and max(e["disagreement"] for e in page[1]["sweep"]) > 2 * eps
+    assert 'text-anchor="end">calibrated: 0.95<' in m.sweep_charts(dict(page[1], calibration=dict(cal, threshold=0.95)))
+    assert f">{2 * eps:.1%}</text>" in sweeps[1] and max(e["disagreement"] for e in page[1]["sweep_curve"]) > 2 * eps
     assert min(points(sweeps[1])) >= min(grid(sweeps[1])) - 1e-6, "over the axis: drawn at its top"
     depths = [c for c in charts if "exit depth, teacher-forced" in c]
     assert len(depths) == 1 and ">early exit, by threshold</text>" in depths[0] and ">a smaller GPT</text>" in depths[0]
-    assert depths[0].count("<circle ") == len(page[1]["test_sweep"]) + len(page[1]["depths"]["rows"])
+    assert depths[0].count("<circle ") == len(page[1]["test_sweep"]) + len(page[1]["depths"])
+
+
+def probe(browser, html, tmp_path, name, width=420):
+    """The page in headless Chromium at `width` px: text under 11 px (computed, SVG scale included), tables
+    or charts that run off the screen without a box that scrolls them, and how many tables and charts have
+    a box at all (tests/phone_probe.js measures them)."""
+    script = open(os.path.join(os.path.dirname(__file__), "phone_probe.js"), encoding="utf-8").read()
+    path = tmp_path / f"{name}.html"
+    path.write_text(html.replace("</body>", f"<script>{script}</script></body>"))
+    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                          f"--window-size={width},900", "--dump-dom", path.as_uri()],
+                         check=True, capture_output=True, text=True, timeout=120).stdout
+    return json.loads(html_lib.unescape(re.search(r'<pre id="probe">(.*?)</pre>', dom).group(1)))
 
 
 def phone_problems(browser, html, tmp_path, name):
-    """The page at 420 px in headless Chromium: text under 11 px (computed, SVG scale included), and tables
-    or charts that run off the screen without a box that scrolls them (tests/phone_probe.js lists them)."""
-    probe = open(os.path.join(os.path.dirname(__file__), "phone_probe.js"), encoding="utf-8").read()
-    page = tmp_path / f"{name}.html"
-    page.write_text(html.replace("</body>", f"<script>{probe}</script></body>"))
-    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                          "--window-size=420,900", "--dump-dom", page.as_uri()],
-                         check=True, capture_output=True, text=True, timeout=120).stdout
-    found = json.loads(html_lib.unescape(re.search(r'<pre id="probe">(.*?)</pre>', dom).group(1)))
+    found = probe(browser, html, tmp_path, name)
     assert found["width"] == 420
     return found["bad"]
 

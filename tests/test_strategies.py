@@ -1,5 +1,7 @@
 """The KV-cache strategies: deferred is exact, state copy writes what it claims, holes leaves holes."""
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -66,8 +68,8 @@ def test_state_copy_writes_kv_from_the_exit_state(bias):
     model = tiny_model(bias=bias)
     cache = m.KVCache(model.config, 1, "cpu")
     idx = torch.tensor([[4]])
-    logits, layer = m.decode_step(model, cache, idx, 0, m.StateCopy(), 0.0, [1])
-    assert int(layer) == 1 and cache.lengths == [1, 1, 1, 1]
+    logits, layer, checks = m.decode_step(model, cache, idx, 0, m.StateCopy(), 0.0, [1])
+    assert int(layer) == 1 and checks == 1 and cache.lengths == [1, 1, 1, 1]
     x = model.embed(idx)
     for l in range(2):
         x = model.transformer.h[l](x)
@@ -92,13 +94,23 @@ def test_holes_leave_the_upper_layers_short():
 
 
 @pytest.mark.parametrize("name", m.KV_STRATEGIES)
-@pytest.mark.parametrize("batch", [1, 3])
-def test_every_strategy_generates_three_block_sizes(name, batch):
+def test_every_strategy_decodes_past_block_size_in_a_batch(name):
+    """Three windows of 16 at batch 3: each row's teacher-forced choices, decoded alone, are the
+    batch's; and the early exits really happen."""
     model = tiny_model()
-    out = m.generate(model, torch.zeros(batch, 1, dtype=torch.long), 48, strategy=m.KV_STRATEGIES[name], exit_threshold=0.6,
-                     temperature=1.0, generator=torch.Generator().manual_seed(0))
-    assert out.tokens.shape == (batch, 49)
-    assert ((0 <= out.exited_at) & (out.exited_at < 4)).all()
+    plan = {"threshold": 0.6, "checked_exits": [0, 1, 2]}
+    if name == "skipdecode":  # its checked exits are its schedule, by window position
+        plan = {"threshold": 0.0, "checked_exits": [3] * 6 + [1] * 10}
+    forced = torch.randint(0, 11, (3, 48), generator=torch.Generator().manual_seed(0))
+    kw = dict(strategy=m.KV_STRATEGIES[name], exit_threshold=plan["threshold"],
+              checked_exits=plan["checked_exits"])
+    out = m.generate(model, torch.zeros(3, 1, dtype=torch.long), 48, forced=forced, **kw)
+    assert 0.1 < (out.exited_at < 3).float().mean() < 0.9
+    if name in ("backfill", "deferred", "skipdecode"):  # an exact cache: rows do not interact
+        for b in range(3):
+            alone = m.generate(model, torch.zeros(1, 1, dtype=torch.long), 48, forced=forced[b : b + 1], **kw)
+            assert torch.equal(out.exited_at[b], alone.exited_at[0])
+            assert torch.allclose(out.logits[b], alone.logits[0], atol=1e-5)
 
 
 def test_batch_step_runs_as_deep_as_its_deepest_row():
@@ -129,7 +141,7 @@ def test_speed_pass_interleaves_the_decoders_a_call_at_a_time():
         return decode
 
     prompts = torch.randint(0, 11, (3, 2))
-    out = m.speed_pass({"a": (recorder("a"), 0.0), "b": (recorder("b"), 0.0)}, prompts, 1, 4, 2, 7, 0)
+    out = m.speed_pass({"a": recorder("a"), "b": recorder("b")}, prompts, 1, 4, 2, 7)
     # 3 calls a pass, 2 passes; batch i samples from seed + i whichever decoder and pass runs it
     assert calls == [(name, 7 + i) for i in range(3) for name in "ab"] * 2
     assert len(out["a"]["outputs"]) == len(out["b"]["outputs"]) == 3  # the last pass's
@@ -138,15 +150,19 @@ def test_speed_pass_interleaves_the_decoders_a_call_at_a_time():
 def test_quality_pass_and_speed_pass_report_what_they_ran():
     model = tiny_model()
     data = torch.randint(0, 11, (100,))
-    plan = {"threshold": 0.6, "checked_exits": [0, 1, 2]}
-    runs = {n: m.decoder(model, n, plan, spec=(0, 4)) for n in ("full", *m.KV_STRATEGIES, "self_speculative")}
-    quality = {n: m.quality_pass(runs[n], data, 40) for n in ("full", *m.KV_STRATEGIES)}
+    plan = {"measure": "top1", "threshold": 0.6, "checked_exits": [0, 1, 2]}
+    names = ("full", "backfill", "deferred", "state_copy", "holes", "self_speculative")
+    runs = {n: m.decoder(model, n, plan, spec=(0, 4)) for n in names}
+    quality = {n: m.quality_pass(runs[n], data, 40) for n in names[:-1]}
     assert quality["full"]["mean_layers"] == 4.0 and bool((quality["full"]["exited_at"] == 3).all())
     assert quality["deferred"]["test_loss"] == pytest.approx(quality["backfill"]["test_loss"], abs=1e-5)
-    assert quality["state_copy"]["mean_layers"] < 4.0
-    speed = m.speed_pass({n: (r, 1.0) for n, r in runs.items()}, data[:6].view(3, 2), 1, 20, 2, 0, 0)
-    assert set(speed) == set(runs) and all(s["tokens_per_second"] > 0 for s in speed.values())
-    assert speed["full"]["mean_layers"] == 4.0 and speed["holes"]["mean_layers"] <= 4.0
+    # state_copy runs as deep as each token needs: its mean exit depth plus one
+    assert quality["state_copy"]["mean_layers"] == pytest.approx(float(quality["state_copy"]["exited_at"].float().mean()) + 1)
+    speed = m.speed_pass({n: partial(r, temperature=1.0) for n, r in runs.items()}, data[:6].view(3, 2), 1, 20, 2, 0)
+    assert speed["full"]["mean_layers"] == 4.0 and speed["backfill"]["mean_layers"] == 4.0
+    outputs = speed["holes"]["outputs"]  # holes runs only the layers each step's deepest row needs
+    assert speed["holes"]["mean_layers"] == pytest.approx(sum(int((o.exited_at + 1).sum()) for o in outputs) / 60)
+    assert speed["holes"]["mean_layers"] < 4.0
     assert all(len(s["outputs"]) == 3 for s in speed.values())  # every prompt of the workload was continued
     # 20 tokens after 2: the prompt's first token, then one re-prefill of block_size/2 - 1 = 7 tokens, 4 layers each
     assert speed["full"]["prefill_layers"] == pytest.approx((1 + 7) * 4 / 20)

@@ -32,9 +32,9 @@ def test_repetition_scores_a_loop_high_and_fresh_text_zero():
 def test_repetition_of_a_batch_averages_every_row():
     loop, fresh = torch.tensor([1, 2, 3] * 10), torch.arange(30)
 
-    def run(prompt, n, generator=None, temperature=0.0, top_k=0):  # a batch of two rows: one loops, one never repeats
+    def run(prompt, n, generator=None):  # a batch of two rows: one loops, one never repeats
         return m.Generation(torch.stack([loop, fresh]), None, None, 0)
-    speed = m.speed_pass({"two rows": (run, 0.0)}, torch.zeros(2, 4, dtype=torch.long), 2, 30, 1, 0, 0)
+    speed = m.speed_pass({"two rows": run}, torch.zeros(2, 4, dtype=torch.long), 2, 30, 1, 0)
     assert speed["two rows"]["repetition"] == pytest.approx((m.repetition(loop.tolist()) + 0.0) / 2)
 
 
@@ -48,24 +48,35 @@ def three_layer_records():
     return m.ExitRecords({"top1": conf}, zeros, zeros.float(), torch.zeros(4, dtype=torch.long))
 
 
+def plan(checked, threshold=0.5):
+    return {"measure": "top1", "threshold": threshold, "checked_exits": checked}
+
+
 def test_predicted_speedup_by_hand():
     records = three_layer_records()
+
+    def predict(name, p):
+        return m.predict_speedup(records, name, p, COSTS, 16)
     # checking exit 0 only: exits [0, 2, 0, 2]: 1 block and 0.5 final heads saved per token on average, 1 check each
-    assert m.predict_speedup(records, "top1", 0.5, [0], COSTS, "holes", 3) == pytest.approx(4 / (4 - 1.1 + 0.25))
-    assert m.predict_speedup(records, "top1", 0.5, [0], COSTS, "state_copy", 3) == pytest.approx(
-        4 / (4 - 1.1 + 0.25 + 0.5 * 0.5))
-    assert m.predict_speedup(records, "top1", 0.5, [0], COSTS, "backfill", 3) == pytest.approx(4 / 4.25)
+    assert predict("holes", plan([0])) == pytest.approx(4 / (4 - 1.1 + 0.25))
+    assert predict("state_copy", plan([0])) == pytest.approx(4 / (4 - 1.1 + 0.25 + 0.5 * 0.5))
+    # backfill runs every block for the cache, but no final head for a token that has left
+    assert predict("backfill", plan([0])) == pytest.approx(4 / (4 - 0.1 + 0.25))
     # checking both: exits [0, 1, 0, 2]: 1.25 blocks and 0.75 heads saved, 1 + 0.5 checks per token
-    assert m.predict_speedup(records, "top1", 0.5, [0, 1], COSTS, "holes", 3) == pytest.approx(
-        4 / (4 - 1.25 - 0.15 + 1.5 * 0.25))
+    assert predict("holes", plan([0, 1])) == pytest.approx(4 / (4 - 1.25 - 0.15 + 1.5 * 0.25))
+    # at threshold 1 nothing exits and nothing is checked: every strategy is full depth
+    assert predict("backfill", plan([0, 1], 1.0)) == predict("holes", plan([0, 1], 1.0)) == 1.0
+    # SkipDecode: window positions 0..3 exit at 2, 0, 0, 0, each early one after one check
+    skip = {"measure": "top1", "threshold": 0.0, "checked_exits": [2, 0, 0, 0] + [0] * 12}
+    assert predict("skipdecode", skip) == pytest.approx(4 / (4 - 0.75 * 0.2 - 1.5 + 0.75 * 0.25))
 
 
-def test_plan_ranks_every_subset_of_exits():
+def test_the_plan_is_the_subset_predicted_fastest():
     records = three_layer_records()
-    plans = m.plan_exits(records, "top1", COSTS, "holes", 3, threshold=0.5)
-    assert sorted(tuple(p["checked_exits"]) for p in plans) == [(0,), (0, 1), (1,)]
-    predicted = [p["predicted_speedup"] for p in plans]
-    assert predicted == sorted(predicted, reverse=True)
-    assert plans[0]["checked_exits"] == [0, 1]  # position 1 exiting at layer 1 is worth its checks here
+    subsets = [[0], [1], [0, 1]]
+    best = m.best_plan(records, "holes", "top1", 0.5, COSTS, subsets, 16)
+    predicted = {tuple(s): m.predict_speedup(records, "holes", plan(s), COSTS, 16) for s in subsets}
+    assert best["checked_exits"] == [0, 1] and best["predicted_speedup"] == max(predicted.values())
+    assert best["label"] == "0,1"
     expensive = dict(COSTS, **{"check top1": 0.9})
-    assert m.plan_exits(records, "top1", expensive, "holes", 3, threshold=0.5)[0]["checked_exits"] == [0]
+    assert m.best_plan(records, "holes", "top1", 0.5, expensive, subsets, 16)["checked_exits"] == [0]

@@ -2,6 +2,7 @@
 slices by kind, and a smaller model on the same curve."""
 
 import json
+import types
 
 import pytest
 import torch
@@ -15,11 +16,8 @@ pytestmark = pytest.mark.usefixtures("no_grad")
 def records(trained):
     """The trained tiny model's records (its learned rule fitted on other text), and the text they read."""
     model, data = trained
-    m.fit_exit_predictor(model, data[30000:33001], 3000)
-    try:
-        yield m.record_exits(model, data[20000:22001], 2000), data[20000:22001]
-    finally:
-        del model.exit_predictor
+    rules = m.exit_rules(m.fit_exit_predictor(model, data[30000:33001], 3000))
+    return m.record_exits(model, data[20000:22001], 2000, rules), data[20000:22001]
 
 
 def test_no_rule_beats_the_oracle_on_its_own_positions(records):
@@ -39,6 +37,11 @@ def test_the_oracle_spends_its_budget_where_it_saves_most():
     assert m.oracle(recs, [0, 1], 0.0)["exit_fractions"] == [0.25, 0.25, 0.5]  # first agreeing exit
     spent = m.oracle(recs, [0, 1], 0.25)  # one position may disagree: one of the two that run deepest
     assert spent["exit_fractions"] == [0.5, 0.25, 0.25] and spent["disagreement"] == 0.25
+    # only exit 1 checked: it agrees at positions 0 and 2; positions 1 and 3 run to full depth, and the
+    # one the budget lets disagree leaves at exit 1, the first exit checked, never at layer 0
+    assert m.oracle(recs, [1], 0.0)["exit_fractions"] == [0.0, 0.5, 0.5]
+    spent = m.oracle(recs, [1], 0.25)
+    assert spent["exit_fractions"] == [0.0, 0.75, 0.25] and spent["disagreement"] == 0.25
 
 
 def test_patience_asking_for_more_exits_than_there_are_never_exits_early(records):
@@ -82,12 +85,29 @@ def test_expected_calibration_error_by_hand():
     assert "about the same" in m.calibration_note(rows, 0.5)  # no exit is 50-60% sure: nothing differs
 
 
-def test_tail_latency_shares_a_round_among_its_tokens():
+def test_tail_latency_as_a_streaming_reader_sees_it():
+    """A round's tokens reach the reader together when it ends. Prompt 1: its tokens arrive at 1, 3, 13 and
+    13 ms (the last two in one round of 10 ms); prompt 2: one token at 4 ms. First tokens: 1 and 4 ms; gaps
+    between tokens: 2, 10 and 0 ms; whole prompts: 13 and 4 ms. Percentiles interpolate linearly between
+    the sorted values (numpy's default), worked here by hand."""
     gen = m.Generation(None, None, None, 0, clock=[(0.0, 5), (0.001, 6), (0.003, 7), (0.013, 9)])
     t = m.tail([gen, m.Generation(None, None, None, 0, clock=[(0.0, 5), (0.004, 6)])])
-    # per token: 1, 2, 5, 5 and 4 ms
-    assert t["ms_mean"] == pytest.approx(17 / 5) and t["ms_p50"] == pytest.approx(4.0)
-    assert t["ms_p99"] == pytest.approx(5.0) and t["prompt_ms_p95"] == pytest.approx(4 + 0.95 * (13 - 4))
+    assert t["first_ms"] == pytest.approx(2.5)  # the median of 1 and 4
+    assert t["gap_p50"] == pytest.approx(2.0)  # sorted gaps 0, 2, 10: the middle one
+    assert t["gap_p95"] == pytest.approx(2 + 0.9 * 8)  # rank 0.95 x 2 = 1.9: 2 + 0.9 x (10 - 2)
+    assert t["gap_p99"] == pytest.approx(2 + 0.98 * 8)
+    assert t["ms_mean"] == pytest.approx(17 / 5) and t["prompt_ms_p95"] == pytest.approx(4 + 0.95 * (13 - 4))
+
+
+def test_a_worse_tail_reads_p95_as_well_as_p99():
+    keys = [k for k, *_ in m.TAIL_TABLE[1]]
+
+    def row(name, p95, p99):
+        return dict(dict.fromkeys(keys, 1.0), name=name, mode="greedy", gap_p95=p95, gap_p99=p99)
+    rows = [row("full", 1.0, 2.0), row("a", 1.2, 2.0), row("b", 1.0, 2.3), row("c", 1.1, 2.2)]
+    lab = types.SimpleNamespace(measured=(rows, {}))
+    note = m.tails(lab)["notes"][1]
+    assert "(a worse tail): a greedy, b greedy." in note  # c is 10% over on both: not over 10%
 
 
 def test_every_step_and_round_is_on_the_clock(trained):
@@ -114,14 +134,17 @@ def test_slices_by_kind_of_character():
 
 def test_a_shifted_text_built_to_break_epsilon_is_reported_broken(records):
     recs = records[0]
-    cal = m.calibration_report(recs, recs, recs, "top1", [0, 1, 2], 0.05, 0.05)  # text like val: it holds
-    assert cal["shift"]["held"] is True and "epsilon held for top1" in m.shift_notes(cal, "val.txt")[1]
+    cal = m.calibration_report({"val": recs, "test": recs, "shift": recs}, "top1", [0, 1, 2], 0.05, 0.05)
+    assert cal["shift"]["held"] is True  # text like val: it holds
     broken = m.ExitRecords({k: torch.ones_like(v) for k, v in recs.confidences.items()}, recs.pred, recs.nll,
                            recs.targets)  # every exit sure of itself: all leave at exit 0
-    cal = m.calibration_report(recs, recs, broken, "top1", [0, 1, 2], 0.05, 0.05)
+    lab = types.SimpleNamespace(records={"val": recs, "test": recs, "shift": broken},
+                                config=m.LabConfig(shift_path="shuffled.txt", epsilon=0.05))
+    lab.calibrations = {"top1": m.calibration_report(lab.records, "top1", [0, 1, 2], 0.05, 0.05)}
+    cal = lab.calibrations["top1"]
     assert cal["shift"]["disagreement"] > 0.05 and cal["shift"]["held"] is False
-    notes = m.shift_notes(cal, "shuffled.txt")
-    assert "epsilon was BROKEN for top1" in notes[1] and "shifted 100.0%" in notes[0]
+    notes = m.shifted_text(lab)["notes"]
+    assert "epsilon was BROKEN for top1" in notes[2] and "shifted 100.0%" in notes[1]
 
 
 def test_a_shifted_text_outside_the_vocabulary_is_one_line_and_status_2(tmp_path, capsys):
@@ -137,17 +160,18 @@ def test_a_shifted_text_outside_the_vocabulary_is_one_line_and_status_2(tmp_path
 
 
 def test_the_verdict_names_the_winner():
-    """Both sides in numbers: early exit's depth, loss and speed-ups, then the smaller model, better or worse."""
-    cal = {"measure": "top1", "threshold": 0.5,
-           "test": {"mean_layers": 3.9, "loss": 1.97, "full_loss": 1.96}}
-    spec = [{"name": "self_speculative", "mode": mode, "speedup": s} for mode, s in (("greedy", 2.5), ("sampled", 1.6))]
+    """Both sides in numbers, early exit's from one plan (deferred's: its depth, loss and speed-ups), then
+    the smaller model, better or worse."""
+    early = {"measure": "top1", "threshold": 0.5, "label": "0", "mean_layers": 3.9, "loss": 1.97, "full_loss": 1.96}
+    speedup = {("self_speculative", "greedy"): 2.5, ("self_speculative", "sampled"): 1.6,
+               ("deferred", "greedy"): 1.2, ("deferred", "sampled"): 1.1}
     small = {"layers": 4, "test_loss": 2.01, "speedup_greedy": 1.4, "speedup_sampled": 1.3}
-    spec += [{"name": "deferred", "mode": mode, "speedup": 1.2} for mode in ("greedy", "sampled")]
-    early, smaller = m.verdict(cal, spec, small)
-    assert early == ("early exit (top1 > 0.5) at 3.90 layers a token: test loss 1.9700, deferred 1.20x greedy and "
-                     "1.20x sampled; self-speculation at full depth's 1.9600, 2.50x greedy and 1.60x sampled")
+    said, smaller = m.verdict(early, speedup, small)
+    assert said == ("early exit (deferred's plan: top1 > 0.5 at exits 0) at 3.90 layers a token: test loss "
+                    "1.9700, 1.20x greedy and 1.10x sampled; self-speculation at full depth's 1.9600, 2.50x "
+                    "greedy and 1.60x sampled")
     assert smaller == "a 4-layer GPT is worse than full depth (test loss 2.0100) at 1.40x greedy, 1.30x sampled"
-    assert m.verdict(cal, spec, dict(small, test_loss=1.9))[1].startswith("a 4-layer GPT is better than full depth")
+    assert m.verdict(early, speedup, dict(small, test_loss=1.9))[1].startswith("a 4-layer GPT is better than")
 
 
 def test_patience_k_is_exact(records):
@@ -186,7 +210,47 @@ def test_compare_depths_trains_every_smaller_depth(tmp_path):
     with torch.enable_grad():
         assert m.main(args) == 0
     report = json.loads((tmp_path / "report.json").read_text())
-    assert [r["layers"] for r in report["depths"]["rows"]] == [1, 2]
+    assert [r["layers"] for r in report["depths"]] == [1, 2]
     names = {r["name"] for r in report["strategies"]}
     assert {"1-layer GPT", "2-layer GPT"} <= names
     assert all(r["mean_layers"] == int(r["name"][0]) for r in report["strategies"] if r["name"].endswith("GPT"))
+
+
+def synthetic_records(sure_at_0, sure_at_1, N=10, L=4):
+    """N positions of L layers, every exit agreeing with full depth: exit 0 sure at the first sure_at_0
+    positions, exit 1 at the last sure_at_1."""
+    conf = torch.zeros(L, N)
+    conf[0, :sure_at_0] = 1.0
+    conf[1, N - sure_at_1 :] = 1.0
+    conf[-1] = 1.0
+    zeros = torch.zeros(L, N, dtype=torch.long)
+    return m.ExitRecords({"top1": conf}, zeros, torch.zeros(L, N), torch.zeros(N, dtype=torch.long))
+
+
+def test_the_verdict_and_the_smaller_depth_read_deferreds_plan_on_val_and_test(monkeypatch):
+    """One plan for both sides of the verdict: the depth and loss of early exit are those of deferred's plan
+    (exit 0 alone here), as its speed is; the smaller model's depth is the nearest to that plan's depth on
+    val (2.2 layers: 2), not on test (2.8: 3)."""
+    lab = object.__new__(m.Lab)
+    lab.config, lab.splits, lab.world = m.LabConfig(n_layer=4, block_size=16), {}, 1
+    lab.records = {"val": synthetic_records(6, 3), "test": synthetic_records(4, 5)}
+    plan = {"measure": "top1", "threshold": 0.5, "checked_exits": [0], "label": "0", "predicted_speedup": 1.2}
+    lab.__dict__["plans"] = ({}, {"deferred": plan})
+    early = lab.early_exit("test")
+    assert early["mean_layers"] == pytest.approx(4 - 3 * 0.4) and early["label"] == "0"
+    every_exit = m.exit_summary(lab.records["test"], m.exits_at_threshold(lab.records["test"], "top1", 0.5, [0, 1, 2]))
+    assert every_exit["mean_layers"] != pytest.approx(early["mean_layers"]), "the plans must differ for the test to bite"
+    trained = []
+    monkeypatch.setattr(m, "train_plain_gpt", lambda cfg, splits, d, world: trained.append(d) or (None, 0.0, 0.0))
+    assert list(lab.smaller) == [2] and trained == [2]
+
+
+def test_unit_costs_are_timed_at_the_workloads_typical_cache_length(model):
+    """Prompts of 32 characters continued by 50, in windows of 64: a step feeds window positions 31..63, then
+    (after the slide to the newest half) 31..47; their median, 43, is the cache a timed block attends to."""
+    assert m.typical_position(32, 50, 64) == 43
+    assert m.typical_position(3, 4, 16) == 3  # positions 2, 3, 4, 5: the median 3.5, taken down
+    seen = []
+    model.transformer.h[0].register_forward_pre_hook(lambda mod, args: seen.append(args[1].lengths[0]))
+    costs = m.decode_costs(model, torch.tensor([[1, 2, 3]]), 4, m.exit_rules(), repeats=3)
+    assert costs["cache_length"] == 3 and seen[:3] == [3, 3, 3]  # the block stage, before the token is timed

@@ -1,0 +1,161 @@
+"""Plausible mistakes, each put into a scratch copy of the script, and the tests that catch it.
+
+    python tests/mistakes.py            # every mistake (a few minutes on 2 cores)
+    python tests/mistakes.py p95_as_p90 # the ones named
+
+Run by hand, not by pytest or CI. For each mistake it copies the project to a temporary folder, makes the
+one edit (which must match the script exactly once), and runs the tests meant to catch it there; it first
+runs those tests on an unedited copy, which must pass. It prints a line a mistake, and exits with 1 if any
+mistake got through.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# name, what it breaks, the exact text of the script, what the mistake makes of it, the tests that guard it
+MISTAKES = [
+    ("ddp_off", "torchrun without gradient sync",
+     "    if world > 1:\n        unused", "    if False:\n        unused",
+     ["test_processes.py::test_two_processes_train_as_one_at_the_same_global_batch"]),
+    ("no_temperature", "a sampler that ignores the temperature",
+     "    logits = logits.float() / temperature\n", "    logits = logits.float()\n",
+     ["test_speculative.py::test_sampled_speculation_has_the_full_model_distribution",
+      "test_foundation.py::test_temperature_and_top_k_shape_the_distribution"]),
+    ("tail_off_by_one", "an anti-conservative binomial test, one failure short",
+     "        if binomial_tail(k, n, epsilon) > delta:", "        if binomial_tail(k - 1, n, epsilon) > delta:",
+     ["test_calibration.py::test_one_threshold_is_certified_exactly_up_to_its_binomial_boundary",
+      "test_calibration.py::test_calibration_keeps_its_guarantee_and_the_naive_rule_does_not"]),
+    ("twice_delta", "fixed-sequence testing at twice delta",
+     "        if binomial_tail(k, n, epsilon) > delta:", "        if binomial_tail(k, n, epsilon) > 2 * delta:",
+     ["test_calibration.py::test_one_threshold_is_certified_exactly_up_to_its_binomial_boundary"]),
+    ("held_twice_epsilon", "'held' on the shifted text at twice epsilon",
+     '"held": figures["disagreement"] <= epsilon}', '"held": figures["disagreement"] <= 2 * epsilon}',
+     ["test_calibration.py::test_held_is_disagreement_within_epsilon_one_position_either_side"]),
+    ("generous_oracle", "an oracle that spends its budget at layer 0 whatever the exits checked",
+     "exits.index_fill(0, deepest, layers[0])", "exits.index_fill(0, deepest, 0)",
+     ["test_worth_it.py::test_the_oracle_spends_its_budget_where_it_saves_most"]),
+    ("resume_evaluates_again", "a resumed loop that evaluates its first step again",
+     "it % config.eval_interval == 0 and it > start_iter:", "it % config.eval_interval == 0 and it > 0:",
+     ["test_robustness.py::test_ctrl_c_saves_and_resume_repeats_the_uninterrupted_run"]),
+    ("resume_fresh_batches", "a resumed process that draws its batches from the start again",
+     "    for _ in range(steps):\n        get_batch", "    for _ in range(0):\n        get_batch",
+     ["test_robustness.py::test_a_crashed_run_resumes_from_its_last_periodic_checkpoint",
+      "test_processes.py::test_a_resumed_process_draws_its_own_batches"]),
+    ("drafts_one_early", "every kept-draft mark one token early",
+     "    exited.scatter_(1, n[:, None] + steps, marks)", "    exited.scatter_(1, (n[:, None] + steps - 1).clamp(min=0), marks)",
+     ["test_speculative.py::test_kept_drafts_are_marked_round_by_round"]),
+    ("teacher_forcing_off_by_one", "teacher forcing misaligned by one",
+     "            tokens[:, n] = forced[:, i]", "            tokens[:, n] = forced[:, max(i - 1, 0)]",
+     ["test_foundation.py::test_cached_logits_equal_uncached_past_block_size"]),
+    ("sampler_slightly_off", "speculative sampling that keeps drafts a little too often",
+     "        keep = torch.rand(B, k, generator=generator, device=drafts.device) < ratio",
+     "        keep = torch.rand(B, k, generator=generator, device=drafts.device) < 1.25 * ratio",
+     ["test_speculative.py::test_sampled_speculation_has_the_full_model_distribution",
+      "test_speculative.py::test_accept_rule_is_exact_and_a_wrong_rule_is_caught"]),
+    ("p95_as_p90", "the tail's p95 computed as p90",
+     "np.percentile(gaps, [50, 95, 99])", "np.percentile(gaps, [50, 90, 99])",
+     ["test_worth_it.py::test_tail_latency_as_a_streaming_reader_sees_it"]),
+    # the fourteen bugs the house-in-order review found, each put back
+    ("backfill_checks_on", "1: backfill checking exits after every row has left",
+     "        if n_exited == B:\n", "        if n_exited == B and type(strategy) is not Backfill:\n",
+     ["test_foundation.py::test_backfill_checks_no_exit_after_a_token_has_left"]),
+    ("round_spread_over_tokens", "2: a speculation round's time spread over its tokens",
+     "        for (_, m), (t, n) in zip(out.clock, out.clock[1:]):  # a step's tokens arrive as it ends\n"
+     "            arrivals += [1e3 * (t - t0)] * (n - m)\n",
+     "        for (s, m), (t, n) in zip(out.clock, out.clock[1:]):\n"
+     "            arrivals += [1e3 * (s - t0 + (t - s) * (j + 1) / (n - m)) for j in range(n - m)]\n",
+     ["test_worth_it.py::test_tail_latency_as_a_streaming_reader_sees_it"]),
+    ("best_rule_on_test", "3: the rule chosen by its test figures",
+     'key=lambda r: r["val"]["compute_saved"])', 'key=lambda r: r["test"]["compute_saved"])',
+     ["test_calibration.py::test_the_rule_is_chosen_on_val_and_calibrated_for_the_choice"]),
+    ("no_bonferroni", "3: each rule calibrated at delta before one is chosen",
+     "checked_exits, epsilon, delta / len(rules))", "checked_exits, epsilon, delta)",
+     ["test_calibration.py::test_the_rule_is_chosen_on_val_and_calibrated_for_the_choice"]),
+    ("smaller_models_small_batch", "4: plain GPTs at one process's batch under torchrun",
+     "batch_size=config.batch_size * world)", "batch_size=config.batch_size)",
+     ["test_processes.py::test_the_smaller_models_train_at_the_main_models_global_batch"]),
+    ("sample_only_every_rank", "5: --sample_only on every rank of torchrun",
+     'if config.sample_only and int(os.environ.get("RANK", "0")) > 0:', "if False:",
+     ["test_processes.py::test_sample_only_under_torchrun_runs_in_rank_0_alone"]),
+    ("few_sweep_positions", "6: a --sweep_positions too small for the learned rule's pieces",
+     '"[10, inf)": "sweep_positions"', '"[9, inf)": "sweep_positions"',
+     ["test_cli.py::test_bad_input_exits_2_with_one_line"]),
+    ("one_character_text", "7: a text of one character let through to training",
+     "    if len(set(text)) < 2:", "    if len(set(text)) < 1:",
+     ["test_cli.py::test_a_text_of_fewer_than_two_characters_is_refused_before_training"]),
+    ("part_one_overclaimed", "8: the docstring says Part I trains when run",
+     "text above the Part II banner imports alone, and its run_lesson is what --lesson_only runs.",
+     "text above the Part II banner trains, samples and prints when run.",
+     ["test_cli.py::test_the_text_above_the_part_ii_banner_is_what_the_docstring_says"]),
+    ("verdict_two_plans", "9: the verdict's depth and loss from every exit, its speed from deferred's plan",
+     'exits = planned_exits(self.records[split], "deferred", plan, self.config.block_size)[0]',
+     'exits = exits_at_threshold(self.records[split], plan["measure"], plan["threshold"], self.checked)',
+     ["test_worth_it.py::test_the_verdict_and_the_smaller_depth_read_deferreds_plan_on_val_and_test"]),
+    ("nearest_on_test", "10: the smaller model's depth rounded from test",
+     'nearest_depth(self.early_exit("val")', 'nearest_depth(self.early_exit("test")',
+     ["test_worth_it.py::test_the_verdict_and_the_smaller_depth_read_deferreds_plan_on_val_and_test"]),
+    ("same_masks_every_rank", "11: every rank drawing the same dropout masks",
+     "    if rank > 0:\n        torch.manual_seed", "    if False:\n        torch.manual_seed",
+     ["test_processes.py::test_each_process_draws_its_own_dropout_masks"]),
+    ("resume_recipe_from_flags", "12: a resume taking the recipe from the command line's defaults",
+     "setattr(config, name, given if name in overridden else saved)",
+     "setattr(config, name, given if name in overridden or name in TRAINING_FIELDS else saved)",
+     ["test_robustness.py::test_a_resume_keeps_the_checkpoints_recipe_and_names_what_the_command_line_changes"]),
+    ("costs_on_an_empty_cache", "13: unit costs timed against an empty cache",
+     "cache.lengths = [typical] * cfg.n_layer", "cache.lengths = [0] * cfg.n_layer",
+     ["test_worth_it.py::test_unit_costs_are_timed_at_the_workloads_typical_cache_length"]),
+    ("named_device_dropped", "14: a named device under torchrun let through",
+     'if config.device not in ("auto", "cuda", "cpu"):', "if False:",
+     ["test_processes.py::test_a_named_device_under_torchrun_is_honoured_or_refused"]),
+]
+
+
+def scratch_copy():
+    """The script, the tests, the texts and the words the tests read, in a folder of their own."""
+    folder = tempfile.mkdtemp(prefix="mistake-")
+    for name in ("nanogpt_exit_head.py", "input.txt", "shift.txt", "README.md", "requirements.txt"):
+        shutil.copy(os.path.join(ROOT, name), folder)
+    for name in ("tests", "docs", ".ci"):
+        shutil.copytree(os.path.join(ROOT, name), os.path.join(folder, name),
+                        ignore=shutil.ignore_patterns("__pycache__", "mistakes.py"))
+    return folder
+
+
+def failing(folder, tests):
+    """The tests that fail in folder: those of `tests` that pytest reports failed."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
+                           *[f"tests/{t}" for t in tests]], cwd=folder, capture_output=True, text=True)
+    return sorted({line.split()[1].split("[")[0] for line in proc.stdout.splitlines()
+                   if line.startswith("FAILED ")}), proc.returncode
+
+
+def main(names):
+    chosen = [mk for mk in MISTAKES if not names or mk[0] in names]
+    clean = scratch_copy()
+    failed, rc = failing(clean, sorted({t for *_, tests in chosen for t in tests}))
+    shutil.rmtree(clean)
+    if rc:
+        print(f"the unedited copy fails: {failed or rc}")
+        return 1
+    missed = 0
+    for name, what, old, new, tests in chosen:
+        folder = scratch_copy()
+        path = os.path.join(folder, "nanogpt_exit_head.py")
+        source = open(path, encoding="utf-8").read()
+        assert source.count(old) == 1, f"{name}: the text to change is not in the script exactly once"
+        open(path, "w", encoding="utf-8").write(source.replace(old, new))
+        caught, _ = failing(folder, tests)
+        shutil.rmtree(folder)
+        missed += not caught
+        print(f"{'caught' if caught else 'MISSED'}  {name:28} {what}" + (f"\n        by {', '.join(caught)}" if caught else ""))
+    print(f"{len(chosen) - missed} of {len(chosen)} mistakes caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
