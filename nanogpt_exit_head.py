@@ -1633,8 +1633,7 @@ def quality_pass(decode, data, n_positions, batch_size=1):
     pieces = data[: batch_size * (per_row + 1)].view(batch_size, -1)  # (B, per_row + 1)
     out = decode(pieces[:, :1], per_row, forced=pieces[:, 1:])
     logits, targets = out.logits.flatten(0, 1), pieces[:, 1:].flatten()  # (N, V), (N,)
-    return {"pred": logits.argmax(-1), "exited_at": out.exited_at.flatten().cpu(),
-            "mean_layers": out.layers_run / per_row,
+    return {"pred": logits.argmax(-1), "mean_layers": out.layers_run / per_row,
             "test_loss": F.cross_entropy(logits, targets).item(),
             "test_accuracy": average(logits.argmax(-1) == targets)}
 
@@ -1734,15 +1733,14 @@ def table_row(name, mode, speed, quality, config, batch_size):
 def measure_decoders(decoders, test, prompts, config, batch_size=1):
     """The rows of a decoder table at one batch size, both modes: speed on the workload,
     interleaved, and quality teacher-forced on test (test None: none). decoders: name -> {mode:
-    decode}. Returns (rows, quality)."""
+    decode}."""
     quality = {}
     if test is not None:
         quality = {name: quality_pass(d["greedy"], test, config.quality_positions, batch_size)
                    for name, d in decoders.items() if name not in SPECULATIVE}
     speed = speed_pass(in_mode(decoders, config), prompts, batch_size, config.bench_tokens,
                        config.bench_repeats, config.seed)
-    return [table_row(name, mode, speed, quality, config, batch_size)
-            for name, mode in speed], quality
+    return [table_row(name, mode, speed, quality, config, batch_size) for name, mode in speed]
 
 def speculation_costs(model, prompts, config, batch_size, cells):
     """Self-speculation on a workload at batch_size, every (draft_exit, num_draft) cell beside full
@@ -1752,7 +1750,7 @@ def speculation_costs(model, prompts, config, batch_size, cells):
     decoders = {cell: dict.fromkeys(MODES, decoder(model, "self_speculative", spec=cell))
                 for cell in cells}
     decoders["full"] = dict.fromkeys(MODES, decoder(model, "full"))
-    rows = measure_decoders(decoders, None, prompts, config, batch_size)[0]
+    rows = measure_decoders(decoders, None, prompts, config, batch_size)
     return [row for row in rows if row["name"] != "full"]
 
 # -----------------------------------------------------------------------------
@@ -1938,6 +1936,13 @@ class Lab:
         costs = decode_costs(self.model, self.workloads[0][:4], cfg.bench_tokens, self.rules)
         return costs, strategy_plans(self.records["val"], costs, cfg, self.threshold, checked)
 
+    def batch_depth(self):
+        """A step runs as deep as its deepest row: the expected layers a step at each batch size,
+        from val's exits under state_copy's plan."""
+        plan = self.plans[1]["state_copy"]
+        exits = planned_exits(self.records["val"], "state_copy", plan, self.config.block_size)[0]
+        return expected_batch_depth(exits, BATCH_SIZES, self.config.n_layer)
+
     def early_exit(self, split):
         """Deferred's plan with its figures on a split's records: the verdict's early exit."""
         plan = self.plans[1]["deferred"]
@@ -1961,7 +1966,7 @@ class Lab:
     @cached_property
     def measured(self):
         """The strategies table: every decoder and the plain GPTs at batch 1 on the test workload,
-        both modes, quality teacher-forced on test, each beside its prediction: (rows, quality)."""
+        both modes, quality teacher-forced on test, each beside its prediction."""
         cfg, (costs, plans) = self.config, self.plans
         spec = (cfg.draft_exit, cfg.num_draft)
         # one timed pass on val: a prediction, not a reported figure
@@ -1972,10 +1977,10 @@ class Lab:
                     for name in ("full", *KV_STRATEGIES, "self_speculative")}
         decoders.update({f"{d}-layer GPT": dict.fromkeys(MODES, decoder(small, "full"))
                          for d, small in self.smaller.items()})
-        rows, quality = measure_decoders(decoders, self.splits["test"], self.workloads[1], cfg)
+        rows = measure_decoders(decoders, self.splits["test"], self.workloads[1], cfg)
         for row in rows:
             row.update(prediction(row, plans, on_val, costs, cfg.n_layer))
-        return rows, quality
+        return rows
 
 def threshold_sweep(lab):
     """Every threshold on val, the table's every tenth, and the test sweep the depth chart draws."""
@@ -2049,9 +2054,9 @@ def slices(lab):
 def strategies(lab):
     """The strategies table, and under it what it rests on: the drafts, the measured costs, the
     depth of a batch."""
-    cfg, (costs, plans), (rows, quality) = lab.config, lab.plans, lab.measured
+    cfg, (costs, plans), rows = lab.config, lab.plans, lab.measured
     L, b, check = cfg.n_layer, costs["block"], cfg.confidence_measure
-    depth = expected_batch_depth(quality["backfill"]["exited_at"], BATCH_SIZES, L)
+    depth = lab.batch_depth()
     exact = {True: "identical to full depth on every prompt", False: "NOT identical to full depth",
              None: "exact in distribution (tested)"}
     notes = [f"self_speculative {e['mode']}: draft_exit={e['draft_exit']}, num_draft="
@@ -2080,11 +2085,12 @@ def strategies(lab):
         f"a state-copy write {costs['state_copy'] / b:.2f}, the final head "
         f"{costs['final_head'] / b:.2f}, a full-depth token {costs['token'] / b:.1f}{impossible}.",
         "A batch runs as deep as its deepest row; expected layers a step (of "
-        f"{L}): {', '.join(f'B={B}: {d:.2f}' for B, d in depth.items())}."]}
+        f"{L}, val's exits under state_copy's plan): "
+        f"{', '.join(f'B={B}: {d:.2f}' for B, d in depth.items())}."]}
 
 def tails(lab):
     """Average or tail: the strategies rows' latency, and which decoders have a worse tail."""
-    rows = [{k: row[k] for k, *_ in TAIL_TABLE[1]} for row in lab.measured[0]]
+    rows = [{k: row[k] for k, *_ in TAIL_TABLE[1]} for row in lab.measured]
     full = {r["mode"]: r for r in rows if r["name"] == "full"}
     worse = [f"{r['name']} {r['mode']}" for r in rows
              if max(r[p] / full[r["mode"]][p] for p in ("gap_p95", "gap_p99")) > 1.1]
@@ -2097,7 +2103,7 @@ def tails(lab):
 def depths(lab):
     """The plain GPTs on the test positions, their speeds, and the verdict beside early exit."""
     cfg, early = lab.config, lab.early_exit("test")
-    speed = {(r["name"], r["mode"]): r for r in lab.measured[0]}
+    speed = {(r["name"], r["mode"]): r for r in lab.measured}
     rows = depth_rows(lab.smaller, lab.splits["test"], cfg.sweep_positions, early["full_loss"])
     for row in rows:
         greedy, sampled = (speed[f"{row['layers']}-layer GPT", mode] for mode in MODES)
@@ -2127,7 +2133,7 @@ def batch_rows(lab, B, cells, depth):
     decoders["auto"] = {mode: decoders["full" if k is None else "self_speculative"][mode]
                         for mode, k in auto.items()}
     spec = {(e["mode"], e["num_draft"]): e for e in entries}
-    rows = measure_decoders(decoders, lab.splits["test"], lab.workloads[1], cfg, B)[0]
+    rows = measure_decoders(decoders, lab.splits["test"], lab.workloads[1], cfg, B)
     return [dict(r, **batch_prediction(r, plans, depth, spec)) for r in rows]
 
 def batches(lab):
@@ -2136,8 +2142,7 @@ def batches(lab):
     cfg, (_, plans) = lab.config, lab.plans
     if not cfg.bench_batch:
         return {}
-    exits = planned_exits(lab.records["val"], "state_copy", plans["state_copy"], cfg.block_size)[0]
-    depth = expected_batch_depth(exits, BATCH_SIZES, cfg.n_layer)  # as deep as its deepest row
+    depth = lab.batch_depth()
     cells = [(cfg.draft_exit, k) for k in sorted({*BATCH_DRAFTS, cfg.num_draft})]
     sizes = [B for B in BATCH_SIZES if cfg.bench_prompts % B == 0]
     rows = [row for B in sizes for row in batch_rows(lab, B, cells, depth)]

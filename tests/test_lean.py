@@ -99,7 +99,7 @@ def test_predictions_and_speedups_share_one_full_depth_baseline(monkeypatch):
     monkeypatch.setattr(m, "generate", generate)
     lab = m.Lab(model, m.CharTokenizer("abcdefghijk"), splits, config, "cpu")
     lab.__dict__["smaller"] = {}  # no plain GPTs to train here
-    rows = lab.measured[0]
+    rows = lab.measured
     costs, plans = lab.plans
     assert costs["token"] > 0 and full_depth and set(full_depth) == {"eager"}
     for row in rows:

@@ -190,7 +190,7 @@ def test_an_impossible_token_cost_is_measured_again_then_flagged(model, monkeypa
     assert costs["attempts"] == 3 and costs["token"] < model.config.n_layer * costs["block"]
     rows = [{"name": "full", "mode": "greedy", "prefill_layers": 1.0}]
     lab = types.SimpleNamespace(config=m.LabConfig(n_layer=model.config.n_layer), plans=(costs, {}),
-                                measured=(rows, {"backfill": {"exited_at": torch.tensor([0, 3])}}))
+                                measured=rows, batch_depth=lambda: {1: 3.0})
     assert "IMPOSSIBLE (4 blocks): so after 3 measurements" in " ".join(m.strategies(lab)["notes"])
     monkeypatch.undo()
     costs = m.decode_costs(model, torch.tensor([[1, 2, 3]]), 4, m.exit_rules(), repeats=3)

@@ -154,10 +154,12 @@ def test_quality_pass_and_speed_pass_report_what_they_ran():
     names = ("full", "backfill", "deferred", "state_copy", "holes", "self_speculative")
     runs = {n: m.decoder(model, n, plan, spec=(0, 4)) for n in names}
     quality = {n: m.quality_pass(runs[n], data, 40) for n in names[:-1]}
-    assert quality["full"]["mean_layers"] == 4.0 and bool((quality["full"]["exited_at"] == 3).all())
+    assert quality["full"]["mean_layers"] == 4.0
     assert quality["deferred"]["test_loss"] == pytest.approx(quality["backfill"]["test_loss"], abs=1e-5)
     # state_copy runs as deep as each token needs: its mean exit depth plus one
-    assert quality["state_copy"]["mean_layers"] == pytest.approx(float(quality["state_copy"]["exited_at"].float().mean()) + 1)
+    forced = m.decoder(model, "state_copy", plan)(data[None, :1], 40, forced=data[None, 1:41])
+    assert quality["state_copy"]["mean_layers"] == pytest.approx(float(forced.exited_at.float().mean()) + 1)
+    assert quality["state_copy"]["mean_layers"] < 4
     speed = m.speed_pass({n: partial(r, temperature=1.0) for n, r in runs.items()}, data[:6].view(3, 2), 1, 20, 2, 0)
     assert speed["full"]["mean_layers"] == 4.0 and speed["backfill"]["mean_layers"] == 4.0
     outputs = speed["holes"]["outputs"]  # holes runs only the layers each step's deepest row needs

@@ -105,7 +105,7 @@ def test_a_worse_tail_reads_p95_as_well_as_p99():
     def row(name, p95, p99):
         return dict(dict.fromkeys(keys, 1.0), name=name, mode="greedy", gap_p95=p95, gap_p99=p99)
     rows = [row("full", 1.0, 2.0), row("a", 1.2, 2.0), row("b", 1.0, 2.3), row("c", 1.1, 2.2)]
-    lab = types.SimpleNamespace(measured=(rows, {}))
+    lab = types.SimpleNamespace(measured=rows)
     note = m.tails(lab)["notes"][1]
     assert "(a worse tail): a greedy, b greedy." in note  # c is 10% over on both: not over 10%
 
