@@ -1484,22 +1484,30 @@ def strategy_plans(records, costs, config, threshold, checked=None):
                                     subsets, T)
     return plans
 
-def prediction(row, plans, speculation, costs, n_layer):
-    """What the cost model says beside a strategies-table row: a KV strategy's plan, speculation
-    as timed on val (its entries), a smaller model's missing blocks; nothing for full depth, the
-    baseline."""
-    name = row["name"]
+def prediction(row, plans, spec, costs, depth, n_layer):
+    """The cost model's speed-up beside a decoder-table row: a KV strategy's plan (state_copy at
+    the batch's expected depth, every row waiting for the deepest; skipdecode as a row, since a
+    batch saves what a row saves), speculation as its k ran on val (spec: (mode, k) -> its row),
+    a smaller model's missing blocks; 1 for full depth, the baseline, and for auto where it runs
+    full depth. depth: batch size -> the expected layers a step."""
+    name, k = row["name"], row.get("num_draft")
+    figures = {"predicted_speedup": 1.0}
     if name in plans:
         plan = plans[name]
-        return {"exit_at": plan["label"], "threshold": plan["threshold"],
-                "predicted_speedup": plan["predicted_speedup"]}
-    if name == "self_speculative":
-        return {"predicted_speedup": next(e["speedup"] for e in speculation
-                                          if e["mode"] == row["mode"])}
+        figures = {"exit_at": plan["label"], "threshold": plan["threshold"],
+                   "predicted_speedup": plan["predicted_speedup"]}
+    if name == "state_copy":
+        B = row["batch_size"]
+        figures.update(expected_layers=depth[B],
+                       predicted_speedup=figures["predicted_speedup"] * depth[1] / depth[B])
+    if k is not None:
+        figures["predicted_speedup"] = spec[row["mode"], k]["speedup"]
     if name.endswith("GPT"):  # a smaller model skips its missing blocks, and checks nothing
         skipped = (n_layer - row["mean_layers"]) * costs["block"]
-        return {"predicted_speedup": costs["token"] / (costs["token"] - skipped)}
-    return {}
+        figures["predicted_speedup"] = costs["token"] / (costs["token"] - skipped)
+    if name == "auto":
+        figures["choice"] = f"k={k}" if k else "full depth"
+    return figures
 
 def expected_batch_depth(exited_at, batch_sizes, n_layer):
     """Mean of the deepest exit among B independent draws from the recorded per-token exit layers:
@@ -1521,25 +1529,6 @@ def choose_drafts(entries):
         if best["speedup"] <= 1:
             auto[mode] = None
     return drafts, auto
-
-def batch_prediction(row, plans, depth, spec):
-    """The cost model's speed-up beside a batch-table row: state_copy at the batch's expected depth
-    (every row waits for the deepest), skipdecode as a row (a batch saves what a row saves),
-    speculation as it ran on val (spec: (mode, k) -> its entry); auto: the k it ran, or none."""
-    name, B, k = row["name"], row["batch_size"], row.get("num_draft")
-    if name == "state_copy":
-        return {"expected_layers": depth[B],
-                "predicted_speedup": plans[name]["predicted_speedup"] * depth[1] / depth[B]}
-    if name == "skipdecode":
-        return {"predicted_speedup": plans[name]["predicted_speedup"]}
-    figures = {"predicted_speedup": 1.0}  # full depth, and auto where it runs full depth
-    if k is not None:
-        figures["predicted_speedup"] = spec[row["mode"], k]["speedup"]
-    if name == "auto":
-        figures["choice"] = f"k={k}"
-        if k is None:
-            figures["choice"] = "full depth"
-    return figures
 
 # -----------------------------------------------------------------------------
 # Would a smaller model do? Plain GPTs of fewer layers, trained alike, read on the same positions
@@ -1963,24 +1952,33 @@ class Lab:
                   f"steps, data and global batch: val loss {loss:.4f}, {seconds:.1f} s ---")
         return fixed
 
+    def measure(self, names, drafts, B=1, on_val=None, more=()):
+        """The rows of a decoder table at batch size B on the test workload, both modes, quality
+        teacher-forced on test, each beside its prediction: these KV strategies, self_speculative
+        drafting drafts[mode] a round, and more (name -> {mode: decode}). on_val: speculation's
+        rows on val, the prediction for it (timed once here when not given)."""
+        cfg, (costs, plans) = self.config, self.plans
+        cells = [(cfg.draft_exit, k) for k in sorted(set(drafts.values()))]
+        on_val = on_val or speculation_costs(self.model, self.workloads[0], replace(
+            cfg, bench_repeats=1), B, cells)  # one timed pass on val: a prediction, not a figure
+        decoders = {name: dict.fromkeys(MODES, decoder(self.model, name, plans.get(name),
+                                                       self.rules)) for name in names}
+        decoders["self_speculative"] = {mode: decoder(self.model, "self_speculative",
+                                                      spec=(cfg.draft_exit, k))
+                                        for mode, k in drafts.items()}
+        rows = measure_decoders({**decoders, **dict(more)}, self.splits["test"], self.workloads[1],
+                                cfg, B)
+        spec = {(e["mode"], e["num_draft"]): e for e in on_val}
+        return [dict(r, **prediction(r, plans, spec, costs, self.batch_depth(), cfg.n_layer))
+                for r in rows]
+
     @cached_property
     def measured(self):
-        """The strategies table: every decoder and the plain GPTs at batch 1 on the test workload,
-        both modes, quality teacher-forced on test, each beside its prediction."""
-        cfg, (costs, plans) = self.config, self.plans
-        spec = (cfg.draft_exit, cfg.num_draft)
-        # one timed pass on val: a prediction, not a reported figure
-        on_val = speculation_costs(self.model, self.workloads[0], replace(cfg, bench_repeats=1), 1,
-                                   [spec])
-        decoders = {name: dict.fromkeys(MODES, decoder(self.model, name, plans.get(name),
-                                                       self.rules, spec))
-                    for name in ("full", *KV_STRATEGIES, "self_speculative")}
-        decoders.update({f"{d}-layer GPT": dict.fromkeys(MODES, decoder(small, "full"))
-                         for d, small in self.smaller.items()})
-        rows = measure_decoders(decoders, self.splits["test"], self.workloads[1], cfg)
-        for row in rows:
-            row.update(prediction(row, plans, on_val, costs, cfg.n_layer))
-        return rows
+        """The strategies table: every decoder and the plain GPTs at batch 1."""
+        smaller = {f"{d}-layer GPT": dict.fromkeys(MODES, decoder(small, "full"))
+                   for d, small in self.smaller.items()}
+        return self.measure(("full", *KV_STRATEGIES), dict.fromkeys(MODES, self.config.num_draft),
+                            more=smaller)
 
 def threshold_sweep(lab):
     """Every threshold on val, the table's every tenth, and the test sweep the depth chart draws."""
@@ -2119,22 +2117,16 @@ BATCH_DESIGNS = ("full", "state_copy", "skipdecode")  # then self_speculative an
 # num_draft tried in batches (11 fills 33 new tokens: half of block 64, plus 1)
 BATCH_DRAFTS = (4, 8, 11, 16)
 
-def batch_rows(lab, B, cells, depth):
-    """The batch table's rows at batch size B, and what auto chose: the fastest k on val for
-    self_speculative, and for auto that k or full depth, each mode on its own."""
-    cfg, (_, plans), model = lab.config, lab.plans, lab.model
-    entries = speculation_costs(model, lab.workloads[0], cfg, B, cells)
-    drafts, auto = choose_drafts(entries)  # on val
-    decoders = {name: dict.fromkeys(MODES, decoder(model, name, plans.get(name), lab.rules))
-                for name in BATCH_DESIGNS}
-    decoders["self_speculative"] = {mode: decoder(model, "self_speculative",
-                                                  spec=(cfg.draft_exit, k))
-                                    for mode, k in drafts.items()}
-    decoders["auto"] = {mode: decoders["full" if k is None else "self_speculative"][mode]
-                        for mode, k in auto.items()}
-    spec = {(e["mode"], e["num_draft"]): e for e in entries}
-    rows = measure_decoders(decoders, lab.splits["test"], lab.workloads[1], cfg, B)
-    return [dict(r, **batch_prediction(r, plans, depth, spec)) for r in rows]
+def batch_rows(lab, B, cells):
+    """The batch table's rows at batch size B: self_speculative at the k fastest on val in each
+    mode, and auto running that k or, where none beat full depth on val, full depth."""
+    on_val = speculation_costs(lab.model, lab.workloads[0], lab.config, B, cells)
+    drafts, auto = choose_drafts(on_val)
+    full = dict.fromkeys(MODES, decoder(lab.model, "full"))
+    runs = {mode: decoder(lab.model, "self_speculative", spec=(lab.config.draft_exit, k))
+            for mode, k in drafts.items()}
+    more = {"auto": {mode: runs[mode] if k else full[mode] for mode, k in auto.items()}}
+    return lab.measure(BATCH_DESIGNS, drafts, B, on_val, more)
 
 def batches(lab):
     """The batch table: every design at every batch size, greedy and sampled, quality beside
@@ -2142,10 +2134,9 @@ def batches(lab):
     cfg, (_, plans) = lab.config, lab.plans
     if not cfg.bench_batch:
         return {}
-    depth = lab.batch_depth()
     cells = [(cfg.draft_exit, k) for k in sorted({*BATCH_DRAFTS, cfg.num_draft})]
     sizes = [B for B in BATCH_SIZES if cfg.bench_prompts % B == 0]
-    rows = [row for B in sizes for row in batch_rows(lab, B, cells, depth)]
+    rows = [row for B in sizes for row in batch_rows(lab, B, cells)]
     chose = [f"B={r['batch_size']} {r['mode']} {r['choice']}" for r in rows if r["name"] == "auto"]
     skip = plans["skipdecode"]
     return {"batched": rows, "notes": [
