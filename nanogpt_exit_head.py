@@ -405,6 +405,7 @@ class Generation:
     prefill_runs: float = 0.0  # block runs per row spent re-prefilling the window at full depth
     clock: list = None  # (seconds, row 0's length) at the start and after each step
     exit_checks: int = 0  # exit checks run (a head, a confidence, a host sync), over all steps
+    cache_bytes: float = 0.0  # bytes of keys and values held for one row, at the window's length
 
 def tick(device, length):
     """A clock entry of a Generation: (seconds, row 0's length) once the device is done."""
@@ -439,7 +440,7 @@ def generate(model, idx, max_new_tokens, strategy=Backfill, exit_threshold=1.0, 
         clock.append(tick(idx.device, n + 1))
     logits = torch.stack(emitted, dim=1) if emitted else None
     return Generation(tokens, exits, logits, sum(cache.layer_evals) - prefilled, prefilled, clock,
-                      checks)
+                      checks, (cache.k.nbytes + cache.v.nbytes) / B)
 
 # -----------------------------------------------------------------------------
 # Exit statistics: where the tokens left, as Part I prints them
@@ -606,6 +607,7 @@ def run_lesson(config, device):
 # Part II: the ideas, one a section, each returning plain data and printing nothing
 
 import argparse
+import copy
 import difflib
 import gc
 import html
@@ -643,7 +645,8 @@ class LabConfig(Config):
     kv_strategy: str = "backfill"  # early-exit sample's decoder: a KV strategy or self_speculative
     exit_layers: str = "auto"  # exits checked: 'auto' (cost-aware; all in samples), 'all', '1,3'
     draft_exit: int = 0  # self-speculative: the last layer of the draft (its exit head drafts)
-    num_draft: int = 8  # self-speculative: the most tokens drafted per verify pass
+    num_draft: int = 8  # speculative: the most tokens drafted per verify pass
+    draft_layers: int = 1  # draft_model: the layers of the plain GPT trained in the run to draft
     # measurement
     quality_positions: int = 1000  # test positions teacher-forced per decoder; more is steadier
     bench_prompts: int = 16  # timed workload: prompts evenly spaced in test (val, when choosing)
@@ -657,7 +660,7 @@ class LabConfig(Config):
     schedule_disagreement: float = 0.03  # SkipDecode: most disagreement with full depth it may cost
     # studies beyond the default run
     bench_batch: bool = False  # also measure every batch design at batch 1, 4 and 16 (minutes)
-    compare_depths: bool = False  # train a plain GPT of every depth below n_layer, not only one
+    depths: str = ""  # plain GPTs trained besides the draft model: none (''), 'all', or '1,2,3'
 
 # cautious first: 1.000, 0.999, ..., 0.951 (the learned rule's scores crowd there), 0.95, ..., 0.00
 THRESHOLDS = (*(round(1 - i / 1000, 3) for i in range(50)),
@@ -844,7 +847,7 @@ KV_STRATEGIES = {"backfill": Backfill, "deferred": Deferred, "state_copy": State
                  "holes": Holes, "skipdecode": SkipDecode}
 
 # -----------------------------------------------------------------------------
-# Self-speculative decoding (LayerSkip): early layers draft, the rest verify; one decoder, any batch
+# Speculative decoding: early layers draft (LayerSkip) or a small model; one decoder, any batch
 
 class RowKVCache(KVCache):
     """The KV cache with a length per row, for a batch whose rows accept different numbers of
@@ -916,22 +919,24 @@ def prefill_rows(model, cache, tokens, rows, starts, n):
     cache.v[:, rows, :, :m] = level.v
     return m * model.config.n_layer
 
-def slide_rows(model, cache, tokens, starts, n):
+def slide_rows(models, tokens, starts, n):
     """Each row slides its window by window_start's rule; rows that moved re-prefill together,
-    grouped by window length. Returns the block runs summed over rows."""
-    if not bool((n - starts > model.config.block_size).any()):  # most rounds: no row moves
+    grouped by window length, in each (model, cache) of models. Returns the block runs summed over
+    rows."""
+    block_size = models[0][0].config.block_size
+    if not bool((n - starts > block_size).any()):  # most rounds: no row moves
         return 0
     moved = {}
     for b in range(len(n)):
-        s = window_start(None if starts[b] < 0 else int(starts[b]), int(n[b]),
-                         model.config.block_size)
+        s = window_start(None if starts[b] < 0 else int(starts[b]), int(n[b]), block_size)
         if s != starts[b]:
             starts[b] = s
             moved.setdefault(int(n[b]) - 1 - s, []).append(b)
     runs = 0
     for group in moved.values():
         rows = torch.tensor(group, device=n.device)
-        runs += len(group) * prefill_rows(model, cache, tokens, rows, starts, n)
+        for model, cache in models:
+            runs += len(group) * prefill_rows(model, cache, tokens, rows, starts, n)
     return runs
 
 def draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k, generator):
@@ -988,16 +993,23 @@ def speculative_accept(drafts, q, p, room, temperature, generator):
     residual = (p - q)[rows, at].clamp_min(0) + (~has_next)[:, None]
     return accepted, draw(residual / residual.sum(-1, keepdim=True), generator), has_next
 
-def speculative_round(model, cache, tokens, exited, n, pos, room, draft_exit, temperature, top_k,
+def speculative_round(models, tokens, exited, n, pos, room, draft_exit, temperature, top_k,
                       generator):
     """One round of every row: draft up to room[b] tokens from window position pos[b], verify them
     in one pass, keep each row's accepted prefix, write the full model's token after it, and mark
-    in exited the layer each of the round's tokens left at. Returns (accepted (B,), has_next (B,)),
-    as speculative_accept."""
+    in exited the layer each of the round's tokens left at. models: (the model, its cache), then a
+    draft model's, if any. Returns (accepted (B,), has_next (B,)), as speculative_accept."""
+    (model, cache), (drafter, draft_cache) = models[0], models[-1]
     L = model.config.n_layer
-    q, drafts, x = draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k,
+    q, drafts, x = draft(drafter, draft_cache, tokens, n, pos, room, draft_exit, temperature, top_k,
                          generator)
-    for l in range(draft_exit + 1, L):  # verify: the layers above the draft, once over every draft
+    steps, first = torch.arange(drafts.size(1), device=n.device), draft_exit + 1
+    if drafter is not model:  # a draft model: the model verifies from its own embedding
+        cache.start_round(pos, draft_cache.furthest)
+        slots = (pos[:, None] + steps).clamp(max=model.config.block_size - 1)  # (B, k)
+        fed = tokens.gather(1, n[:, None] - 1 + steps)  # (B, k): the last token, the drafts but one
+        x, first = model.transformer.wte(fed) + model.transformer.wpe(slots), 0
+    for l in range(first, L):  # verify: the layers above the draft, once over every draft
         x = model.transformer.h[l](x, cache, l)
     p = model.exit_logits(x, L - 1)  # (B, k, V)
     if temperature > 0:
@@ -1008,7 +1020,6 @@ def speculative_round(model, cache, tokens, exited, n, pos, room, draft_exit, te
     tokens[torch.arange(len(n), device=n.device), n + accepted] = nxt
     # kept drafts left at the draft's exit, the full model's token at the top (later rounds
     # overwrite the marks past it)
-    steps = torch.arange(drafts.size(1), device=n.device)
     marks = torch.where(steps < accepted[:, None], draft_exit, L - 1)  # (B, k)
     exited.scatter_(1, n[:, None] + steps, marks)
     return accepted, has_next
@@ -1018,33 +1029,39 @@ class SpeculativeGeneration(Generation):
     stats: dict = None  # rounds (verify passes), drafted (keepable drafts), accepted, num_draft
 
 @torch.inference_mode()
-def generate_self_speculative(model, idx, max_new_tokens, draft_exit=0, num_draft=8,
-                              temperature=0.0, top_k=0, generator=None):
-    """Self-speculative decoding of B rows at once: each round every row drafts up to num_draft
-    tokens with layers 0..draft_exit, the layers above verify them in one pass, and each row keeps
-    its accepted prefix, rolls back and slides its window on its own; a row that is done leaves.
-    Every row's tokens are those it would get alone at full depth (greedy), or have their
-    distribution (sampled)."""
+def generate_speculative(model, idx, max_new_tokens, draft_exit=0, num_draft=8, temperature=0.0,
+                         top_k=0, generator=None, draft_model=None):
+    """Speculative decoding of B rows at once: each round every row drafts up to num_draft tokens,
+    with the model's layers 0..draft_exit (self-speculation) or with draft_model's every layer and
+    its own cache; the layers above (all of them, after a draft model) verify them in one pass;
+    each row keeps its accepted prefix, rolls back and slides its window on its own; a row that is
+    done leaves. Every row's tokens are those it would get alone at full depth (greedy), or have
+    their distribution (sampled). Kept drafts are marked at the draft's last layer."""
     cfg, (B, T0), dev = model.config, idx.shape, idx.device
-    if not 0 <= draft_exit < cfg.n_layer - 1 or num_draft < 1:
+    drafter = draft_model or model
+    if draft_model is not None:
+        draft_exit = draft_model.config.n_layer - 1
+    elif not 0 <= draft_exit < cfg.n_layer - 1 or num_draft < 1:
         raise ValueError(f"need 0 <= draft_exit < {cfg.n_layer - 1} and num_draft >= 1, "
                          f"got draft_exit={draft_exit}, num_draft={num_draft}")
     end = T0 + max_new_tokens
     tokens = F.pad(idx, (0, max_new_tokens + num_draft))  # zeros: room for the tokens and drafts
     exited = torch.full_like(tokens, cfg.n_layer - 1)  # the layer each token left at
     out_tokens, out_exited = tokens[:, :end].clone(), exited[:, :end].clone()
-    cache = RowKVCache(replace(cfg, block_size=cfg.block_size + num_draft), B, dev)
+    models = [(m, RowKVCache(replace(m.config, block_size=cfg.block_size + num_draft), B, dev))
+              for m in dict.fromkeys([model, drafter])]  # the model's cache, then a draft model's
+    cache_bytes = sum(c.k.nbytes + c.v.nbytes for _, c in models) / B
     n = idx.new_full((B,), T0)  # (R,): each row's length; no window yet (start far back)
     starts = torch.full_like(n, -cfg.block_size - 1)
     ids, rounds, drafted, kept, prefilled = torch.arange(B, device=dev), 0, 0, 0, 0.0
     clock = [tick(dev, T0)]
     while max_new_tokens > 0 and len(ids):  # ids (R,): the rows still in the batch
-        prefilled += slide_rows(model, cache, tokens, starts, n) / B
+        prefilled += slide_rows(models, tokens, starts, n) / B
         pos = n - 1 - starts  # (R,) window position of each row's first token fed this round
         # (R,) how many drafts each row may keep: none past end, no position past block_size
         room = torch.minimum(end - n, cfg.block_size - pos).clamp(max=num_draft)
-        accepted, has_next = speculative_round(model, cache, tokens, exited, n, pos, room,
-                                               draft_exit, temperature, top_k, generator)
+        accepted, has_next = speculative_round(models, tokens, exited, n, pos, room, draft_exit,
+                                               temperature, top_k, generator)
         rounds, drafted, kept = rounds + 1, drafted + room.sum(), kept + accepted.sum()
         n = n + accepted + has_next  # n back past a rejected draft: the row's cache rolls back
         clock.append(tick(dev, min(int(n[0]), end)))  # row 0's length: the tail at batch 1
@@ -1052,12 +1069,14 @@ def generate_self_speculative(model, idx, max_new_tokens, draft_exit=0, num_draf
         if bool(done.any()):
             out_tokens[ids[done]], out_exited[ids[done]] = tokens[done, :end], exited[done, :end]
             tokens, exited, n, starts, ids = (t[~done] for t in (tokens, exited, n, starts, ids))
-            cache.keep_rows(~done)
+            for _, cache in models:
+                cache.keep_rows(~done)
     stats = {"rounds": rounds, "drafted": int(drafted), "accepted": int(kept),
              "num_draft": num_draft}
-    # layers run: the re-prefills ran in caches of their own, so cache.layer_evals has none of them
-    return SpeculativeGeneration(out_tokens, out_exited[:, T0:], None, sum(cache.layer_evals),
-                                 prefilled, clock, stats=stats)
+    # layers run, the draft model's too; the re-prefills ran in caches of their own
+    return SpeculativeGeneration(out_tokens, out_exited[:, T0:], None,
+                                 sum(sum(c.layer_evals) for _, c in models), prefilled, clock,
+                                 cache_bytes=cache_bytes, stats=stats)
 
 # -----------------------------------------------------------------------------
 # The exit rules: how sure an exit is, five ways beyond top-1, and a rule learned from data
@@ -1487,7 +1506,8 @@ def strategy_plans(records, costs, config, threshold, checked=None):
 def prediction(row, plans, spec, costs, depth, n_layer):
     """The cost model's speed-up beside a decoder-table row: a KV strategy's plan (state_copy at
     the batch's expected depth, every row waiting for the deepest; skipdecode as a row, since a
-    batch saves what a row saves), speculation as its k ran on val (spec: (mode, k) -> its row),
+    batch saves what a row saves), speculation as its k ran on val (spec: (name, mode, k) -> its
+    row),
     a smaller model's missing blocks; 1 for full depth, the baseline, and for auto where it runs
     full depth. depth: batch size -> the expected layers a step."""
     name, k = row["name"], row.get("num_draft")
@@ -1500,8 +1520,9 @@ def prediction(row, plans, spec, costs, depth, n_layer):
         B = row["batch_size"]
         figures.update(expected_layers=depth[B],
                        predicted_speedup=figures["predicted_speedup"] * depth[1] / depth[B])
-    if k is not None:
-        figures["predicted_speedup"] = spec[row["mode"], k]["speedup"]
+    if k is not None:  # auto runs self_speculative's k
+        figures["predicted_speedup"] = spec[row["name"].replace("auto", "self_speculative"),
+                                            row["mode"], k]["speedup"]
     if name.endswith("GPT"):  # a smaller model skips its missing blocks, and checks nothing
         skipped = (n_layer - row["mean_layers"]) * costs["block"]
         figures["predicted_speedup"] = costs["token"] / (costs["token"] - skipped)
@@ -1519,19 +1540,20 @@ def expected_batch_depth(exited_at, batch_sizes, n_layer):
     return {B: float(((cdf**B - below**B) * depth).sum()) for B in batch_sizes}
 
 def choose_drafts(entries):
-    """From speculation's timings on val: per mode, the k that ran fastest (self_speculative's), and
-    what auto runs: that k, or None (full depth) where no k ran faster than full depth."""
+    """From speculation's timings on val: per decoder and mode, the k that ran fastest, and what
+    auto runs: self_speculative's k, or None (full depth) where no k ran faster than full depth."""
     drafts, auto = {}, {}
-    for mode in MODES:
-        best = max((e for e in entries if e["mode"] == mode), key=lambda e: e["speedup"])
-        drafts[mode] = best["num_draft"]
-        auto[mode] = best["num_draft"]
-        if best["speedup"] <= 1:
-            auto[mode] = None
+    for name in dict.fromkeys(e["name"] for e in entries):
+        for mode in MODES:
+            best = max((e for e in entries if (e["name"], e["mode"]) == (name, mode)),
+                       key=lambda e: e["speedup"])
+            drafts.setdefault(name, {})[mode] = best["num_draft"]
+            if name == "self_speculative":
+                auto[mode] = best["num_draft"] if best["speedup"] > 1 else None
     return drafts, auto
 
 # -----------------------------------------------------------------------------
-# Would a smaller model do? Plain GPTs of fewer layers, trained alike, read on the same positions
+# Smaller models: plain GPTs of fewer layers, trained alike, as points of the frontier
 
 def train_plain_gpt(config, splits, n_layer, world=1):
     """A plain GPT (alpha 0, Part I's model) of n_layer blocks with the same width, steps and data,
@@ -1544,36 +1566,55 @@ def train_plain_gpt(config, splits, n_layer, world=1):
     seconds = train(model, configure_optimizer(model, cfg), splits, cfg, device, evaluate=False)[0]
     return model.eval(), estimate_loss(model, splits, cfg, device)["val"][-1], seconds
 
-def nearest_depth(mean_layers, n_layer):
-    """The smaller model to hold against early exit: the depth nearest its exit depth."""
-    return min(max(round(mean_layers), 1), n_layer - 1)
+def plain_depths(text, draft_layers, n_layer):
+    """--depths: the plain GPTs a run trains besides the draft model: none (''), all below n_layer,
+    or a comma list."""
+    depths = {draft_layers}
+    if text == "all":
+        depths.update(range(1, n_layer))
+    elif text:
+        depths.update(int(d) for d in text.split(","))
+    return sorted(depths)
 
-def depth_rows(fixed, test, n_positions, full_loss):
-    """Each plain GPT (depth -> model) on the test positions early exit is reported on: its loss,
-    that loss above the full model's (full_loss), its accuracy."""
-    rows = []
-    for d, small in fixed.items():
-        r = record_exits(small, test, n_positions, {})
-        loss = average(r.nll[-1])
-        rows.append({"layers": d, "test_loss": loss, "excess_loss": loss - full_loss,
-                     "test_accuracy": average(r.pred[-1] == r.targets)})
-    return rows
+# -----------------------------------------------------------------------------
+# Depth pruning: the blocks that change the residual stream least, removed for every input
 
-def verdict(early, speedup, row):
-    """'Would a smaller model do as well?' in two parts, losses on the same test positions and
-    speed-ups on the same workload: early exit with deferred's plan (its depth and loss
-    teacher-forced under that plan, its speed-ups measured) and self-speculation, then the plain
-    GPT nearest that depth. early: the plan and its figures; speedup: (name, mode) -> speed-up."""
-    return [f"early exit (deferred's plan: {early['measure']} > {early['threshold']:g} at exits "
-            f"{early['label']}) at {early['mean_layers']:.2f} layers a token: test loss "
-            f"{early['loss']:.4f}, {speedup['deferred', 'greedy']:.2f}x greedy and "
-            f"{speedup['deferred', 'sampled']:.2f}x sampled; self-speculation at full depth's "
-            f"{early['full_loss']:.4f}, {speedup['self_speculative', 'greedy']:.2f}x greedy and "
-            f"{speedup['self_speculative', 'sampled']:.2f}x sampled",
-            f"a {row['layers']}-layer GPT is "
-            f"{'better' if row['test_loss'] < early['full_loss'] else 'worse'} than full depth "
-            f"(test loss {row['test_loss']:.4f}) at {row['speedup_greedy']:.2f}x greedy, "
-            f"{row['speedup_sampled']:.2f}x sampled"]
+@torch.inference_mode()
+def block_distances(model, x):
+    """Each block's angular distance between its input and its output, arccos(cosine) / pi,
+    averaged over the positions of x (b, T): a list of n_layer, 0 where a block changes nothing
+    (Gromov et al. 2024, arXiv:2403.17887, for one block)."""
+    states = [model.embed(x), *model.hidden_states(x)]
+    return [average(torch.arccos(F.cosine_similarity(a, b, dim=-1).clamp(-1, 1)) / math.pi)
+            for a, b in zip(states, states[1:])]
+
+def pruned(model, distances, k):
+    """A copy of the model without its k blocks of least angular distance, no retraining: decoded
+    at full depth over the blocks left (its exit heads unused)."""
+    keep = sorted(sorted(range(len(distances)), key=distances.__getitem__)[k:])
+    small = copy.deepcopy(model)
+    small.transformer.h = nn.ModuleList([small.transformer.h[i] for i in keep])
+    small.config = replace(model.config, n_layer=len(keep))
+    return small
+
+def weight_bytes(model, heads=()):
+    """The bytes of weights a decoder of model reads: every parameter but the exit heads (the
+    tied head once), and the exit heads of the layers it checks."""
+    every = sum(p.nbytes for p in model.parameters())
+    unread = [h for l, h in enumerate(model.exit_heads) if l not in heads]
+    return every - sum(p.nbytes for h in unread for p in h.parameters())
+
+def dominated_by(rows, mode):
+    """Each row's better point in one mode: the fastest of those no worse in test loss nor in
+    speed-up and better in one; None where there is none, on the frontier."""
+    def point(r):
+        return r["test_loss"], r[f"speedup_{mode}"]
+    marks = []
+    for r in rows:
+        better = [o for o in rows if o["test_loss"] <= r["test_loss"]
+                  and o[f"speedup_{mode}"] >= r[f"speedup_{mode}"] and point(o) != point(r)]
+        marks.append(max(better, key=lambda o: o[f"speedup_{mode}"])["name"] if better else None)
+    return marks
 
 # =============================================================================
 # Part III: the harness; the workload and timing, the tables, the page, checkpoints, main
@@ -1599,15 +1640,17 @@ def repetition(tokens, n=4):
         return 0.0
     return 1.0 - len(set(grams)) / len(grams)
 
-SPECULATIVE = ("self_speculative", "auto")  # exact by construction: no quality pass of their own
+SPECULATIVE = ("self_speculative", "draft_model", "auto")  # exact: no quality pass of their own
 
-def decoder(model, name, plan=None, rules=EXIT_RULES, spec=(0, 8)):
+def decoder(model, name, plan=None, rules=EXIT_RULES, spec=(0, 8), draft=None):
     """The decoder of one table row, for any batch size: decode(idx (B, T0), n, generator=,
     temperature=, top_k=, forced=) -> Generation. name: full, a KV strategy with its plan (its
-    rule read from rules), or self_speculative with spec = (draft_exit, num_draft). Full depth is
-    one decoder on every device: the predictions and the speed-ups divide by the same baseline."""
-    if name == "self_speculative":
-        return partial(generate_self_speculative, model, draft_exit=spec[0], num_draft=spec[1])
+    rule read from rules), or self_speculative and draft_model (drafting with the model draft)
+    with spec = (draft_exit, num_draft). Full depth is one decoder on every device: the
+    predictions and the speed-ups divide by the same baseline."""
+    if name in ("self_speculative", "draft_model"):
+        return partial(generate_speculative, model, draft_exit=spec[0], num_draft=spec[1],
+                       draft_model=draft)
     if name == "full":
         return partial(generate, model)
     if name not in KV_STRATEGIES:
@@ -1630,10 +1673,11 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
     """Every decoder continues the workload, batch_size prompts a call, repeats times, interleaved
     a call at a time (a burst of load on the machine falls on every decoder alike); decoders: key ->
     decode. Per decoder: median over the passes of tokens/s of all rows, block runs per token
-    while decoding (catch-up included) and re-prefilling, how repetitive the text is, and the
-    last pass's Generations."""
+    while decoding (catch-up included) and re-prefilling, the keys and values it holds a row, the
+    device's peak memory (CUDA's; else None), how repetitive the text is, and the last pass's
+    Generations."""
     batches = prompts.view(-1, batch_size, prompts.size(1))  # (n_batches, B, T0)
-    seconds = {key: [0.0] * repeats for key in decoders}
+    seconds, peak = {key: [0.0] * repeats for key in decoders}, dict.fromkeys(decoders)
     # no garbage collection while timing: a collection lands on whichever decoder runs then
     gc.disable()
     for r in range(repeats):
@@ -1642,16 +1686,21 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
             for key, decode in decoders.items():
                 # batch i samples from seed + i, whichever decoder and pass runs it
                 generator = torch.Generator(prompts.device).manual_seed(seed + i)
+                if prompts.is_cuda:  # the peak of the device's memory, where it reports one
+                    torch.cuda.reset_peak_memory_stats()
                 synchronize(prompts.device)
                 t0 = time.perf_counter()
                 outputs[key].append(decode(batch, n_tokens, generator=generator))
                 synchronize(prompts.device)
                 seconds[key][r] += time.perf_counter() - t0
+                if prompts.is_cuda:
+                    peak[key] = max(peak[key] or 0, torch.cuda.max_memory_allocated())
     gc.enable()
     steps = len(batches) * n_tokens  # layers_run and prefill_runs count per row
     return {key: {"tokens_per_second": len(prompts) * n_tokens / float(np.median(seconds[key])),
                   "mean_layers": sum(o.layers_run for o in outs) / steps,
                   "prefill_layers": sum(o.prefill_runs for o in outs) / steps,
+                  "cache_bytes": outs[0].cache_bytes, "peak_bytes": peak[key],
                   "repetition": float(np.mean([repetition(r[-n_tokens:].tolist())
                                                for o in outs for r in o.tokens])),
                   "outputs": outs} for key, outs in outputs.items()}
@@ -1731,16 +1780,16 @@ def measure_decoders(decoders, test, prompts, config, batch_size=1):
                        config.bench_repeats, config.seed)
     return [table_row(name, mode, speed, quality, config, batch_size) for name, mode in speed]
 
-def speculation_costs(model, prompts, config, batch_size, cells):
-    """Self-speculation on a workload at batch_size, every (draft_exit, num_draft) cell beside full
-    depth, both modes, interleaved: its rows (no quality), each speed-up full depth's time a token
-    over a round's time a token emitted. Timed on val, it is the prediction beside test's
-    speed-ups, and what auto chooses by."""
-    decoders = {cell: dict.fromkeys(MODES, decoder(model, "self_speculative", spec=cell))
-                for cell in cells}
+def speculation_costs(model, prompts, config, batch_size, cells, draft):
+    """Speculation on a workload at batch_size, every (decoder, num_draft) cell (self_speculative,
+    or draft_model drafting with draft) beside full depth, both modes, interleaved: its rows (no
+    quality), each speed-up full depth's time a token over a round's time a token emitted. Timed
+    on val, it is the prediction beside test's speed-ups, and what auto chooses by."""
+    decoders = {(name, k): dict.fromkeys(MODES, decoder(model, name, spec=(config.draft_exit, k),
+                                                        draft=draft)) for name, k in cells}
     decoders["full"] = dict.fromkeys(MODES, decoder(model, "full"))
     rows = measure_decoders(decoders, None, prompts, config, batch_size)
-    return [row for row in rows if row["name"] != "full"]
+    return [dict(row, name=row["name"][0]) for row in rows if row["name"] != "full"]
 
 # -----------------------------------------------------------------------------
 # Tables: each defined once, printed on the console and drawn on the page from that definition
@@ -1831,14 +1880,16 @@ gap_p95       | gap p95    | {:.2f} | 95% of gaps are at most this (a round's to
 once: its first waits the round, the rest 0)
 gap_p99       | gap p99    | {:.2f} | and 99%
 prompt_ms_p95 | prompt p95 | {:.0f} | ms for a prompt's whole continuation, 95th percentile""")
-DEPTH_TABLE = table("""Would a smaller model do as well?
-layers            | layers     | {}      | a plain GPT of this depth (alpha 0)
-test_loss         | test loss  | {:.4f}  | on the test positions the exit rules are reported on
-excess_loss       | above full | {:+.4f} | over the full model's loss there
-test_accuracy     | accuracy   | {:.3f}  | how often its top-1 is the next character
-tokens_per_second_greedy | tok/s | {:,.0f} | greedy, batch 1, the test workload
-speedup_greedy    | greedy     | {:.2f}x | over the full model, as in the strategies table
-speedup_sampled   | sampled    | {:.2f}x | and sampled""")
+FRONTIER_TABLE = table("""When does early exit pay?
+name              | point     | {}      | a decoder of the exit model, a pruned model, a plain GPT
+test_loss         | test loss | {:.4f}  | teacher-forced on the same test positions for every point
+speedup_greedy    | greedy    | {:.2f}x | tokens per second over full depth's, greedy
+dominated_greedy  | beaten by | {}      | a point at least as good in loss and speed, better in one
+speedup_sampled   | sampled   | {:.2f}x | and sampled
+dominated_sampled | beaten by | {}      | sampled ('-': on the frontier)
+weights_mb        | weights   | {:.2f}  | MiB of weights read
+kv_kb             | KV        | {:,.0f} | KiB of keys and values held a sequence
+peak_mb           | peak      | {:.0f}  | MiB, the device's peak ('-': not reported)""")
 BATCH_TABLE = table("""Does early exit still save in a batch?
 batch_size        | B         | {}      | rows decoded together, a prompt each
 mode              | mode      | {}      | greedy, or sampled
@@ -1889,10 +1940,12 @@ def print_table(table, rows, conditions="", notes=()):
 class Lab:
     """What the analyses share. At once: the model, its data on its device, the workloads, every
     exit rule, what every exit says, each rule's calibration and the threshold. When an analysis
-    first asks: the unit costs and the exit plans, the smaller models, the strategies table."""
-    def __init__(self, model, tokenizer, splits, config, device, world=1):
+    first asks: the unit costs and the exit plans, the plain GPTs, the pruned models, every
+    decoder's table."""
+    def __init__(self, model, tokenizer, splits, config, device, world=1, train_seconds=0.0):
         self.model, self.tokenizer, self.config, self.device, self.world = (
             model, tokenizer, config, device, world)
+        self.train_seconds = train_seconds  # the exit model's
         self.splits = {name: text.to(device) for name, text in splits.items()}
         self.checked = list(range(config.n_layer - 1))  # every exit: the rules read them all
         # the val workload (to choose by) and the test workload (to report)
@@ -1911,6 +1964,7 @@ class Lab:
                         for s, t in texts.items()}
         self.calibrations = {m: calibration_report(self.records, m, self.checked, config.epsilon,
                                                    config.delta) for m in self.rules}
+        self.plain_gpts = {}  # depth -> (a plain GPT trained alike, its training seconds)
         self.threshold = config.exit_threshold  # -1: the calibrated one
         if self.threshold < 0:
             self.threshold = self.calibrations[config.confidence_measure]["threshold"]
@@ -1932,60 +1986,78 @@ class Lab:
         exits = planned_exits(self.records["val"], "state_copy", plan, self.config.block_size)[0]
         return expected_batch_depth(exits, BATCH_SIZES, self.config.n_layer)
 
-    def early_exit(self, split):
-        """Deferred's plan with its figures on a split's records: the verdict's early exit."""
-        plan = self.plans[1]["deferred"]
-        exits = planned_exits(self.records[split], "deferred", plan, self.config.block_size)[0]
-        return {**plan, **exit_summary(self.records[split], exits)}
-
-    @cached_property
-    def smaller(self):
-        """depth -> a plain GPT trained alike: the depth nearest early exit's on val, or all."""
-        cfg, fixed = self.config, {}
-        depths = range(1, cfg.n_layer)
-        if not cfg.compare_depths:
-            depths = [nearest_depth(self.early_exit("val")["mean_layers"], cfg.n_layer)]
-        for d in depths:
-            fixed[d], loss, seconds = train_plain_gpt(lesson_config(cfg), self.splits, d,
-                                                      self.world)
+    def plain(self, d):
+        """A plain GPT of d layers trained alike (once: the smaller models and the draft model
+        share them)."""
+        if d not in self.plain_gpts:
+            model, loss, seconds = train_plain_gpt(lesson_config(self.config), self.splits, d,
+                                                   self.world)
             print(f"\n--- a {d}-layer GPT trained as a plain model (alpha 0) with the same width, "
                   f"steps, data and global batch: val loss {loss:.4f}, {seconds:.1f} s ---")
-        return fixed
+            self.plain_gpts[d] = model, seconds
+        return self.plain_gpts[d][0]
 
-    def measure(self, names, drafts, B=1, on_val=None, more=()):
+    @cached_property
+    def pruned(self):
+        """k -> the model without its k most-alike blocks, for k = 1 .. n_layer - 1, the blocks'
+        angular distances measured on up to 64 val windows."""
+        T = self.config.block_size
+        distances = block_distances(self.model, self.splits["val"][:-1].unfold(0, T, T)[:64])
+        return {k: pruned(self.model, distances, k) for k in range(1, self.config.n_layer)}
+
+    def decoders(self, names, drafts):
+        """name -> ({mode: decode}, the bytes of weights it reads): full depth and these KV
+        strategies at their plans, and self_speculative and draft_model drafting drafts[name][mode]
+        tokens a round."""
+        cfg, plans, model = self.config, self.plans[1], self.model
+        made = {}
+        for name in names:
+            heads = set(plans[name]["checked_exits"]) if name in plans else ()
+            made[name] = (dict.fromkeys(MODES, decoder(model, name, plans.get(name), self.rules)),
+                          weight_bytes(model, heads))
+        draft = self.plain(cfg.draft_layers)
+        for name, size in (("self_speculative", weight_bytes(model, [cfg.draft_exit])),
+                           ("draft_model", weight_bytes(model) + weight_bytes(draft))):
+            made[name] = ({mode: decoder(model, name, spec=(cfg.draft_exit, k), draft=draft)
+                           for mode, k in drafts[name].items()}, size)
+        return made
+
+    def measure(self, decoders, B=1, on_val=None):
         """The rows of a decoder table at batch size B on the test workload, both modes, quality
-        teacher-forced on test, each beside its prediction: these KV strategies, self_speculative
-        drafting drafts[mode] a round, and more (name -> {mode: decode}). on_val: speculation's
-        rows on val, the prediction for it (timed once here when not given)."""
+        teacher-forced on test, each beside its prediction and the bytes of weights it reads.
+        decoders: name -> ({mode: decode}, weight bytes); on_val: speculation's rows on val, the
+        prediction for it (timed once here when not given)."""
         cfg, (costs, plans) = self.config, self.plans
-        cells = [(cfg.draft_exit, k) for k in sorted(set(drafts.values()))]
-        on_val = on_val or speculation_costs(self.model, self.workloads[0], replace(
-            cfg, bench_repeats=1), B, cells)  # one timed pass on val: a prediction, not a figure
-        decoders = {name: dict.fromkeys(MODES, decoder(self.model, name, plans.get(name),
-                                                       self.rules)) for name in names}
-        decoders["self_speculative"] = {mode: decoder(self.model, "self_speculative",
-                                                      spec=(cfg.draft_exit, k))
-                                        for mode, k in drafts.items()}
-        rows = measure_decoders({**decoders, **dict(more)}, self.splits["test"], self.workloads[1],
-                                cfg, B)
-        spec = {(e["mode"], e["num_draft"]): e for e in on_val}
-        return [dict(r, **prediction(r, plans, spec, costs, self.batch_depth(), cfg.n_layer))
+        if on_val is None:  # one timed pass on val: a prediction, not a reported figure
+            on_val = speculation_costs(self.model, self.workloads[0], replace(cfg, bench_repeats=1),
+                                       B, [(name, cfg.num_draft) for name in SPECULATIVE[:2]],
+                                       self.plain(cfg.draft_layers))
+        rows = measure_decoders({name: d for name, (d, _) in decoders.items()},
+                                self.splits["test"], self.workloads[1], cfg, B)
+        spec = {(e["name"], e["mode"], e["num_draft"]): e for e in on_val}
+        return [dict(r, weight_bytes=decoders[r["name"]][1],
+                     **prediction(r, plans, spec, costs, self.batch_depth(), cfg.n_layer))
                 for r in rows]
 
     @cached_property
     def measured(self):
-        """The strategies table: every decoder and the plain GPTs at batch 1."""
-        smaller = {f"{d}-layer GPT": dict.fromkeys(MODES, decoder(small, "full"))
-                   for d, small in self.smaller.items()}
-        return self.measure(("full", *KV_STRATEGIES), dict.fromkeys(MODES, self.config.num_draft),
-                            more=smaller)
+        """Every decoder at batch 1, both modes: full depth, the KV strategies, both drafters, the
+        pruned models and every plain GPT the run trains."""
+        cfg = self.config
+        k = dict.fromkeys(MODES, cfg.num_draft)
+        decoders = self.decoders(("full", *KV_STRATEGIES), dict.fromkeys(SPECULATIVE[:2], k))
+        gpts = {d: self.plain(d) for d in plain_depths(cfg.depths, cfg.draft_layers, cfg.n_layer)}
+        for name, model in [*((f"{d}-layer GPT", gpt) for d, gpt in gpts.items()),
+                            *((f"pruned {k}", small) for k, small in self.pruned.items())]:
+            decoders[name] = dict.fromkeys(MODES, decoder(model, "full")), weight_bytes(model)
+        return self.measure(decoders)
 
 def threshold_sweep(lab):
-    """Every threshold on val, the table's every tenth, and the test sweep the depth chart draws."""
+    """Every threshold on val (for the chart), and the table's every tenth."""
     m, n = lab.config.confidence_measure, f"{lab.config.sweep_positions:,}"
     val = sweep(lab.records["val"], m, lab.checked)
     return {"sweep": [e for e in val if round(10 * e["threshold"], 6) % 1 == 0],
-            "sweep_curve": val, "test_sweep": sweep(lab.records["test"], m, lab.checked),
+            "sweep_curve": val,
             "notes": [f"The sweep on {n} val positions, teacher-forced ({m}): compute saved "
                       "against quality", f"full depth's val loss on the {n} val positions: "
                       f"{val[0]['full_loss']:.4f}"]}
@@ -2052,17 +2124,21 @@ def slices(lab):
 def strategies(lab):
     """The strategies table, and under it what it rests on: the drafts, the measured costs, the
     depth of a batch."""
-    cfg, (costs, plans), rows = lab.config, lab.plans, lab.measured
+    cfg, (costs, plans) = lab.config, lab.plans
+    rows = [r for r in lab.measured if not r["name"].startswith("pruned")]
     L, b, check = cfg.n_layer, costs["block"], cfg.confidence_measure
     depth = lab.batch_depth()
     exact = {True: "identical to full depth on every prompt", False: "NOT identical to full depth",
              None: "exact in distribution (tested)"}
-    notes = [f"self_speculative {e['mode']}: draft_exit={e['draft_exit']}, num_draft="
-             f"{e['num_draft']}, acceptance {e['acceptance_rate']:.3f} (drafts kept over drafts "
-             f"a row could keep), {e['tokens_per_verify']:.2f} tokens a verify pass, "
-             + exact[e["identical_to_full"]] for e in rows if e["name"] == "self_speculative"]
+    drafter = {"self_speculative": f"draft_exit={cfg.draft_exit}",
+               "draft_model": f"a {cfg.draft_layers}-layer GPT drafting"}
+    notes = [f"{e['name']} {e['mode']}: {drafter[e['name']]}, num_draft={e['num_draft']}, "
+             f"acceptance {e['acceptance_rate']:.3f} (drafts kept over drafts a row could keep), "
+             f"{e['tokens_per_verify']:.2f} tokens a verify pass, " + exact[e["identical_to_full"]]
+             for e in rows if e["name"] in drafter]
     # the full model's decoders: a smaller GPT re-prefills fewer layers
-    prefill = sorted({round(e["prefill_layers"], 2) for e in rows if "GPT" not in e["name"]})
+    prefill = sorted({round(e["prefill_layers"], 2) for e in rows
+                      if not e["name"].endswith(("GPT", "draft_model"))})  # the exit model's alone
     impossible = ""
     if costs["token"] < L * b:
         impossible = f", IMPOSSIBLE ({L} blocks): so after {costs['attempts']} measurements"
@@ -2088,7 +2164,8 @@ def strategies(lab):
 
 def tails(lab):
     """Average or tail: the strategies rows' latency, and which decoders have a worse tail."""
-    rows = [{k: row[k] for k, *_ in TAIL_TABLE[1]} for row in lab.measured]
+    rows = [{k: row[k] for k, *_ in TAIL_TABLE[1]} for row in lab.measured
+            if not row["name"].startswith("pruned")]
     full = {r["mode"]: r for r in rows if r["name"] == "full"}
     worse = [f"{r['name']} {r['mode']}" for r in rows
              if max(r[p] / full[r["mode"]][p] for p in ("gap_p95", "gap_p99")) > 1.1]
@@ -2098,35 +2175,49 @@ def tails(lab):
         f"{', '.join(worse) or 'none'}. A prompt's first step prefills it, and a step that slides "
         "the window re-prefills it: those steps are the tail of every decoder."]}
 
-def depths(lab):
-    """The plain GPTs on the test positions, their speeds, and the verdict beside early exit."""
-    cfg, early = lab.config, lab.early_exit("test")
-    speed = {(r["name"], r["mode"]): r for r in lab.measured}
-    rows = depth_rows(lab.smaller, lab.splits["test"], cfg.sweep_positions, early["full_loss"])
-    for row in rows:
-        greedy, sampled = (speed[f"{row['layers']}-layer GPT", mode] for mode in MODES)
-        row.update(tokens_per_second_greedy=greedy["tokens_per_second"],
-                   speedup_greedy=greedy["speedup"], speedup_sampled=sampled["speedup"])
-    nearest = nearest_depth(lab.early_exit("val")["mean_layers"], cfg.n_layer)
-    said = verdict(early, {key: r["speedup"] for key, r in speed.items()},
-                   next(r for r in rows if r["layers"] == nearest))
-    return {"depths": rows, "verdict": said, "early_exit": early, "notes": [
-        f"Plain GPTs, {cfg.sweep_positions:,} test positions", f"Worth it? {'; '.join(said)}."]}
+def frontier(lab):
+    """When does early exit pay? Every point by test loss, teacher-forced on the same test
+    positions, against its speed-up in each mode, marked with the point that beats it on both;
+    and what each holds in memory."""
+    cfg, points = lab.config, {}
+    for r in lab.measured:
+        peak = r["peak_bytes"] and r["peak_bytes"] / 2**20  # None where the device reports none
+        point = points.setdefault(r["name"], {"name": r["name"], "test_loss": r["test_loss"],
+                                              "weights_mb": r["weight_bytes"] / 2**20,
+                                              "kv_kb": r["cache_bytes"] / 2**10, "peak_mb": peak})
+        point[f"speedup_{r['mode']}"] = r["speedup"]
+    rows = list(points.values())
+    for mode in MODES:
+        for row, better in zip(rows, dominated_by(rows, mode)):
+            row[f"dominated_{mode}"] = better
+    on = {mode: ", ".join(r["name"] for r in rows if r[f"dominated_{mode}"] is None)
+          for mode in MODES}
+    seconds = ", ".join(f"{d}-layer GPT {t:.0f} s" for d, (_, t) in sorted(lab.plain_gpts.items()))
+    return {"frontier": rows, "notes": [
+        f"Test loss on {cfg.quality_positions:,} test positions, teacher-forced through each "
+        "decoder (speculation: full depth's, by construction); speed-ups on the strategies "
+        "table's workload",
+        f"On the frontier, greedy: {on['greedy']}; sampled: {on['sampled']}. Every other point is "
+        "beaten on both axes by the one named (no worse on either, better on one).",
+        "Memory: weights a decoder reads (the exit heads it checks; a draft model's too), keys and "
+        "values it holds a sequence at the window's full length (speculation: "
+        f"{cfg.num_draft} spare slots), and the device's peak where it reports one. Training: the "
+        f"exit model {lab.train_seconds:.0f} s, {seconds}; pruned models, none."]}
 
-BATCH_DESIGNS = ("full", "state_copy", "skipdecode")  # then self_speculative and auto
+BATCH_DESIGNS = ("full", "state_copy", "skipdecode")  # then both drafters and auto
 # num_draft tried in batches (11 fills 33 new tokens: half of block 64, plus 1)
 BATCH_DRAFTS = (4, 8, 11, 16)
 
 def batch_rows(lab, B, cells):
-    """The batch table's rows at batch size B: self_speculative at the k fastest on val in each
-    mode, and auto running that k or, where none beat full depth on val, full depth."""
-    on_val = speculation_costs(lab.model, lab.workloads[0], lab.config, B, cells)
+    """The batch table's rows at batch size B: each drafter at the k fastest on val in each mode,
+    and auto running self_speculative's k or, where none beat full depth on val, full depth."""
+    on_val = speculation_costs(lab.model, lab.workloads[0], lab.config, B, cells,
+                               lab.plain(lab.config.draft_layers))
     drafts, auto = choose_drafts(on_val)
-    full = dict.fromkeys(MODES, decoder(lab.model, "full"))
-    runs = {mode: decoder(lab.model, "self_speculative", spec=(lab.config.draft_exit, k))
-            for mode, k in drafts.items()}
-    more = {"auto": {mode: runs[mode] if k else full[mode] for mode, k in auto.items()}}
-    return lab.measure(BATCH_DESIGNS, drafts, B, on_val, more)
+    decoders = lab.decoders(BATCH_DESIGNS, drafts)
+    (runs, size), full = decoders["self_speculative"], decoders["full"][0]
+    decoders["auto"] = {mode: runs[mode] if k else full[mode] for mode, k in auto.items()}, size
+    return lab.measure(decoders, B, on_val)
 
 def batches(lab):
     """The batch table: every design at every batch size, greedy and sampled, quality beside
@@ -2134,7 +2225,8 @@ def batches(lab):
     cfg, (_, plans) = lab.config, lab.plans
     if not cfg.bench_batch:
         return {}
-    cells = [(cfg.draft_exit, k) for k in sorted({*BATCH_DRAFTS, cfg.num_draft})]
+    drafts = sorted({*BATCH_DRAFTS, cfg.num_draft})
+    cells = [(name, k) for name in SPECULATIVE[:2] for k in drafts]
     sizes = [B for B in BATCH_SIZES if cfg.bench_prompts % B == 0]
     rows = [row for B in sizes for row in batch_rows(lab, B, cells)]
     chose = [f"B={r['batch_size']} {r['mode']} {r['choice']}" for r in rows if r["name"] == "auto"]
@@ -2146,8 +2238,8 @@ def batches(lab):
         f"{plans['state_copy']['label']}, {cfg.confidence_measure} > {lab.threshold:g}, each row "
         f"waiting for the deepest. skipdecode: every row exits at layer {skip['label']} (window "
         f"position; val: {skip['compute_saved']:.1%} saved, {skip['disagreement']:.2%} "
-        f"disagreement). self_speculative: draft_exit={cfg.draft_exit}, k the fastest on val of "
-        f"{[k for _, k in cells]}."]}
+        f"disagreement). self_speculative (draft_exit={cfg.draft_exit}) and draft_model (a "
+        f"{cfg.draft_layers}-layer GPT): k the fastest on val of {drafts}."]}
 
 # -----------------------------------------------------------------------------
 # The page: out_dir/report.html, one self-contained page (inline CSS and SVG, no script)
@@ -2231,13 +2323,15 @@ def svg_point(cls, x, y, ticks, key, tip, width):
                 f'height="{PLOT_HEIGHT - plot_y(y, ticks):.1f}" {data}</rect>')
     return f'<circle cx="{plot_x(x):.1f}" cy="{plot_y(y, ticks):.1f}" r="3" {data}</circle>'
 
-def svg_chart(series, x_ticks, titles, y_fmt, bars=False, mark=None, line=None, top=None):
-    """Lines, or bars side by side (their x labels on two rows). series: (name, class, points), a
-    point (x in [0, 1], y, report key, hover text); x_ticks: {label: x}; titles: the axes'; mark:
-    (x, report key, label), a dashed line up the chart; line: (y, label), one across it (at most
-    top); top: the axis's top, if not the data's (bars: at least 1.0x, full depth's)."""
+def svg_chart(series, x_ticks, titles, y_fmt, bars=False, mark=None, line=None, top=None,
+              bottom=0):
+    """Lines, dots alone (bottom above 0: an axis that need not reach 0), or bars side by side
+    (their x labels on two rows). series: (name, class, points), a point (x in [0, 1], y, report
+    key, hover text); x_ticks: {label: x}; titles: the axes'; mark: (x, report key, label), a
+    dashed line up the chart; line: (y, label), one across it (at most top); top: the axis's top,
+    if not the data's (bars: at least 1.0x, full depth's)."""
     ys = [p[1] for _, _, points in series for p in points]
-    ticks, H = nice_ticks(top or max(ys + [int(bars)]), min(ys + [0])), PLOT_HEIGHT
+    ticks, H = nice_ticks(top or max(ys + [int(bars)]), min(ys + [bottom])), PLOT_HEIGHT
     parts = [f'<div class="scroll"><svg viewBox="0 0 640 {H + 64 + 18 * len(series)}" '
              f'width="100%" role="img"><text transform="translate(14 {H / 2}) rotate(-90)" '
              f'text-anchor="middle">{esc(titles[1])}</text><text x="345" y="{H + 52}" '
@@ -2255,7 +2349,7 @@ def svg_chart(series, x_ticks, titles, y_fmt, bars=False, mark=None, line=None, 
                      f'x="{plot_x(mark[0]) + (4 if mark[0] < 0.5 else -4):.1f}" y="12" '
                      f'text-anchor="{"start" if mark[0] < 0.5 else "end"}">{esc(mark[2])}</text>')
     for s, (name, cls, points) in enumerate(series):
-        if not bars:
+        if not bars and bottom <= 0:
             coords = " ".join(f"{plot_x(x):.1f},{plot_y(y, ticks):.1f}" for x, y, _, _ in points)
             parts.append(f'<polyline class="{cls} line" points="{coords}"/>')
         parts += [svg_point(cls, x + (s - len(series) / 2) * width, y, ticks, key, tip, width)
@@ -2361,20 +2455,18 @@ def batch_charts(report):
     sizes = dict.fromkeys(r["batch_size"] for r in report["batched"])
     return "".join(speedup_chart(report, "batched", B) for B in sizes)
 
-def depth_chart(report):
-    """Test loss above the full model's against layers run a token: early exit's threshold curve
-    (test), the plain GPTs as points."""
-    L = report["config"]["n_layer"]
-    curve = [(e["mean_layers"] / L, e["excess_loss"], f"test_sweep.{j}.excess_loss",
-              f"threshold {e['threshold']:g}: {e['mean_layers']:.2f} layers, "
-              f"{e['excess_loss']:+.4f}") for j, e in enumerate(report["test_sweep"])]
-    fixed = [(r["layers"] / L, r["excess_loss"], f"depths.{j}.excess_loss",
-              f"a {r['layers']}-layer GPT: {r['excess_loss']:+.4f}")
-             for j, r in enumerate(report["depths"])]
-    return svg_chart([("early exit, by threshold", "a", curve), ("a smaller GPT", "b", fixed)],
-                     {f"{l}": l / L for l in range(1, L + 1)},
-                     ("exit depth, teacher-forced (layers a token)",
-                      "test loss above the full model's"), "{:+.2f}")
+def frontier_chart(report):
+    """Every point's test loss against its speed-up, greedy and sampled: the frontier is the lower
+    right edge."""
+    rows = report["frontier"]
+    top = nice_ticks(max(r[f"speedup_{mode}"] for r in rows for mode in MODES))[-1]
+    series = [(mode, cls, [(r[f"speedup_{mode}"] / top, r["test_loss"], f"frontier.{i}.test_loss",
+                            f"{r['name']}, {mode}: {r[f'speedup_{mode}']:.2f}x, "
+                            f"{r['test_loss']:.4f}") for i, r in enumerate(rows)])
+              for cls, mode in zip("ab", MODES)]
+    bottom = min(r["test_loss"] for r in rows)
+    return svg_chart(series, {f"{t:g}x": t / top for t in nice_ticks(top)},
+                     ("speed-up over full depth", "test loss"), "{:.3f}", bottom=bottom)
 
 def html_analysis(analysis, report):
     """An analysis's section of the page: its conditions, its chart, its table and notes."""
@@ -2596,7 +2688,8 @@ RANGES = {  # the numbers each field takes: [ or ] includes that end, ( or ) lea
     "[0, inf)": "seed max_iters warmup_iters top_k draft_exit alpha min_lr weight_decay grad_clip "
                 "temperature distill_weight",
     "[1, inf)": "n_head n_embd batch_size eval_interval eval_iters max_new_tokens num_draft "
-                "quality_positions bench_prompts bench_prompt_len bench_tokens bench_repeats",
+                "quality_positions bench_prompts bench_prompt_len bench_tokens bench_repeats "
+                "draft_layers",
     "[10, inf)": "sweep_positions",  # the learned rule is fitted on ten pieces of train
     "[2, inf)": "n_layer block_size",
     "(0, inf)": "learning_rate distill_temperature",
@@ -2678,6 +2771,8 @@ def validate(config):
              "--lesson_only is Part I alone: it trains anew, with no resume or samples only"),
             (config.sample_only and config.init_from != "resume",
              "--sample_only=1 samples from a checkpoint: add --init_from=resume"),
+            (not re.fullmatch(r"(all|(\d+,)*\d+)?", config.depths),
+             f"--depths={config.depths!r}: '', 'all' or a comma list of layers"),
             (config.confidence_measure in ("patience", "learned") and (
                 config.lesson_only or config.exit_layers not in ("auto", "all")),
              "patience and the learned rule read every exit, in the lab: no --lesson_only, and "
@@ -2769,7 +2864,7 @@ ANALYSES = (
     Analysis("slices", KINDS_TABLE, slices),
     Analysis("strategies", STRATEGY_TABLE, strategies, speedup_chart),
     Analysis("tail", TAIL_TABLE, tails),
-    Analysis("depths", DEPTH_TABLE, depths, depth_chart),
+    Analysis("frontier", FRONTIER_TABLE, frontier, frontier_chart),
     Analysis("batched", BATCH_TABLE, batches, batch_charts),
 )
 
@@ -2800,7 +2895,7 @@ def generation_report(lab, samples):
 
 def summary(report):
     """The run's answers in four lines: the model's loss, what early exit skips with a guarantee,
-    the fastest decoder with an exact cache in each mode, and the smaller model's verdict."""
+    the fastest decoder with an exact cache in each mode, and the points on the frontier."""
     cal, chosen = report["calibration"], report["chosen_rule"]
     exact = [e for e in report["strategies"] if e["name"] in ("full", "backfill", "deferred",
                                                                "self_speculative")]
@@ -2815,7 +2910,7 @@ def summary(report):
             f"{chosen['test']['disagreement']:.2%})",
             "fastest with an exact cache: " + ", ".join(
                 f"{fastest[m]['name']} {fastest[m]['speedup']:.2f}x {m}" for m in MODES),
-            f"smaller model: {report['verdict'][1]}"]
+            f"when does early exit pay? {report['notes']['frontier'][1]}"]
 
 def lesson_config(config):
     """Part I's Config from the lab's fields, with Part I's own threshold where the lab's says
@@ -2870,7 +2965,8 @@ def run(config, overridden):
     if world > 1:
         torch.distributed.destroy_process_group()
     if rank == 0:
-        run_lab(Lab(model.eval(), tokenizer, splits, config, device, world), report)
+        run_lab(Lab(model.eval(), tokenizer, splits, config, device, world,
+                    report.get("train_seconds", 0.0)), report)
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv

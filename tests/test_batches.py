@@ -28,11 +28,11 @@ def test_batched_greedy_speculation_equals_every_row_alone(trained, monkeypatch)
     left, keep_rows = [], m.RowKVCache.keep_rows
     monkeypatch.setattr(m.RowKVCache, "keep_rows", lambda self, keep: left.append(int(keep.sum())) or keep_rows(self, keep))
     idx = torch.stack([data[2500 * b : 2500 * b + 5] for b in range(8)])
-    out = m.generate_self_speculative(model, idx, 100, 0, 4, temperature=0.0)  # 100 > 3 windows of 32
+    out = m.generate_speculative(model, idx, 100, 0, 4, temperature=0.0)  # 100 > 3 windows of 32
     for b in range(8):
         alone = m.generate(model, idx[b : b + 1], 100, temperature=0.0)
         assert torch.equal(out.tokens[b], alone.tokens[0]), f"row {b}"
-        spec = m.generate_self_speculative(model, idx[b : b + 1], 100, 0, 4, temperature=0.0)
+        spec = m.generate_speculative(model, idx[b : b + 1], 100, 0, 4, temperature=0.0)
         assert torch.equal(out.exited_at[b], spec.exited_at[0]), f"row {b}: which tokens were drafts"
     drafted_kept = (out.exited_at == 0).sum(1)  # per row: drafts accepted
     assert len(set(drafted_kept.tolist())) > 1, "rows should accept different numbers of drafts"
@@ -93,7 +93,7 @@ def test_batch_table_in_the_report(tmp_path, capsys):
     assert "Does early exit still save in a batch?" in capsys.readouterr().out
     report = json.loads((tmp_path / "report.json").read_text())
     rows = report["batched"]
-    names = (*m.BATCH_DESIGNS, "self_speculative", "auto")
+    names = (*m.BATCH_DESIGNS, "self_speculative", "draft_model", "auto")
     assert [(r["batch_size"], r["name"], r["mode"]) for r in rows] == [
         (b, n, mode) for b in (1, 4) for mode in m.MODES for n in names]
     plans = report["plans"]
@@ -117,11 +117,14 @@ def test_batch_table_in_the_report(tmp_path, capsys):
 
 
 def test_auto_runs_the_fastest_draft_on_val_or_full_depth():
-    fake = [{"mode": "greedy", "num_draft": 2, "speedup": 1.3}, {"mode": "greedy", "num_draft": 5, "speedup": 1.6},
-            {"mode": "sampled", "num_draft": 2, "speedup": 1.0}, {"mode": "sampled", "num_draft": 5, "speedup": 0.7}]
+    fake = [{"name": "self_speculative", "mode": mode, "num_draft": k, "speedup": x}
+            for mode, k, x in (("greedy", 2, 1.3), ("greedy", 5, 1.6), ("sampled", 2, 1.0), ("sampled", 5, 0.7))]
+    fake += [{"name": "draft_model", "mode": mode, "num_draft": k, "speedup": x}
+             for mode, k, x in (("greedy", 2, 1.9), ("greedy", 5, 1.8), ("sampled", 2, 0.5), ("sampled", 5, 0.6))]
     drafts, auto = m.choose_drafts(fake)
     # a k no faster than full depth on val (1.0x) is not run by auto; one just faster is
-    assert drafts == {"greedy": 5, "sampled": 2} and auto == {"greedy": 5, "sampled": None}
+    assert drafts == {"self_speculative": {"greedy": 5, "sampled": 2}, "draft_model": {"greedy": 2, "sampled": 5}}
+    assert auto == {"greedy": 5, "sampled": None}, "auto runs self_speculative's k"
     fake[2]["speedup"] = 1.001
     assert m.choose_drafts(fake)[1] == {"greedy": 5, "sampled": 2}
 
@@ -131,18 +134,20 @@ def test_speculation_costs_time_each_cell_beside_full_depth(trained):
     config = copy.copy(model.config)
     config.bench_tokens, config.bench_repeats = 12, 1
     prompts = m.workload(data[:5000], 4, 8)
-    entries = m.speculation_costs(model, prompts, config, 2, [(0, 2), (0, 5)])
-    assert [(e["name"], e["mode"]) for e in entries] == [((0, 2), "greedy"), ((0, 5), "greedy"),
-                                                        ((0, 2), "sampled"), ((0, 5), "sampled")]
+    cells = [("self_speculative", 2), ("self_speculative", 5), ("draft_model", 3)]
+    entries = m.speculation_costs(model, prompts, config, 2, cells, tiny_model(n_layer=2, n_embd=32, block_size=32,
+                                                                              vocab_size=model.config.vocab_size))
+    assert [(e["name"], e["num_draft"], e["mode"]) for e in entries] == [(n, k, mode) for mode in m.MODES
+                                                                        for n, k in cells]
     for e in entries:  # tokens emitted over verify passes: all of them (4 prompts x 12) over the rounds
-        assert e["num_draft"] == e["name"][1] and e["tokens_per_verify"] == pytest.approx(4 * 12 / e["rounds"])
+        assert e["tokens_per_verify"] == pytest.approx(4 * 12 / e["rounds"])
         assert e["identical_to_full"] is (True if e["mode"] == "greedy" else None)
 
 
 def test_a_batch_takes_the_rounds_of_its_slowest_row(trained):
     model, data = trained
     prompts = m.workload(data[:5000], 8, 6)
-    alone = [m.generate_self_speculative(model, p[None], 40, 0, 3).stats["rounds"] for p in prompts]
+    alone = [m.generate_speculative(model, p[None], 40, 0, 3).stats["rounds"] for p in prompts]
     assert len(set(alone)) > 1, "rows should need different numbers of rounds"
-    together = [m.generate_self_speculative(model, b, 40, 0, 3).stats["rounds"] for b in prompts.split(4)]
+    together = [m.generate_speculative(model, b, 40, 0, 3).stats["rounds"] for b in prompts.split(4)]
     assert together == [max(alone[:4]), max(alone[4:])]

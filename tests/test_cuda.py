@@ -59,5 +59,5 @@ def test_decode_steps_on_cuda_equal_the_cpus():
         cuda = m.generate(gpu, idx.cuda(), 20, forced=forced.cuda(), **kw)
         assert torch.allclose(cpu.logits, cuda.logits.cpu(), atol=1e-4), strategy
         assert torch.equal(cpu.exited_at, cuda.exited_at.cpu()), strategy
-    spec = m.generate_self_speculative(gpu, idx.cuda(), 40, 0, 4)
+    spec = m.generate_speculative(gpu, idx.cuda(), 40, 0, 4)
     assert torch.equal(spec.tokens.cpu(), m.generate(model, idx, 40).tokens)

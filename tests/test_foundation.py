@@ -240,7 +240,7 @@ def test_training_runs_in_bf16_autocast_on_cuda_and_decoding_in_fp32(monkeypatch
     monkeypatch.setattr(m, "autocast_context", lambda device: entered.append(str(device)) or contextlib.nullcontext())
     model, idx = tiny_model(), torch.randint(0, 11, (2, 3))
     out = m.generate(model, idx, 20, exit_threshold=0.6, forced=torch.randint(0, 11, (2, 20)))
-    m.generate_self_speculative(model, idx, 20, 0, 4)
+    m.generate_speculative(model, idx, 20, 0, 4)
     m.record_exits(model, torch.randint(0, 11, (100,)), 60, m.exit_rules())
     assert entered == [] and out.logits.dtype == torch.float32
     with torch.enable_grad():

@@ -90,11 +90,14 @@ def test_every_speed_has_a_prediction_beside_it(default_run):
 
 
 def test_no_column_is_constant_by_construction(default_run):
-    """The re-prefill is the same work for every decoder of the strategies table: a note says it, not a column."""
-    rows = [r for r in default_run[1]["strategies"] if not r["name"].endswith("GPT")]  # the full model's
-    assert len({round(r["prefill_layers"], 6) for r in rows}) == 1
+    """The re-prefill is the same work for every per-token decoder (a round of speculation may slide its
+    window a few tokens later): a note gives its range, not a column."""
+    rows = default_run[1]["strategies"]
+    per_token = [r for r in rows if r["name"] in ("full", *m.KV_STRATEGIES)]
+    assert len({round(r["prefill_layers"], 6) for r in per_token}) == 1
     assert "prefill_layers" not in [key for key, *_ in m.STRATEGY_TABLE[1]]
-    assert f"adds {rows[0]['prefill_layers']:.2f} per token for every decoder" in " ".join(default_run[0].split())
+    spread = sorted({round(r["prefill_layers"], 2) for r in rows if not r["name"].endswith(("GPT", "draft_model"))})
+    assert f"adds {' to '.join(f'{p:.2f}' for p in spread)} per token for every decoder" in " ".join(default_run[0].split())
 
 
 def test_losses_and_savings_say_their_split_and_positions(default_run):
@@ -124,7 +127,7 @@ def test_the_run_ends_with_its_summary_then_the_page(default_run):
     bests = [max((r for r in exact if r["mode"] == mode), key=lambda r: r["speedup"]) for mode in m.MODES]
     assert fastest == "fastest with an exact cache: " + ", ".join(
         f"{r['name']} {r['speedup']:.2f}x {r['mode']}" for r in bests), "greedy first, then sampled"
-    assert smaller == "smaller model: " + report["verdict"][1]
+    assert smaller == "when does early exit pay? " + report["notes"]["frontier"][1]
 
 
 def test_output_says_not_same_where_greedy_speculation_differs(monkeypatch):
@@ -148,7 +151,7 @@ def test_cache_and_output_are_two_columns(default_run):
         assert rows["full", mode]["output"] == rows["self_speculative", mode]["output"] == same
         assert rows["state_copy", mode]["cache"] == "approx." and rows["holes", mode]["cache"] == "holes"
         assert rows["self_speculative", "greedy"]["identical_to_full"] is True  # measured, not assumed
-        for name in ("backfill", "deferred", "state_copy", "holes", "2-layer GPT"):
+        for name in ("backfill", "deferred", "state_copy", "holes", "1-layer GPT"):
             assert rows[name, mode]["output"] == f"agree {rows[name, mode]['agreement']:.3f}", name
         assert rows["backfill", mode]["cache"] == rows["deferred", mode]["cache"] == "exact"
 

@@ -55,7 +55,7 @@ def test_every_number_on_the_page_is_the_reports(page):
     parser.feed(path.read_text())
     keys = {k.split(".")[0] for k, _ in parser.data}
     assert {"generation", "sweep", "sweep_curve", "calibration", "calibration_by_measure", "strategies", "tail",
-            "logit_lens", "slices", "patience", "exit_calibration", "depths", "test_sweep", "shift"} <= keys
+            "logit_lens", "slices", "patience", "exit_calibration", "frontier", "shift"} <= keys
     # the Learn-then-Test table: every measure's test figures, and the summary's headline figures
     tagged = {k for k, _ in parser.data}
     for i in range(len(report["calibration_by_measure"])):
@@ -76,7 +76,7 @@ def test_the_page_is_self_contained_and_has_both_schemes(page):
     assert "prefers-color-scheme: dark" in html and "<svg" in html
     for question in ("What does early exit look like?", "Which threshold?",
                      "What does each KV strategy buy?", "Does an exit need a trained head?",
-                     "Which exit rule, with a guarantee", "Average or tail", "Would a smaller model do as well?",
+                     "Which exit rule, with a guarantee", "Average or tail", "When does early exit pay?",
                      "Does the guarantee hold on text of another kind?", "What does &#x27;easy&#x27;"
                      if "&#x27;" in html else "What does 'easy' mean"):
         assert question in html
@@ -153,18 +153,18 @@ def test_the_summary_opens_the_page_and_links_every_section(page):
     assert f"{report['calibration']['test']['compute_saved']:.1%}" in summary
     assert "move with its load" in summary and "val loss" in summary
     assert all(f"<li>{m.esc(line)}</li>" in summary for line in report["summary"]), "the console's summary"
-    assert m.esc(report["verdict"][1]) in summary, "the answer to 'worth it?' opens the page"
+    assert m.esc(report["notes"]["frontier"][1]) in summary, "the answer to 'when does it pay?' opens the page"
     assert len(report["summary"]) == 4
 
 
 def test_the_page_keeps_three_kinds_of_chart_and_each_has_axis_titles_ticks_and_a_legend(page):
-    """The threshold trade-off, the decoders' speed-ups and loss against depth are charts; the rest, tables."""
+    """The threshold trade-off, the decoders' speed-ups and the frontier are charts; the rest, tables."""
     charts = re.findall(r"<svg .*?</svg>", page[0].read_text(), flags=re.DOTALL)
-    assert len(charts) == 4  # the sweep's two, the strategies' speed-ups, depth (no batch table in this run)
+    assert len(charts) == 4  # the sweep's two, the strategies' speed-ups, the frontier (no batch table here)
     for chart in charts:
         assert "rotate(-90)" in chart, "a y axis title"
         assert chart.count('class="grid"') >= 3, "round ticks"
-    speedups = [c for c in charts if "speed-up over full depth" in c]
+    speedups = [c for c in charts if "speed-up over full depth, measured" in c]
     assert len(speedups) == 1 and "1.0x: full depth" in speedups[0] and 'class="mark"' in speedups[0]
     assert ">greedy</text>" in speedups[0] and ">sampled</text>" in speedups[0], "the legend inside the chart"
     assert speedups[0].count("<rect ") - 2 == len(page[1]["strategies"]), "a bar a row (and two legend keys)"
@@ -181,9 +181,10 @@ def test_the_page_keeps_three_kinds_of_chart_and_each_has_axis_titles_ticks_and_
     assert 'text-anchor="end">calibrated: 0.95<' in m.sweep_charts(dict(page[1], calibration=dict(cal, threshold=0.95)))
     assert f">{2 * eps:.1%}</text>" in sweeps[1] and max(e["disagreement"] for e in page[1]["sweep_curve"]) > 2 * eps
     assert min(points(sweeps[1])) >= min(grid(sweeps[1])) - 1e-6, "over the axis: drawn at its top"
-    depths = [c for c in charts if "exit depth, teacher-forced" in c]
-    assert len(depths) == 1 and ">early exit, by threshold</text>" in depths[0] and ">a smaller GPT</text>" in depths[0]
-    assert depths[0].count("<circle ") == len(page[1]["test_sweep"]) + len(page[1]["depths"])
+    front = [c for c in charts if "speed-up over full depth</text>" in c]
+    assert len(front) == 1 and ">greedy</text>" in front[0] and ">sampled</text>" in front[0]
+    assert front[0].count("<circle ") == 2 * len(page[1]["frontier"]), "every point, in each mode"
+    assert "<polyline" not in front[0], "points, not a line through them"
 
 
 def probe(browser, html, tmp_path, name, width=420):

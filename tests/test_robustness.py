@@ -30,7 +30,7 @@ BAD_VALUES = {
     "exit_threshold": "1.5", "exit_layers": "7", "kv_strategy": "magic", "confidence_measure": "vibes",
     "draft_exit": "5", "num_draft": "0", "quality_positions": "0", "bench_prompts": "0",
     "bench_prompt_len": "0", "bench_tokens": "0", "bench_repeats": "0", "epsilon": "0", "delta": "1",
-    "sweep_positions": "0", "compare_depths": "maybe", "shift_path": "/nonexistent/shift.txt",
+    "sweep_positions": "0", "depths": "1-3", "shift_path": "/nonexistent/shift.txt", "draft_layers": "0",
     "bench_batch": "maybe", "schedule_disagreement": "2",
 }
 

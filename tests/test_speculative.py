@@ -18,7 +18,7 @@ def test_greedy_equals_full_depth_past_block_size(trained, draft_exit, num_draft
     for p in range(3):
         idx = data[None, 1000 * p : 1000 * p + 5]
         full = m.generate(model, idx, 100, temperature=0.0)  # 100 > 3 x block_size (32)
-        spec = m.generate_self_speculative(model, idx, 100, draft_exit, num_draft, temperature=0.0)
+        spec = m.generate_speculative(model, idx, 100, draft_exit, num_draft, temperature=0.0)
         assert torch.equal(spec.tokens, full.tokens), f"prompt {p}"
         accepted += spec.stats["accepted"]
     assert accepted > 0, "the test needs accepted drafts"
@@ -28,7 +28,7 @@ def test_greedy_equals_full_depth_from_a_prompt_longer_than_the_window(trained):
     model, data = trained
     idx = data[None, 300:370]  # 70 characters > block_size 32
     full = m.generate(model, idx, 60, temperature=0.0)
-    spec = m.generate_self_speculative(model, idx, 60, 0, 4, temperature=0.0)
+    spec = m.generate_speculative(model, idx, 60, 0, 4, temperature=0.0)
     assert torch.equal(spec.tokens, full.tokens) and spec.stats["accepted"] > 0
 
 
@@ -39,7 +39,7 @@ def test_rejections_happen_and_roll_back(trained):
     accepted = drafted = 0
     for p in range(6):
         idx = data[None, 2000 * p : 2000 * p + 5]
-        spec = m.generate_self_speculative(model, idx, 100, 0, 4, temperature=0.0)
+        spec = m.generate_speculative(model, idx, 100, 0, 4, temperature=0.0)
         assert torch.equal(spec.tokens, m.generate(model, idx, 100, temperature=0.0).tokens)
         accepted, drafted = accepted + spec.stats["accepted"], drafted + spec.stats["drafted"]
     assert 0 < accepted < drafted, "need both accepted and rejected drafts"
@@ -63,7 +63,7 @@ def test_each_layer_runs_once_per_fed_position(trained, rows):
     model, data = copy.deepcopy(trained[0]), trained[1]
     positions = layer_positions(model)
     idx = torch.stack([data[1500 * b : 1500 * b + 5] for b in range(rows)])
-    spec = m.generate_self_speculative(model, idx, 80, 1, 4, temperature=0.0)
+    spec = m.generate_speculative(model, idx, 80, 1, 4, temperature=0.0)
     L = model.config.n_layer
     assert len(set(positions)) == 1 and positions[0] > 80 * rows, positions  # every layer alike
     if rows == 1:  # one row has no spare slots: it feeds exactly the drafts it could keep
@@ -75,7 +75,7 @@ def test_each_layer_runs_once_per_fed_position(trained, rows):
 def test_bad_draft_settings_are_a_clear_error(trained):
     model, data = trained
     with pytest.raises(ValueError, match="draft_exit"):
-        m.generate_self_speculative(model, data[None, :5], 10, 3, 4)
+        m.generate_speculative(model, data[None, :5], 10, 3, 4)
 
 
 def test_kept_drafts_are_marked_round_by_round(monkeypatch):
@@ -90,7 +90,7 @@ def test_kept_drafts_are_marked_round_by_round(monkeypatch):
         return a, torch.tensor([5]), a < room
 
     monkeypatch.setattr(m, "speculative_accept", accept)
-    out = m.generate_self_speculative(model, torch.tensor([[1, 2]]), 8, 1, 4, temperature=0.0)
+    out = m.generate_speculative(model, torch.tensor([[1, 2]]), 8, 1, 4, temperature=0.0)
     assert out.exited_at[0].tolist() == [1, 1, 3, 3, 1, 1, 1, 3]
     assert out.stats == {"rounds": 3, "drafted": 12, "accepted": 5, "num_draft": 4}
 
@@ -146,7 +146,7 @@ def test_sampled_speculation_has_the_full_model_distribution(temperature, top_k)
     probs1 = dist(idx)
     joint = torch.stack([probs1[a] * dist(torch.cat([idx, torch.tensor([[a]])], 1)) for a in range(V)])
     gen = torch.Generator().manual_seed(0)
-    pairs = m.generate_self_speculative(model, idx.repeat(n, 1), 2, 0, 2, temperature, top_k, gen).tokens[:, 3:]
+    pairs = m.generate_speculative(model, idx.repeat(n, 1), 2, 0, 2, temperature, top_k, gen).tokens[:, 3:]
     emp = torch.zeros(V * V).index_add_(0, pairs[:, 0] * V + pairs[:, 1], torch.ones(n)).view(V, V) / n
     assert 0.5 * (emp.sum(1) - joint.sum(1)).abs().sum() < tv_bound(V, n)  # the first token
     assert 0.5 * (emp - joint).abs().sum() < tv_bound(V * V, n)  # both tokens jointly

@@ -113,7 +113,7 @@ def test_a_worse_tail_reads_p95_as_well_as_p99():
 def test_every_step_and_round_is_on_the_clock(trained):
     model, data = trained
     idx = data[None, :5]
-    for out in (m.generate(model, idx, 20), m.generate_self_speculative(model, idx, 20, 0, 4)):
+    for out in (m.generate(model, idx, 20), m.generate_speculative(model, idx, 20, 0, 4)):
         lengths = [n for _, n in out.clock]
         assert lengths[0] == 5 and lengths[-1] == 25 and lengths == sorted(lengths)
         assert all(b > a for (a, _), (b, _) in zip(out.clock, out.clock[1:]))
@@ -159,19 +159,28 @@ def test_a_shifted_text_outside_the_vocabulary_is_one_line_and_status_2(tmp_path
     assert "under 2 characters" in capsys.readouterr().err
 
 
-def test_the_verdict_names_the_winner():
-    """Both sides in numbers, early exit's from one plan (deferred's: its depth, loss and speed-ups), then
-    the smaller model, better or worse."""
-    early = {"measure": "top1", "threshold": 0.5, "label": "0", "mean_layers": 3.9, "loss": 1.97, "full_loss": 1.96}
-    speedup = {("self_speculative", "greedy"): 2.5, ("self_speculative", "sampled"): 1.6,
-               ("deferred", "greedy"): 1.2, ("deferred", "sampled"): 1.1}
-    small = {"layers": 4, "test_loss": 2.01, "speedup_greedy": 1.4, "speedup_sampled": 1.3}
-    said, smaller = m.verdict(early, speedup, small)
-    assert said == ("early exit (deferred's plan: top1 > 0.5 at exits 0) at 3.90 layers a token: test loss "
-                    "1.9700, 1.20x greedy and 1.10x sampled; self-speculation at full depth's 1.9600, 2.50x "
-                    "greedy and 1.60x sampled")
-    assert smaller == "a 4-layer GPT is worse than full depth (test loss 2.0100) at 1.40x greedy, 1.30x sampled"
-    assert m.verdict(early, speedup, dict(small, test_loss=1.9))[1].startswith("a 4-layer GPT is better than")
+def test_a_point_is_beaten_only_by_one_no_worse_on_both_axes():
+    rows = [{"name": n, "test_loss": loss, "speedup_greedy": x} for n, loss, x in
+            (("full", 2.0, 1.0), ("spec", 2.0, 1.8), ("small", 1.9, 1.5), ("fast", 2.1, 3.0), ("twin", 1.9, 1.5),
+             ("slow", 1.95, 1.49), ("quick", 1.98, 2.5))]
+    # full: spec is as good and faster, small and quick better and faster: the fastest that beats it is named;
+    # small and its twin tie, neither beaten; slow loses to small on both by a hair; fast, the fastest, stands
+    assert m.dominated_by(rows, "greedy") == ["quick", "quick", None, None, None, "small", None]
+
+
+def test_compare_every_depth_as_points_of_the_frontier(tmp_path):
+    args = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--eval_iters=1",
+            "--max_iters=2", "--max_new_tokens=10", "--device=cpu", "--quality_positions=30", "--bench_tokens=8",
+            "--bench_repeats=1", "--bench_prompts=2", "--bench_prompt_len=8", "--sweep_positions=300",
+            "--depths=all", f"--out_dir={tmp_path}"]
+    with torch.enable_grad():
+        assert m.main(args) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    names = [r["name"] for r in report["frontier"]]
+    assert {"1-layer GPT", "2-layer GPT", "pruned 1", "pruned 2", "draft_model"} <= set(names)
+    assert all(r["mean_layers"] == int(r["name"][0]) for r in report["strategies"] if r["name"].endswith("GPT"))
+    assert m.plain_depths("", 1, 6) == [1] and m.plain_depths("2,4", 1, 6) == [1, 2, 4]
+    assert m.plain_depths("all", 2, 4) == [1, 2, 3]
 
 
 def test_patience_k_is_exact(records):
@@ -201,48 +210,6 @@ def test_the_learned_rule_by_name_draws_the_sample_and_every_row(tmp_path, capsy
         assert m.main(args + bad) == 2
         assert "read every exit" in capsys.readouterr().err
 
-
-def test_compare_depths_trains_every_smaller_depth(tmp_path):
-    args = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--eval_iters=1",
-            "--max_iters=2", "--max_new_tokens=10", "--device=cpu", "--quality_positions=30", "--bench_tokens=8",
-            "--bench_repeats=1", "--bench_prompts=2", "--bench_prompt_len=8", "--sweep_positions=300",
-            "--compare_depths=1", f"--out_dir={tmp_path}"]
-    with torch.enable_grad():
-        assert m.main(args) == 0
-    report = json.loads((tmp_path / "report.json").read_text())
-    assert [r["layers"] for r in report["depths"]] == [1, 2]
-    names = {r["name"] for r in report["strategies"]}
-    assert {"1-layer GPT", "2-layer GPT"} <= names
-    assert all(r["mean_layers"] == int(r["name"][0]) for r in report["strategies"] if r["name"].endswith("GPT"))
-
-
-def synthetic_records(sure_at_0, sure_at_1, N=10, L=4):
-    """N positions of L layers, every exit agreeing with full depth: exit 0 sure at the first sure_at_0
-    positions, exit 1 at the last sure_at_1."""
-    conf = torch.zeros(L, N)
-    conf[0, :sure_at_0] = 1.0
-    conf[1, N - sure_at_1 :] = 1.0
-    conf[-1] = 1.0
-    zeros = torch.zeros(L, N, dtype=torch.long)
-    return m.ExitRecords({"top1": conf}, zeros, torch.zeros(L, N), torch.zeros(N, dtype=torch.long))
-
-
-def test_the_verdict_and_the_smaller_depth_read_deferreds_plan_on_val_and_test(monkeypatch):
-    """One plan for both sides of the verdict: the depth and loss of early exit are those of deferred's plan
-    (exit 0 alone here), as its speed is; the smaller model's depth is the nearest to that plan's depth on
-    val (2.2 layers: 2), not on test (2.8: 3)."""
-    lab = object.__new__(m.Lab)
-    lab.config, lab.splits, lab.world = m.LabConfig(n_layer=4, block_size=16), {}, 1
-    lab.records = {"val": synthetic_records(6, 3), "test": synthetic_records(4, 5)}
-    plan = {"measure": "top1", "threshold": 0.5, "checked_exits": [0], "label": "0", "predicted_speedup": 1.2}
-    lab.__dict__["plans"] = ({}, {"deferred": plan})
-    early = lab.early_exit("test")
-    assert early["mean_layers"] == pytest.approx(4 - 3 * 0.4) and early["label"] == "0"
-    every_exit = m.exit_summary(lab.records["test"], m.exits_at_threshold(lab.records["test"], "top1", 0.5, [0, 1, 2]))
-    assert every_exit["mean_layers"] != pytest.approx(early["mean_layers"]), "the plans must differ for the test to bite"
-    trained = []
-    monkeypatch.setattr(m, "train_plain_gpt", lambda cfg, splits, d, world: trained.append(d) or (None, 0.0, 0.0))
-    assert list(lab.smaller) == [2] and trained == [2]
 
 
 def test_unit_costs_are_timed_at_the_workloads_typical_cache_length(model):
