@@ -1648,9 +1648,10 @@ def decoder(model, name, plan=None, rules=EXIT_RULES, spec=(0, 8), draft=None):
     rule read from rules), or self_speculative and draft_model (drafting with the model draft)
     with spec = (draft_exit, num_draft). Full depth is one decoder on every device: the
     predictions and the speed-ups divide by the same baseline."""
-    if name in ("self_speculative", "draft_model"):
-        return partial(generate_speculative, model, draft_exit=spec[0], num_draft=spec[1],
-                       draft_model=draft)
+    if name == "self_speculative":
+        return partial(generate_speculative, model, draft_exit=spec[0], num_draft=spec[1])
+    if name == "draft_model":
+        return partial(generate_speculative, model, num_draft=spec[1], draft_model=draft)
     if name == "full":
         return partial(generate, model)
     if name not in KV_STRATEGIES:

@@ -61,6 +61,11 @@ MISTAKES = [
      "        x, first = model.transformer.wte(fed) + model.transformer.wpe(slots), 0",
      "        x, first = model.transformer.wte(fed) + model.transformer.wpe(slots), draft_exit + 1",
      ["test_frontier.py::test_a_draft_model_drafts_what_layer_zero_would_and_verifies_at_full_depth"]),
+    ("one_drafter_for_both", "self_speculative drafting with the draft model",
+     "        return partial(generate_speculative, model, draft_exit=spec[0], num_draft=spec[1])\n",
+     "        return partial(generate_speculative, model, draft_exit=spec[0], num_draft=spec[1],\n"
+     "                       draft_model=draft)\n",
+     ["test_frontier.py::test_each_drafter_is_the_one_its_name_says"]),
     ("prune_the_most_distant", "pruning the blocks that change the residual stream most",
      "keep = sorted(sorted(range(len(distances)), key=distances.__getitem__)[k:])",
      "keep = sorted(sorted(range(len(distances)), key=distances.__getitem__)[: len(distances) - k])",

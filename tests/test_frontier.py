@@ -131,3 +131,16 @@ def test_every_point_of_the_frontier_is_measured_on_the_same_positions_and_workl
     for mode in m.MODES:
         assert [r[f"dominated_{mode}"] for r in rows] == m.dominated_by(rows, mode)
     assert {"full", "backfill", "self_speculative", "draft_model", "1-layer GPT", "pruned 3"} <= {r["name"] for r in rows}
+
+
+def test_each_drafter_is_the_one_its_name_says(trained):
+    """self_speculative drafts with the model's own early layers (one cache), draft_model with the draft
+    model (a cache of its own): the decoders of the tables are these."""
+    model, data = trained
+    draft, idx = layer_zero_as_a_model(model), data[None, 700:705]
+    own = m.decoder(model, "self_speculative", spec=(1, 4), draft=draft)(idx, 40, temperature=0.0)
+    other = m.decoder(model, "draft_model", spec=(1, 4), draft=draft)(idx, 40, temperature=0.0)
+    L, C, T = model.config.n_layer, model.config.n_embd, model.config.block_size
+    assert own.cache_bytes == 2 * L * C * (T + 4) * 4 and other.cache_bytes == 2 * (L + 1) * C * (T + 4) * 4
+    assert own.stats == m.generate_speculative(model, idx, 40, 1, 4).stats  # layers 0 and 1 draft
+    assert other.stats == m.generate_speculative(model, idx, 40, num_draft=4, draft_model=draft).stats
