@@ -660,7 +660,7 @@ class LabConfig(Config):
     schedule_disagreement: float = 0.03  # SkipDecode: most disagreement with full depth it may cost
     # studies beyond the default run
     bench_batch: bool = False  # also measure every batch design at batch 1, 4 and 16 (minutes)
-    depths: str = ""  # plain GPTs trained besides the draft model: none (''), 'all', or '1,2,3'
+    depths: str = ""  # plain GPTs besides the draft model: none (''), 'all' (below n_layer), '1,6'
 
 # cautious first: 1.000, 0.999, ..., 0.951 (the learned rule's scores crowd there), 0.95, ..., 0.00
 THRESHOLDS = (*(round(1 - i / 1000, 3) for i in range(50)),
@@ -883,10 +883,19 @@ class RowKVCache(KVCache):
         index = slots[:, None, :, None].expand(-1, self.k.size(2), -1, self.k.size(4))
         return slots, index, mask, width
 
+    def __init__(self, config, batch_size, device):
+        super().__init__(config, batch_size, device)
+        self.batch_size, self.counted = batch_size, 0.0
+        self.row_bytes = (self.k.nbytes + self.v.nbytes) / batch_size  # a row's keys and values
+
+    def block_runs(self):
+        """Block runs per row of the batch: each call counts at the share of the rows it ran."""
+        return self.counted + sum(self.layer_evals) * self.k.size(1) / self.batch_size
+
     def keep_rows(self, keep):
         """Drop the rows of a batch that are done: keep (B,) bool; the rest become rows 0..R-1."""
-        self.k = self.k[:, keep]
-        self.v = self.v[:, keep]
+        self.counted, self.layer_evals = self.block_runs(), [0] * len(self.layer_evals)
+        self.k, self.v = self.k[:, keep], self.v[:, keep]
 
     def append(self, layer, k, v):
         """Write k, v (B, nh, T, hs) at each row's slots; return the first W slots and the mask."""
@@ -1024,6 +1033,13 @@ def speculative_round(models, tokens, exited, n, pos, room, draft_exit, temperat
     exited.scatter_(1, n[:, None] + steps, marks)
     return accepted, has_next
 
+def leave(done, rows, models):
+    """Rows that are done (done (R,) bool) leave the batch: rows' tensors and every cache keep the
+    rest."""
+    for _, cache in models:
+        cache.keep_rows(~done)
+    return [t[~done] for t in rows]
+
 @dataclass
 class SpeculativeGeneration(Generation):
     stats: dict = None  # rounds (verify passes), drafted (keepable drafts), accepted, num_draft
@@ -1031,28 +1047,24 @@ class SpeculativeGeneration(Generation):
 @torch.inference_mode()
 def generate_speculative(model, idx, max_new_tokens, draft_exit=0, num_draft=8, temperature=0.0,
                          top_k=0, generator=None, draft_model=None):
-    """Speculative decoding of B rows at once: each round every row drafts up to num_draft tokens,
-    with the model's layers 0..draft_exit (self-speculation) or with draft_model's every layer and
-    its own cache; the layers above (all of them, after a draft model) verify them in one pass;
-    each row keeps its accepted prefix, rolls back and slides its window on its own; a row that is
-    done leaves. Every row's tokens are those it would get alone at full depth (greedy), or have
-    their distribution (sampled). Kept drafts are marked at the draft's last layer."""
+    """Speculative decoding of B rows: each round a row drafts up to num_draft tokens (layers
+    0..draft_exit, or draft_model, cache and all), the layers above (after a draft model, all)
+    verify them in one pass, and the row keeps its accepted prefix, rolls back, slides, and leaves
+    when done. Tokens: full depth's (greedy), or its distribution (sampled)."""
     cfg, (B, T0), dev = model.config, idx.shape, idx.device
-    drafter = draft_model or model
-    if draft_model is not None:
-        draft_exit = draft_model.config.n_layer - 1
-    elif not 0 <= draft_exit < cfg.n_layer - 1 or num_draft < 1:
+    if num_draft < 1 or draft_model is None and not 0 <= draft_exit < cfg.n_layer - 1:
         raise ValueError(f"need 0 <= draft_exit < {cfg.n_layer - 1} and num_draft >= 1, "
                          f"got draft_exit={draft_exit}, num_draft={num_draft}")
+    if draft_model is not None:
+        draft_exit = draft_model.config.n_layer - 1
     end = T0 + max_new_tokens
     tokens = F.pad(idx, (0, max_new_tokens + num_draft))  # zeros: room for the tokens and drafts
-    exited = torch.full_like(tokens, cfg.n_layer - 1)  # the layer each token left at
+    exited = torch.full_like(tokens, cfg.n_layer - 1)  # exit layers (kept drafts: the draft's last)
     out_tokens, out_exited = tokens[:, :end].clone(), exited[:, :end].clone()
     models = [(m, RowKVCache(replace(m.config, block_size=cfg.block_size + num_draft), B, dev))
-              for m in dict.fromkeys([model, drafter])]  # the model's cache, then a draft model's
-    cache_bytes = sum(c.k.nbytes + c.v.nbytes for _, c in models) / B
-    n = idx.new_full((B,), T0)  # (R,): each row's length; no window yet (start far back)
-    starts = torch.full_like(n, -cfg.block_size - 1)
+              for m in dict.fromkeys([model, draft_model or model])]  # the model's, a drafter's
+    # (R,) each row's length and window start (none yet: far back)
+    n, starts = idx.new_full((B,), T0), idx.new_full((B,), -cfg.block_size - 1)
     ids, rounds, drafted, kept, prefilled = torch.arange(B, device=dev), 0, 0, 0, 0.0
     clock = [tick(dev, T0)]
     while max_new_tokens > 0 and len(ids):  # ids (R,): the rows still in the batch
@@ -1068,15 +1080,26 @@ def generate_speculative(model, idx, max_new_tokens, draft_exit=0, num_draft=8, 
         done = n >= end  # rows that are done leave: the next rounds run on the rest only
         if bool(done.any()):
             out_tokens[ids[done]], out_exited[ids[done]] = tokens[done, :end], exited[done, :end]
-            tokens, exited, n, starts, ids = (t[~done] for t in (tokens, exited, n, starts, ids))
-            for _, cache in models:
-                cache.keep_rows(~done)
-    stats = {"rounds": rounds, "drafted": int(drafted), "accepted": int(kept),
-             "num_draft": num_draft}
-    # layers run, the draft model's too; the re-prefills ran in caches of their own
-    return SpeculativeGeneration(out_tokens, out_exited[:, T0:], None,
-                                 sum(sum(c.layer_evals) for _, c in models), prefilled, clock,
-                                 cache_bytes=cache_bytes, stats=stats)
+            tokens, exited, n, starts, ids = leave(done, (tokens, exited, n, starts, ids), models)
+    stats = dict(rounds=rounds, drafted=int(drafted), accepted=int(kept), num_draft=num_draft)
+    return SpeculativeGeneration(out_tokens, out_exited[:, T0:], None,  # a draft model's runs too
+                                 sum(c.block_runs() for _, c in models), prefilled, clock,
+                                 cache_bytes=sum(c.row_bytes for _, c in models), stats=stats)
+
+def spec_stats(outputs, full_outputs, mode):
+    """Acceptance (drafts kept over drafts a row could keep), tokens per verify pass, the draft
+    that ran, and (greedy) whether every row's output equals full depth's. Outputs of full depth
+    (auto's choice where speculation does not pay) count no drafts."""
+    runs = [o.stats for o in outputs if isinstance(o, SpeculativeGeneration)]
+    same = None
+    if mode == "greedy":
+        same = all(torch.equal(a.tokens, b.tokens) for a, b in zip(outputs, full_outputs))
+    if not runs:
+        return {"identical_to_full": same}
+    rounds, drafted, accepted = (sum(s[k] for s in runs) for k in ("rounds", "drafted", "accepted"))
+    return {"acceptance_rate": accepted / max(1, drafted), "rounds": rounds,
+            "tokens_per_verify": sum(o.exited_at.numel() for o in outputs) / rounds,
+            "num_draft": runs[0]["num_draft"], "identical_to_full": same}
 
 # -----------------------------------------------------------------------------
 # The exit rules: how sure an exit is, five ways beyond top-1, and a rule learned from data
@@ -1151,7 +1174,8 @@ def decoder_windows(n_positions, block_size):
 
 def read_exits(model, x, rules):
     """Every exit's logits on x (b, W): (L, b, W, V), and each rule's confidences, rule -> (L, b,
-    W), each rule reading the exits bottom up with a state of its own, as decode_step does."""
+    W), each rule reading the exits bottom up with a state of its own, as decode_step does when it
+    checks every exit (patience and the learned rule read the exit below: they need them all)."""
     states = [model.embed(x), *model.hidden_states(x)]  # L + 1 x (b, W, C)
     logits = torch.stack([model.exit_logits(h, l) for l, h in enumerate(states[1:])]).float()
     probs, read = logits.softmax(-1), {}  # what confidence() gives a rule, once for them all
@@ -1201,6 +1225,13 @@ def fit_exit_predictor(model, data, n_positions):
         hess = X.transpose(1, 2) @ (X * (p * (1 - p))[..., None]) + ridge  # (L - 1, F, F)
         w = w - torch.linalg.solve(hess, grad)
     return F.pad(w[..., 0], (0, 0, 0, 1)).float().to(records.pred.device)
+
+def fit_on_pieces(model, train, n_positions, pieces=10):
+    """The learned rule's weights, fitted on `pieces` pieces from across train that never overlap,
+    n_positions in all (one play alone fits it worse)."""
+    step = len(train) // pieces
+    n = min(n_positions // pieces, step - 1)
+    return fit_exit_predictor(model, train.unfold(0, n + 1, step)[:pieces].flatten(), pieces * n)
 
 def exits_at_threshold(records, measure, threshold, checked_exits):
     """(N,): the layer each position exits at: the first checked exit above threshold, else the
@@ -1431,7 +1462,7 @@ def decode_costs(model, prompts, n_tokens, rules, repeats=200, attempts=3):
                 t[key].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         for prompt in prompts:
-            generate(model, prompt[None], n_tokens)
+            generate(model, prompt[None], n_tokens, temperature=0.0)  # greedy: no sampling cost
         synchronize(device)
         token = (time.perf_counter() - t0) / prompts.size(0) / n_tokens
         costs = {key: float(np.median(v)) for key, v in t.items()}
@@ -1476,11 +1507,14 @@ def predict_speedup(records, name, plan, costs, block_size):
 def best_plan(records, name, measure, threshold, costs, subsets, block_size):
     """The exits a KV strategy checks, chosen on val: of these subsets at the threshold, the one
     the cost model predicts fastest. The threshold's guarantee is for every exit checked: a subset
-    can leave later, at an exit that disagrees, so it is not covered."""
+    can leave later, at an exit that disagrees, so it is not covered. At threshold 1 nothing
+    leaves: no exit is checked."""
     plans = []
+    if threshold >= 1:
+        subsets = [[]]
     for subset in subsets:
         plan = {"measure": measure, "threshold": threshold, "checked_exits": subset,
-                "label": ",".join(map(str, subset))}
+                "label": ",".join(map(str, subset)) or "-"}
         plans.append({**plan, "predicted_speedup": predict_speedup(records, name, plan, costs,
                                                                     block_size)})
     return max(plans, key=lambda p: p["predicted_speedup"])
@@ -1504,11 +1538,11 @@ def strategy_plans(records, costs, config, threshold, checked=None):
     return plans
 
 def prediction(row, plans, spec, costs, depth, n_layer):
-    """The cost model's speed-up beside a decoder-table row: a KV strategy's plan (state_copy at
-    the batch's expected depth, every row waiting for the deepest; skipdecode as a row, since a
-    batch saves what a row saves), speculation as its k ran on val (spec: (name, mode, k) -> its
-    row),
-    a smaller model's missing blocks; 1 for full depth, the baseline, and for auto where it runs
+    """The cost model's speed-up beside a decoder-table row: a KV strategy's plan (skipdecode as a
+    row, since a batch saves what a row saves; state_copy scaled from batch 1 by the expected depth
+    of a batch, every row waiting for the deepest: a rough estimate, since checks run until the
+    last row leaves), speculation as its k ran on val (spec: (name, mode, k) -> its row), a smaller
+    or pruned model's missing blocks; 1 for full depth, the baseline, and for auto where it runs
     full depth. depth: batch size -> the expected layers a step."""
     name, k = row["name"], row.get("num_draft")
     figures = {"predicted_speedup": 1.0}
@@ -1523,7 +1557,7 @@ def prediction(row, plans, spec, costs, depth, n_layer):
     if k is not None:  # auto runs self_speculative's k
         figures["predicted_speedup"] = spec[row["name"].replace("auto", "self_speculative"),
                                             row["mode"], k]["speedup"]
-    if name.endswith("GPT"):  # a smaller model skips its missing blocks, and checks nothing
+    if name.endswith("GPT") or name.startswith("pruned"):  # it skips missing blocks, checks none
         skipped = (n_layer - row["mean_layers"]) * costs["block"]
         figures["predicted_speedup"] = costs["token"] / (costs["token"] - skipped)
     if name == "auto":
@@ -1553,6 +1587,27 @@ def choose_drafts(entries):
     return drafts, auto
 
 # -----------------------------------------------------------------------------
+# The tail: latency as a streaming reader sees it, a speculation round's tokens at once
+
+def tail(outputs):
+    """Batch 1's latency as a streaming reader sees it, in ms, from its Generations' clocks: the
+    wait for the first token (p50 over prompts), the gaps between tokens at p50, p95 and p99 (a
+    round's tokens arrive together when it ends: its first waits the round, the rest 0), the mean
+    time a token, and p95 of a prompt's whole continuation."""
+    first, gaps, whole, tokens = [], [], [], 0
+    for out in outputs:
+        t0, arrivals = out.clock[0][0], []
+        for (_, m), (t, n) in zip(out.clock, out.clock[1:]):  # a step's tokens arrive as it ends
+            arrivals += [1e3 * (t - t0)] * (n - m)
+        first.append(arrivals[0])
+        gaps += [b - a for a, b in zip(arrivals, arrivals[1:])]
+        whole.append(arrivals[-1])
+        tokens += len(arrivals)
+    p50, p95, p99 = np.percentile(gaps, [50, 95, 99]).tolist()
+    return {"first_ms": float(np.median(first)), "gap_p50": p50, "gap_p95": p95, "gap_p99": p99,
+            "ms_mean": sum(whole) / tokens, "prompt_ms_p95": float(np.percentile(whole, 95))}
+
+# -----------------------------------------------------------------------------
 # Smaller models: plain GPTs of fewer layers, trained alike, as points of the frontier
 
 def train_plain_gpt(config, splits, n_layer, world=1):
@@ -1568,7 +1623,7 @@ def train_plain_gpt(config, splits, n_layer, world=1):
 
 def plain_depths(text, draft_layers, n_layer):
     """--depths: the plain GPTs a run trains besides the draft model: none (''), all below n_layer,
-    or a comma list."""
+    or a comma list (n_layer itself: a plain GPT of the exit model's depth, the recipe's cost)."""
     depths = {draft_layers}
     if text == "all":
         depths.update(range(1, n_layer))
@@ -1597,12 +1652,41 @@ def pruned(model, distances, k):
     small.config = replace(model.config, n_layer=len(keep))
     return small
 
+def pruned_models(model, val):
+    """k -> the model without its k most-alike blocks, k = 1 .. n_layer - 1, the distances
+    measured on up to 64 back-to-back windows of val."""
+    T = model.config.block_size
+    distances = block_distances(model, val[:-1].unfold(0, T, T)[:64])
+    return {k: pruned(model, distances, k) for k in range(1, model.config.n_layer)}
+
 def weight_bytes(model, heads=()):
     """The bytes of weights a decoder of model reads: every parameter but the exit heads (the
     tied head once), and the exit heads of the layers it checks."""
     every = sum(p.nbytes for p in model.parameters())
     unread = [h for l, h in enumerate(model.exit_heads) if l not in heads]
     return every - sum(p.nbytes for h in unread for p in h.parameters())
+
+# -----------------------------------------------------------------------------
+# The frontier: every decoder by name, and the points nothing beats on both loss and speed
+
+SPECULATIVE = ("self_speculative", "draft_model", "auto")  # exact: no quality pass of their own
+
+def decoder(model, name, plan=None, rules=EXIT_RULES, spec=(0, 8), draft=None):
+    """The decoder of one table row, for any batch size: decode(idx (B, T0), n, generator=,
+    temperature=, top_k=, forced=) -> Generation. name: full, a KV strategy with its plan (its
+    rule read from rules), or self_speculative and draft_model (drafting with the model draft)
+    with spec = (draft_exit, num_draft). Full depth is one decoder on every device: the
+    predictions and the speed-ups divide by the same baseline."""
+    if name == "self_speculative":
+        return partial(generate_speculative, model, draft_exit=spec[0], num_draft=spec[1])
+    if name == "draft_model":
+        return partial(generate_speculative, model, num_draft=spec[1], draft_model=draft)
+    if name == "full":
+        return partial(generate, model)
+    if name not in KV_STRATEGIES:
+        raise ValueError(f"unknown KV strategy {name!r}: one of {', '.join(KV_STRATEGIES)}")
+    return partial(generate, model, strategy=KV_STRATEGIES[name], exit_threshold=plan["threshold"],
+                   checked_exits=plan["checked_exits"], measure=rules[plan["measure"]])
 
 def dominated_by(rows, mode):
     """Each row's better point in one mode: the fastest of those no worse in test loss nor in
@@ -1615,6 +1699,18 @@ def dominated_by(rows, mode):
                   and o[f"speedup_{mode}"] >= r[f"speedup_{mode}"] and point(o) != point(r)]
         marks.append(max(better, key=lambda o: o[f"speedup_{mode}"])["name"] if better else None)
     return marks
+
+def frontier_points(rows):
+    """Decoder-table rows of both modes, one point a name: its first row's figures, its speed-up
+    in each mode (speedup_<mode>) and, in each, the point that beats it (dominated_<mode>)."""
+    points = {}
+    for r in rows:
+        points.setdefault(r["name"], dict(r))[f"speedup_{r['mode']}"] = r["speedup"]
+    points = list(points.values())
+    for mode in MODES:
+        for point, better in zip(points, dominated_by(points, mode)):
+            point[f"dominated_{mode}"] = better
+    return points
 
 # =============================================================================
 # Part III: the harness; the workload and timing, the tables, the page, checkpoints, main
@@ -1640,25 +1736,6 @@ def repetition(tokens, n=4):
         return 0.0
     return 1.0 - len(set(grams)) / len(grams)
 
-SPECULATIVE = ("self_speculative", "draft_model", "auto")  # exact: no quality pass of their own
-
-def decoder(model, name, plan=None, rules=EXIT_RULES, spec=(0, 8), draft=None):
-    """The decoder of one table row, for any batch size: decode(idx (B, T0), n, generator=,
-    temperature=, top_k=, forced=) -> Generation. name: full, a KV strategy with its plan (its
-    rule read from rules), or self_speculative and draft_model (drafting with the model draft)
-    with spec = (draft_exit, num_draft). Full depth is one decoder on every device: the
-    predictions and the speed-ups divide by the same baseline."""
-    if name == "self_speculative":
-        return partial(generate_speculative, model, draft_exit=spec[0], num_draft=spec[1])
-    if name == "draft_model":
-        return partial(generate_speculative, model, num_draft=spec[1], draft_model=draft)
-    if name == "full":
-        return partial(generate, model)
-    if name not in KV_STRATEGIES:
-        raise ValueError(f"unknown KV strategy {name!r}: one of {', '.join(KV_STRATEGIES)}")
-    return partial(generate, model, strategy=KV_STRATEGIES[name], exit_threshold=plan["threshold"],
-                   checked_exits=plan["checked_exits"], measure=rules[plan["measure"]])
-
 def quality_pass(decode, data, n_positions, batch_size=1):
     """Teacher-forced decoding of batch_size contiguous pieces of data at once, n_positions in
     all: every decoder sees the same text, and its own cache's effects."""
@@ -1670,33 +1747,43 @@ def quality_pass(decode, data, n_positions, batch_size=1):
             "test_loss": F.cross_entropy(logits, targets).item(),
             "test_accuracy": average(logits.argmax(-1) == targets)}
 
+def timed(decode, batch, n_tokens, generator):
+    """One decode call: (Generations, seconds, the most device memory it added above what was
+    allocated before it: CUDA's, else None)."""
+    cuda = batch.is_cuda
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    synchronize(batch.device)
+    t0 = time.perf_counter()
+    out = decode(batch, n_tokens, generator=generator)
+    synchronize(batch.device)
+    seconds = time.perf_counter() - t0
+    return out, seconds, torch.cuda.max_memory_allocated() - before if cuda else None
+
 def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
     """Every decoder continues the workload, batch_size prompts a call, repeats times, interleaved
     a call at a time (a burst of load on the machine falls on every decoder alike); decoders: key ->
     decode. Per decoder: median over the passes of tokens/s of all rows, block runs per token
     while decoding (catch-up included) and re-prefilling, the keys and values it holds a row, the
-    device's peak memory (CUDA's; else None), how repetitive the text is, and the last pass's
-    Generations."""
+    device memory it adds at its peak (CUDA's; else None), how repetitive the text is, and the last
+    pass's Generations."""
     batches = prompts.view(-1, batch_size, prompts.size(1))  # (n_batches, B, T0)
     seconds, peak = {key: [0.0] * repeats for key in decoders}, dict.fromkeys(decoders)
-    # no garbage collection while timing: a collection lands on whichever decoder runs then
-    gc.disable()
-    for r in range(repeats):
-        outputs = {key: [] for key in decoders}
-        for i, batch in enumerate(batches):
-            for key, decode in decoders.items():
-                # batch i samples from seed + i, whichever decoder and pass runs it
-                generator = torch.Generator(prompts.device).manual_seed(seed + i)
-                if prompts.is_cuda:  # the peak of the device's memory, where it reports one
-                    torch.cuda.reset_peak_memory_stats()
-                synchronize(prompts.device)
-                t0 = time.perf_counter()
-                outputs[key].append(decode(batch, n_tokens, generator=generator))
-                synchronize(prompts.device)
-                seconds[key][r] += time.perf_counter() - t0
-                if prompts.is_cuda:
-                    peak[key] = max(peak[key] or 0, torch.cuda.max_memory_allocated())
-    gc.enable()
+    gc.disable()  # no garbage collection while timing: it would land on whichever decoder runs
+    try:
+        for r in range(repeats):
+            outputs = {key: [] for key in decoders}
+            for i, batch in enumerate(batches):
+                for key, decode in decoders.items():
+                    # batch i samples from seed + i, whichever decoder and pass runs it
+                    generator = torch.Generator(prompts.device).manual_seed(seed + i)
+                    out, took, added = timed(decode, batch, n_tokens, generator)
+                    outputs[key].append(out)
+                    seconds[key][r] += took
+                    peak[key] = peak[key] if added is None else max(peak[key] or 0, added)
+    finally:
+        gc.enable()
     steps = len(batches) * n_tokens  # layers_run and prefill_runs count per row
     return {key: {"tokens_per_second": len(prompts) * n_tokens / float(np.median(seconds[key])),
                   "mean_layers": sum(o.layers_run for o in outs) / steps,
@@ -1712,39 +1799,6 @@ def in_mode(decoders, config):
     temperature = {"greedy": 0.0, "sampled": config.temperature}
     return {(name, mode): partial(d[mode], temperature=temperature[mode], top_k=config.top_k)
             for mode in MODES for name, d in decoders.items()}
-
-def spec_stats(outputs, full_outputs, mode):
-    """Acceptance (drafts kept over drafts a row could keep), tokens per verify pass, the draft
-    that ran, and (greedy) whether every row's output equals full depth's. Outputs of full depth
-    (auto's choice where speculation does not pay) count no drafts."""
-    runs = [o.stats for o in outputs if isinstance(o, SpeculativeGeneration)]
-    same = None
-    if mode == "greedy":
-        same = all(torch.equal(a.tokens, b.tokens) for a, b in zip(outputs, full_outputs))
-    if not runs:
-        return {"identical_to_full": same}
-    rounds, drafted, accepted = (sum(s[k] for s in runs) for k in ("rounds", "drafted", "accepted"))
-    return {"acceptance_rate": accepted / max(1, drafted), "rounds": rounds,
-            "tokens_per_verify": sum(o.exited_at.numel() for o in outputs) / rounds,
-            "num_draft": runs[0]["num_draft"], "identical_to_full": same}
-
-def tail(outputs):
-    """Batch 1's latency as a streaming reader sees it, in ms, from its Generations' clocks: the
-    wait for the first token (p50 over prompts), the gaps between tokens at p50, p95 and p99 (a
-    round's tokens arrive together when it ends: its first waits the round, the rest 0), the mean
-    time a token, and p95 of a prompt's whole continuation."""
-    first, gaps, whole, tokens = [], [], [], 0
-    for out in outputs:
-        t0, arrivals = out.clock[0][0], []
-        for (_, m), (t, n) in zip(out.clock, out.clock[1:]):  # a step's tokens arrive as it ends
-            arrivals += [1e3 * (t - t0)] * (n - m)
-        first.append(arrivals[0])
-        gaps += [b - a for a, b in zip(arrivals, arrivals[1:])]
-        whole.append(arrivals[-1])
-        tokens += len(arrivals)
-    p50, p95, p99 = np.percentile(gaps, [50, 95, 99]).tolist()
-    return {"first_ms": float(np.median(first)), "gap_p50": p50, "gap_p95": p95, "gap_p99": p99,
-            "ms_mean": sum(whole) / tokens, "prompt_ms_p95": float(np.percentile(whole, 95))}
 
 def table_row(name, mode, speed, quality, config, batch_size):
     """One row of a decoder table: speed over full depth at the same batch size and mode, and
@@ -1890,7 +1944,7 @@ speedup_sampled   | sampled   | {:.2f}x | and sampled
 dominated_sampled | beaten by | {}      | sampled ('-': on the frontier)
 weights_mb        | weights   | {:.2f}  | MiB of weights read
 kv_kb             | KV        | {:,.0f} | KiB of keys and values held a sequence
-peak_mb           | peak      | {:.0f}  | MiB, the device's peak ('-': not reported)""")
+peak_mb           | peak      | {:.0f}  | MiB a call adds at its peak ('-': not reported)""")
 BATCH_TABLE = table("""Does early exit still save in a batch?
 batch_size        | B         | {}      | rows decoded together, a prompt each
 mode              | mode      | {}      | greedy, or sampled
@@ -1941,8 +1995,7 @@ def print_table(table, rows, conditions="", notes=()):
 class Lab:
     """What the analyses share. At once: the model, its data on its device, the workloads, every
     exit rule, what every exit says, each rule's calibration and the threshold. When an analysis
-    first asks: the unit costs and the exit plans, the plain GPTs, the pruned models, every
-    decoder's table."""
+    first asks: the unit costs and the exit plans, the plain GPTs, every decoder's table."""
     def __init__(self, model, tokenizer, splits, config, device, world=1, train_seconds=0.0):
         self.model, self.tokenizer, self.config, self.device, self.world = (
             model, tokenizer, config, device, world)
@@ -1952,11 +2005,7 @@ class Lab:
         # the val workload (to choose by) and the test workload (to report)
         self.workloads = [workload(self.splits[s], config.bench_prompts, config.bench_prompt_len)
                           for s in ("val", "test")]
-        # the learned rule, fitted on ten pieces from across train (one play alone fits it worse)
-        train, step = self.splits["train"], len(self.splits["train"]) // 10
-        n = min(config.sweep_positions // 10, step - 1)  # ten pieces that never overlap
-        pieces = train.unfold(0, n + 1, step)[:10].flatten()
-        self.rules = exit_rules(fit_exit_predictor(model, pieces, 10 * n))
+        self.rules = exit_rules(fit_on_pieces(model, self.splits["train"], config.sweep_positions))
         texts = {s: self.splits[s] for s in ("val", "test")}
         if config.shift_path:
             shift = tokenizer.encode(read_text(config, "shift_path"))
@@ -1997,14 +2046,6 @@ class Lab:
                   f"steps, data and global batch: val loss {loss:.4f}, {seconds:.1f} s ---")
             self.plain_gpts[d] = model, seconds
         return self.plain_gpts[d][0]
-
-    @cached_property
-    def pruned(self):
-        """k -> the model without its k most-alike blocks, for k = 1 .. n_layer - 1, the blocks'
-        angular distances measured on up to 64 val windows."""
-        T = self.config.block_size
-        distances = block_distances(self.model, self.splits["val"][:-1].unfold(0, T, T)[:64])
-        return {k: pruned(self.model, distances, k) for k in range(1, self.config.n_layer)}
 
     def decoders(self, names, drafts):
         """name -> ({mode: decode}, the bytes of weights it reads): full depth and these KV
@@ -2049,7 +2090,8 @@ class Lab:
         decoders = self.decoders(("full", *KV_STRATEGIES), dict.fromkeys(SPECULATIVE[:2], k))
         gpts = {d: self.plain(d) for d in plain_depths(cfg.depths, cfg.draft_layers, cfg.n_layer)}
         for name, model in [*((f"{d}-layer GPT", gpt) for d, gpt in gpts.items()),
-                            *((f"pruned {k}", small) for k, small in self.pruned.items())]:
+                            *((f"pruned {k}", small) for k, small in
+                              pruned_models(self.model, self.splits["val"]).items())]:
             decoders[name] = dict.fromkeys(MODES, decoder(model, "full")), weight_bytes(model)
         return self.measure(decoders)
 
@@ -2180,17 +2222,12 @@ def frontier(lab):
     """When does early exit pay? Every point by test loss, teacher-forced on the same test
     positions, against its speed-up in each mode, marked with the point that beats it on both;
     and what each holds in memory."""
-    cfg, points = lab.config, {}
-    for r in lab.measured:
-        peak = r["peak_bytes"] and r["peak_bytes"] / 2**20  # None where the device reports none
-        point = points.setdefault(r["name"], {"name": r["name"], "test_loss": r["test_loss"],
-                                              "weights_mb": r["weight_bytes"] / 2**20,
-                                              "kv_kb": r["cache_bytes"] / 2**10, "peak_mb": peak})
-        point[f"speedup_{r['mode']}"] = r["speedup"]
-    rows = list(points.values())
-    for mode in MODES:
-        for row, better in zip(rows, dominated_by(rows, mode)):
-            row[f"dominated_{mode}"] = better
+    cfg, keys = lab.config, [key for key, *_ in FRONTIER_TABLE[1]]
+    rows = []
+    for p in frontier_points(lab.measured):
+        peak = p["peak_bytes"] and p["peak_bytes"] / 2**20  # None where the device reports none
+        p.update(weights_mb=p["weight_bytes"] / 2**20, kv_kb=p["cache_bytes"] / 2**10, peak_mb=peak)
+        rows.append({key: p[key] for key in keys})
     on = {mode: ", ".join(r["name"] for r in rows if r[f"dominated_{mode}"] is None)
           for mode in MODES}
     seconds = ", ".join(f"{d}-layer GPT {t:.0f} s" for d, (_, t) in sorted(lab.plain_gpts.items()))
@@ -2202,7 +2239,8 @@ def frontier(lab):
         "beaten on both axes by the one named (no worse on either, better on one).",
         "Memory: weights a decoder reads (the exit heads it checks; a draft model's too), keys and "
         "values it holds a sequence at the window's full length (speculation: "
-        f"{cfg.num_draft} spare slots), and the device's peak where it reports one. Training: the "
+        f"{cfg.num_draft} spare slots), and what a decode call adds to the device's memory at its "
+        f"peak, where the device reports it. Training: the "
         f"exit model {lab.train_seconds:.0f} s, {seconds}; pruned models, none."]}
 
 BATCH_DESIGNS = ("full", "state_copy", "skipdecode")  # then both drafters and auto
@@ -2412,8 +2450,8 @@ def html_generation(report):
     marks = [(f'{swatch(l, L)} data-layer="{l}"', f"layer {l}") for l in g["exited_at"]]
     return section(
         "sample", "What does early exit look like?", f"<p class='legend'>{legend}</p><p "
-        f"class='muted'>Each character of the early-exit sample ({esc(g['kv_strategy'])}, "
-        f"threshold {g['exit_threshold']:g}) sits on the colour of the layer it left at, dark "
+        f"class='muted'>Each character of the early-exit sample ({esc(g['decoder'])}) sits on "
+        "the colour of the layer it left at, dark "
         f"(layer 0) to light (layer {L - 1}, full depth); the legend counts the characters that "
         "left at each layer; hover for a character's layer.</p><div "
         "class='row'><div><h3>early exit</h3><pre class='sample'>\n"
@@ -2477,18 +2515,18 @@ def html_analysis(analysis, report):
                       notes)
     return section(analysis.key, analysis.table[0], f"<p>{esc(conditions)}</p>", chart, rows)
 
-def write_html_report(report, path):
-    """out_dir/report.html: report.json's numbers on a page that reads on a phone: the summary,
-    the sample, then every analysis of the run in the list's order."""
+def html_report(report):
+    """report.html: report.json's numbers on a page that reads on a phone: the summary, the
+    sample, then every analysis of the run in the list's order."""
     body = "".join(html_analysis(a, report) for a in ANALYSES if a.key in report)
     if "generation" in report:
         body = html_generation(report) + body
     found = re.findall(r"<section id='([^']+)'><h2>([^<]+)</h2>", body)
-    write_text('<!doctype html><html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
-               'content="width=device-width, initial-scale=1"><meta name="color-scheme" '
-               'content="light dark"><title>nanogpt_exit_head report</title>'
-               f"<style>{HTML_STYLE}</style></head><body><h1>Early exit in a character-level GPT"
-               f"</h1>{html_summary(report, found)}{body}</body></html>", path)
+    return ('<!doctype html><html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
+            'content="width=device-width, initial-scale=1"><meta name="color-scheme" '
+            'content="light dark"><title>nanogpt_exit_head report</title>'
+            f"<style>{HTML_STYLE}</style></head><body><h1>Early exit in a character-level GPT"
+            f"</h1>{html_summary(report, found)}{body}</body></html>")
 
 # -----------------------------------------------------------------------------
 # Checkpoints: written to a temporary file, then renamed; resume, Ctrl-C, torchrun
@@ -2505,9 +2543,6 @@ def write_text(text, path):
     """Written to path.tmp, then renamed: a crash leaves the old file or the new, never half."""
     Path(path + ".tmp").write_text(text, encoding="utf-8")
     os.replace(path + ".tmp", path)  # atomic on POSIX and Windows
-
-def write_json(obj, path):
-    write_text(json.dumps(obj, indent=2), path)
 
 def random_states():
     """torch's random states (dropout, layer dropout): the CPU's and every GPU's (none on a
@@ -2544,12 +2579,14 @@ def load_checkpoint(path, config, overridden, tokenizer):
                          f"{config.input_path!r}")
     overrides = []
     for name in (*ARCH_FIELDS, *TRAINING_FIELDS):
-        saved, given = ckpt["config"][name], getattr(config, name)
+        given = getattr(config, name)
+        saved = ckpt["config"].get(name, given)  # a field newer than the checkpoint: as given
         if name in overridden and given != saved and name in ARCH_FIELDS:
             raise ValueError(f"checkpoint has {name}={saved}, but --{name}={given} was given")
         if name in overridden and given != saved:
             overrides.append(f"--{name}={given} (the checkpoint's: {saved})")
         setattr(config, name, given if name in overridden else saved)
+    validate(config)  # the rules that tie fields together, with the checkpoint's architecture
     return ckpt, overrides
 
 class Interrupted(Exception):
@@ -2609,7 +2646,10 @@ def new_or_resumed(config, tokenizer, device, overridden, rank=0):
         except RuntimeError as e:
             raise ValueError("checkpoint does not fit the model: "
                              + " ".join(str(e).split())[:300]) from None
+        fresh = [{k: g[k] for k in ("weight_decay", "betas")} for g in optimizer.param_groups]
         optimizer.load_state_dict(ckpt["optimizer"])  # a ValueError where its groups do not fit
+        for group, hyper in zip(optimizer.param_groups, fresh):  # the recipe's, given anew or not
+            group.update(hyper)
         set_random_states(ckpt["rng"])
     if rank > 0:
         torch.manual_seed(config.seed + 1_000_003 * rank + ckpt["iter_num"])
@@ -2659,8 +2699,8 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
     save_checkpoint(path, model, optimizer, config, progress)
     if done >= config.max_iters:
         ms = None
-        print(f"resumed from {path} at step {done} of max_iters={config.max_iters}: no training "
-              "this run")
+        start = f"resumed from {path} at step {done}" if done else "a new model"
+        print(f"{start}, max_iters={config.max_iters}: no training this run")
     else:
         print(f"trained steps {done}..{config.max_iters} in {took:.1f} s, median {ms:.1f} ms a "
               f"step; checkpoint: {path}")
@@ -2689,10 +2729,9 @@ RANGES = {  # the numbers each field takes: [ or ] includes that end, ( or ) lea
     "[0, inf)": "seed max_iters warmup_iters top_k draft_exit alpha min_lr weight_decay grad_clip "
                 "temperature distill_weight",
     "[1, inf)": "n_head n_embd batch_size eval_interval eval_iters max_new_tokens num_draft "
-                "quality_positions bench_prompts bench_prompt_len bench_tokens bench_repeats "
-                "draft_layers",
+                "quality_positions bench_prompts bench_prompt_len bench_repeats draft_layers",
     "[10, inf)": "sweep_positions",  # the learned rule is fitted on ten pieces of train
-    "[2, inf)": "n_layer block_size",
+    "[2, inf)": "n_layer block_size bench_tokens",  # bench_tokens: a gap between two tokens
     "(0, inf)": "learning_rate distill_temperature",
     "[0, 1)": "dropout beta1 beta2 layer_dropout",
     "(0, 1)": "epsilon delta",
@@ -2751,34 +2790,45 @@ def parse_args(argv):
     validate(config)
     return config, set(vars(known))
 
+def field_rules(config):
+    """The rules that tie fields together: (broken, the message saying so) each."""
+    L = config.n_layer
+    return (
+        (config.n_embd % config.n_head,
+         f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}"),
+        (config.min_lr > config.learning_rate,
+         f"min_lr={config.min_lr} is above learning_rate={config.learning_rate}"),
+        (-1 < config.exit_threshold < 0, "exit_threshold: -1 (calibrate on val) or in [0, 1]"),
+        (config.draft_exit >= L - 1,
+         f"draft_exit={config.draft_exit}: a layer below the last, 0..{L - 2}"),
+        (not config.prompt, "--prompt must hold at least one character"),
+        (config.bench_batch and config.quality_positions < max(BATCH_SIZES),
+         f"--bench_batch needs quality_positions >= {max(BATCH_SIZES)}: a position a row"),
+        (config.lesson_only and (config.init_from == "resume" or config.sample_only),
+         "--lesson_only is Part I alone: it trains anew, with no resume or samples only"),
+        (config.sample_only and config.init_from != "resume",
+         "--sample_only=1 samples from a checkpoint: add --init_from=resume"),
+        (not re.fullmatch(r"(all|(\d+,)*\d+)?", config.depths),
+         f"--depths={config.depths!r}: '', 'all' or a comma list of layers"),
+        (any(not 0 < int(d) <= L for d in re.findall(r"\d+", config.depths)),
+         f"--depths={config.depths!r}: plain GPTs of 1..{L} layers (n_layer: the recipe's cost)"),
+        (config.draft_layers >= L,
+         f"--draft_layers={config.draft_layers}: a draft model smaller than the model, 1..{L - 1}"),
+        (config.confidence_measure in ("patience", "learned") and (
+            config.lesson_only or config.exit_layers not in ("auto", "all")),
+         "patience and the learned rule read every exit, in the lab: no --lesson_only, and "
+         "--exit_layers=auto"),
+        (config.lesson_only and config.confidence_measure != "top1",
+         "--lesson_only is Part I alone, whose one exit rule is top1"))
+
 def validate(config):
     """The ranges, the rules that tie fields together, the files and the folder."""
     for rule, names in RANGES.items():
         for name in names.split():
             if not in_range(getattr(config, name), rule):
                 raise ValueError(f"--{name}={getattr(config, name)} is outside {rule}")
-    for bad, message in (
-            (config.n_embd % config.n_head,
-             f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}"),
-            (config.min_lr > config.learning_rate,
-             f"min_lr={config.min_lr} is above learning_rate={config.learning_rate}"),
-            (-1 < config.exit_threshold < 0, "exit_threshold: -1 (calibrate on val) or in [0, 1]"),
-            (config.draft_exit >= config.n_layer - 1,
-             f"draft_exit={config.draft_exit}: a layer below the last, 0..{config.n_layer - 2}"),
-            (not config.prompt, "--prompt must hold at least one character"),
-            (config.bench_batch and config.quality_positions < max(BATCH_SIZES),
-             f"--bench_batch needs quality_positions >= {max(BATCH_SIZES)}: a position a row"),
-            (config.lesson_only and (config.init_from == "resume" or config.sample_only),
-             "--lesson_only is Part I alone: it trains anew, with no resume or samples only"),
-            (config.sample_only and config.init_from != "resume",
-             "--sample_only=1 samples from a checkpoint: add --init_from=resume"),
-            (not re.fullmatch(r"(all|(\d+,)*\d+)?", config.depths),
-             f"--depths={config.depths!r}: '', 'all' or a comma list of layers"),
-            (config.confidence_measure in ("patience", "learned") and (
-                config.lesson_only or config.exit_layers not in ("auto", "all")),
-             "patience and the learned rule read every exit, in the lab: no --lesson_only, and "
-             "--exit_layers=auto")):
-        if bad:
+    for broken, message in field_rules(config):
+        if broken:
             raise ValueError(message)
     parse_exit_layers(config.exit_layers, config.n_layer)
     check_text(config)
@@ -2801,7 +2851,9 @@ def check_text(config):
     if len(set(text)) < 2:
         raise ValueError(f"--input_path={config.input_path!r} holds {len(set(text))} distinct "
                          "characters: a model needs at least 2 to choose between")
-    need = max(config.block_size, config.bench_prompt_len, config.quality_positions) + 2
+    # + 2: a character to predict after a window; quality: a piece a row, each one longer
+    need = max(config.block_size, config.bench_prompt_len,
+               config.quality_positions + max(BATCH_SIZES)) + 2
     if min(map(len, split_data(text).values())) < need:
         raise ValueError(f"--input_path={config.input_path!r} ({len(text):,} characters) is too "
                          f"short: each split needs {need} for block_size, bench_prompt_len and "
@@ -2829,7 +2881,7 @@ def parse_exit_layers(text, n_layer):
 
 def pick_device(name):
     """'auto' picks CUDA, then the CPU; Apple's MPS runs only when named. A named device must be
-    on this machine."""
+    on this machine; a named GPU becomes the current one (timers and memory counters read it)."""
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     offered = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
@@ -2840,6 +2892,8 @@ def pick_device(name):
     if name not in offered:
         raise ValueError(f"--device={name!r} is not on this machine: it offers auto, "
                          f"{', '.join(offered)}")
+    if name.startswith("cuda:"):
+        torch.cuda.set_device(name)
     return name
 
 # -----------------------------------------------------------------------------
@@ -2870,25 +2924,26 @@ ANALYSES = (
 )
 
 def sample_decoder(lab):
-    """The early-exit sample's decoder (--kv_strategy) and its label."""
+    """The early-exit sample's decoder (--kv_strategy), its label, and the threshold it runs at
+    (self_speculative: none)."""
     cfg, name = lab.config, lab.config.kv_strategy
     spec = (cfg.draft_exit, cfg.num_draft)
     if name == "self_speculative":
         return decoder(lab.model, name, spec=spec), (f"{name}, layer {spec[0]} drafts up to "
-                                                     f"{spec[1]} a round, the rest verify")
+                                                     f"{spec[1]} a round, the rest verify"), None
     plan = {"measure": cfg.confidence_measure, "threshold": lab.threshold,
             "checked_exits": parse_exit_layers(cfg.exit_layers, cfg.n_layer)}
     if name == "skipdecode":
         plan = lab.plans[1][name]
-    return decoder(lab.model, name, plan, lab.rules), (f"{name}, {plan['measure']} > "
-                                                       f"{plan['threshold']:g}")
+    label = f"{name}, {plan['measure']} > {plan['threshold']:g}"
+    return decoder(lab.model, name, plan, lab.rules), label, plan["threshold"]
 
-def generation_report(lab, samples):
+def generation_report(lab, samples, label, threshold):
     """The report.json entry of both samples (report.html colours each character by its exit)."""
     (full, full_speed), (early, speed) = samples["full-depth"], samples["early-exit"]
     text, T0 = lab.tokenizer.decode, len(lab.config.prompt)
     exited_at = early.exited_at[0].tolist()
-    return {"exit_threshold": lab.threshold, "kv_strategy": lab.config.kv_strategy,
+    return {"exit_threshold": threshold, "kv_strategy": lab.config.kv_strategy, "decoder": label,
             "exit_counts": [exited_at.count(l) for l in range(lab.config.n_layer)],
             "tokens_per_second": speed, "full_depth_tokens_per_second": full_speed,
             "sample": text(early.tokens[0, T0:].tolist()), "exited_at": exited_at,
@@ -2898,8 +2953,8 @@ def summary(report):
     """The run's answers in four lines: the model's loss, what early exit skips with a guarantee,
     the fastest decoder with an exact cache in each mode, and the points on the frontier."""
     cal, chosen = report["calibration"], report["chosen_rule"]
-    exact = [e for e in report["strategies"] if e["name"] in ("full", "backfill", "deferred",
-                                                               "self_speculative")]
+    exact = [e for e in report["strategies"]  # the exit model's decoders, no hole, no copy
+             if e["cache"] == "exact" and not e["name"].endswith("GPT")]
     # each mode's fastest: the last of its rows sorted by speed (full depth: none is faster)
     fastest = {e["mode"]: e for e in sorted(exact, key=lambda e: e["speedup"])}
     return [f"val loss {report['val_loss']['final']:.4f}: full depth, on random windows of val",
@@ -2922,9 +2977,11 @@ def lesson_config(config):
     return lesson
 
 def write_report(report, config, name):
+    """name.json and its page, both made before either is written: one that fails writes neither."""
     path = os.path.join(config.out_dir, name)
-    write_json(report, path + ".json")
-    write_html_report(report, path + ".html")
+    page, numbers = html_report(report), json.dumps(report, indent=2)
+    write_text(numbers, path + ".json")
+    write_text(page, path + ".html")
     print(f"page: {path}.html (its numbers: {name}.json beside it)")
 
 def run_lab(lab, report):
@@ -2932,8 +2989,10 @@ def run_lab(lab, report):
     list in its order, the summary and the page (--sample_only: the samples alone)."""
     if lab.config.exit_threshold < 0:  # calibrate on val (Learn then Test)
         print(f"\nthe early-exit sample uses the threshold calibrated on val ({lab.threshold:g})")
-    samples = show_samples(lab.model, lab.tokenizer, lab.config, lab.device, *sample_decoder(lab))
-    report.update(config=asdict(lab.config), generation=generation_report(lab, samples), notes={})
+    decode, label, threshold = sample_decoder(lab)
+    samples = show_samples(lab.model, lab.tokenizer, lab.config, lab.device, decode, label)
+    report.update(config=asdict(lab.config), notes={},
+                  generation=generation_report(lab, samples, label, threshold))
     if lab.config.sample_only:  # sampling leaves the trained run's report alone: samples.*
         return write_report(report, lab.config, "samples")
     for analysis in ANALYSES:

@@ -42,6 +42,20 @@ def test_batched_greedy_speculation_equals_every_row_alone(trained, monkeypatch)
     assert 0.1 < out.stats["accepted"] / out.stats["drafted"] < 0.5
 
 
+def test_a_batch_counts_each_block_call_at_the_share_of_rows_it_ran():
+    """Block runs per row of the batch: a call on 4 rows of 3 positions is 3; once 2 rows have left, a
+    call of 2 positions on the other 2 adds 2 x 2 / 4 = 1, the average over the 4 rows."""
+    model = tiny_model()
+    cache, block, C = m.RowKVCache(model.config, 4, "cpu"), model.transformer.h[0], model.config.n_embd
+    cache.start_round(torch.zeros(4, dtype=torch.long), 0)
+    block(torch.zeros(4, 3, C), cache, 0)
+    assert cache.block_runs() == 3
+    cache.keep_rows(torch.tensor([True, False, True, False]))
+    cache.start_round(torch.zeros(2, dtype=torch.long), 3)
+    block(torch.zeros(2, 2, C), cache, 0)
+    assert cache.block_runs() == 4 and cache.row_bytes == (cache.k.nbytes + cache.v.nbytes) / 2  # a row's, as before
+
+
 def test_skipdecode_reads_no_hole_and_emits_the_scheduled_exit():
     """A depth that never rises along the window: every token's logits are its scheduled exit head's,
     computed with the full context at every layer it runs (as the uncached model computes them), in

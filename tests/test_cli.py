@@ -57,8 +57,10 @@ def test_checkpoint_round_trip_and_resume(tmp_path, capsys):
     again = train_only(tmp_path, "--init_from=resume")
     out = capsys.readouterr().out
     assert again["val_loss"] == report["val_loss"] and again["ms_per_iter"] is None
-    assert f"resumed from {tmp_path / 'ckpt.pt'} at step 4 of max_iters=4: no training this run" in out
+    assert f"resumed from {tmp_path / 'ckpt.pt'} at step 4, max_iters=4: no training this run" in out
     assert "trained steps" not in out
+    train_only(tmp_path / "new", "--max_iters=0")  # a new model, trained 0 steps, is not a resume
+    assert "a new model, max_iters=0: no training this run" in capsys.readouterr().out
     # resuming with a larger budget continues from iteration 4
     train_only(tmp_path, "--max_iters=6", "--init_from=resume")
     assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["iter_num"] == 6

@@ -21,14 +21,15 @@ TINY = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_
         "--sweep_positions=500"]
 
 
-@pytest.mark.parametrize("study", [[], ["--bench_batch=1"], ["--compare_depths=1", "--confidence_measure=learned"]])
+@pytest.mark.parametrize("study", [[], ["--bench_batch=1"], ["--depths=all", "--confidence_measure=learned"]])
 def test_the_default_run_and_every_study_on_cuda(tmp_path, study):
     with torch.enable_grad():
         assert m.main(TINY + study + [f"--out_dir={tmp_path}"]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["config"]["device"] == "cuda" and report["strategies"]
-    assert all(r["identical_to_full"] for r in report["strategies"] if r["name"] == "self_speculative"
-               and r["mode"] == "greedy")
+    assert all(r["identical_to_full"] for r in report["strategies"]
+               if r["name"] in ("self_speculative", "draft_model") and r["mode"] == "greedy")
+    assert all(r["peak_mb"] is not None for r in report["frontier"]), "CUDA reports each call's peak"
 
 
 def test_resume_and_sample_only_on_cuda(tmp_path):
@@ -41,10 +42,10 @@ def test_resume_and_sample_only_on_cuda(tmp_path):
 
 def test_torchrun_with_nccl(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-                           os.path.join(ROOT, "nanogpt_exit_head.py"), *TINY, "--lesson_only=true",
-                           f"--out_dir={tmp_path}"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                           os.path.join(ROOT, "nanogpt_exit_head.py"), *TINY, f"--out_dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (tmp_path / "ckpt.pt").exists()
+    assert (tmp_path / "ckpt.pt").exists() and json.loads((tmp_path / "report.json").read_text())["processes"] == 1
 
 
 @torch.no_grad()

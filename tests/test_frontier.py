@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from conftest import m, tiny_config, tiny_model
+from conftest import m, tiny_model
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 
@@ -120,7 +120,7 @@ def test_every_point_of_the_frontier_is_measured_on_the_same_positions_and_workl
     table = [p for p in prompts if any("pruned 1" in str(k) for k in p[0])]
     assert len(table) == 1 and torch.equal(table[0][1], lab.workloads[1]), "one pass, the test workload"
     test, plans = lab.splits["test"], lab.plans[1]
-    models = {"full": model, "1-layer GPT": lab.plain(1), **{f"pruned {k}": p for k, p in lab.pruned.items()}}
+    models = {"full": model, "1-layer GPT": lab.plain(1), **{f"pruned {k}": p for k, p in m.pruned_models(model, lab.splits["val"]).items()}}
     for row in rows:
         name = row["name"]
         if name in m.KV_STRATEGIES:

@@ -77,34 +77,27 @@ def test_an_unknown_strategy_name_is_an_error_not_backfill():
     assert made["strategy"] is m.Deferred and made["measure"] is m.EXIT_RULES["margin"]
 
 
-def test_predictions_and_speedups_share_one_full_depth_baseline(monkeypatch):
-    """Where full depth could be timed two ways (eager for the cost model, CUDA graphs for the table), the
-    predictions and the measured speed-ups would divide by different baselines: there is one way, the
-    lesson's generate, for the unit costs, the val timings and the table."""
+def test_each_strategy_row_carries_its_plans_prediction():
+    """The strategies table's rows sit beside the cost model's predictions for the plans they ran,
+    the plain GPT and pruned rows beside their missing blocks' (never a bare 1.0x)."""
     model = tiny_model()
     config = m.LabConfig(**{**vars(model.config), "quality_positions": 40, "bench_tokens": 6, "bench_repeats": 1,
                             "bench_prompts": 4, "bench_prompt_len": 6, "sweep_positions": 300, "shift_path": "",
-                            "exit_threshold": 0.5})
+                            "exit_threshold": 0.5, "max_iters": 2, "eval_iters": 1})
     splits = {name: torch.randint(0, 11, (4000,), generator=torch.Generator().manual_seed(i))
               for i, name in enumerate(("train", "val", "test"))}
-    full_depth = []
-    monkeypatch.setattr(m, "graphs_on", lambda *a: True, raising=False)  # as on CUDA
-    monkeypatch.setattr(m, "generate_static", lambda *a, **k: full_depth.append("graphed"), raising=False)
-    real = m.generate
-
-    def generate(*args, **kwargs):
-        if kwargs.get("exit_threshold", 1.0) == 1.0 and "strategy" not in kwargs:
-            full_depth.append("eager")
-        return real(*args, **kwargs)
-    monkeypatch.setattr(m, "generate", generate)
     lab = m.Lab(model, m.CharTokenizer("abcdefghijk"), splits, config, "cpu")
-    lab.__dict__["smaller"] = {}  # no plain GPTs to train here
-    rows = lab.measured
-    costs, plans = lab.plans
-    assert costs["token"] > 0 and full_depth and set(full_depth) == {"eager"}
+    rows, (costs, plans) = lab.measured, lab.plans
+    assert costs["token"] > 0
     for row in rows:
         if row["name"] in plans:
             assert row["predicted_speedup"] == pytest.approx(plans[row["name"]]["predicted_speedup"])
+    smaller = [r for r in rows if r["name"].endswith("GPT") or r["name"].startswith("pruned")]
+    assert {r["name"] for r in smaller} >= {"1-layer GPT", "pruned 1"}
+    for row in smaller:
+        skipped = (config.n_layer - row["mean_layers"]) * costs["block"]
+        assert row["predicted_speedup"] == pytest.approx(costs["token"] / (costs["token"] - skipped))
+        assert row["predicted_speedup"] > 1, row["name"]
 
 
 @pytest.mark.parametrize("terminal", ["stdout", "stderr"])

@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conftest import generate_with_cache, m, tiny_model
 

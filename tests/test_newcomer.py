@@ -123,11 +123,42 @@ def test_the_run_ends_with_its_summary_then_the_page(default_run):
     assert saved.endswith(f"the rule chosen on val, {chosen['measure']} (each rule at delta / 6): "
                           f"{chosen['test']['compute_saved']:.1%} (test disagreement "
                           f"{chosen['test']['disagreement']:.2%})")
-    exact = [r for r in report["strategies"] if r["name"] in ("full", "backfill", "deferred", "self_speculative")]
+    # the exit model's decoders, but those whose cache is copied or has holes
+    exact = [r for r in report["strategies"] if r["name"] not in ("state_copy", "holes") and "GPT" not in r["name"]]
     bests = [max((r for r in exact if r["mode"] == mode), key=lambda r: r["speedup"]) for mode in m.MODES]
     assert fastest == "fastest with an exact cache: " + ", ".join(
         f"{r['name']} {r['speedup']:.2f}x {r['mode']}" for r in bests), "greedy first, then sampled"
     assert smaller == "when does early exit pay? " + report["notes"]["frontier"][1]
+
+
+def test_summary_names_the_fastest_exact_decoder_of_the_exit_model_never_a_smaller_gpt():
+    """A separate draft model and skipdecode are exact-cache decoders of the exit model; a plain GPT
+    and state_copy are not, however fast."""
+    cal = {"epsilon": 0.01, "delta": 0.05, "measure": "top1", "threshold": 0.9,
+           "test": {"compute_saved": 0.3, "disagreement": 0.005}}
+    speeds = {"full": 1.0, "backfill": 0.9, "state_copy": 9.0, "holes": 9.0, "draft_model": 2.0,
+              "skipdecode": 1.5, "1-layer GPT": 5.0, "self_speculative": 1.9}
+    rows = [{"name": name, "mode": mode, "speedup": x + (mode == "sampled"),
+             "cache": {"state_copy": "approx.", "holes": "holes"}.get(name, "exact")}
+            for name, x in speeds.items() for mode in m.MODES]
+    next(r for r in rows if (r["name"], r["mode"]) == ("skipdecode", "sampled"))["speedup"] = 9.9
+    report = {"val_loss": {"final": 1.5}, "calibration": cal, "chosen_rule": cal, "strategies": rows,
+              "calibration_by_measure": [{}] * 8, "notes": {"frontier": ["", "on it"]}}
+    assert m.summary(report)[2] == "fastest with an exact cache: draft_model 2.00x greedy, skipdecode 9.90x sampled"
+
+
+def test_the_sample_reports_the_threshold_its_decoder_ran_at():
+    """skipdecode's sample runs its schedule (threshold 0), self_speculative's no threshold at all;
+    the calibrated threshold is only the gated strategies'."""
+    plan = {"measure": "top1", "threshold": 0.0, "checked_exits": [2, 1, 0], "label": "2,1,0"}
+    lab = types.SimpleNamespace(model=object(), rules=m.EXIT_RULES, threshold=0.7, plans=(None, {"skipdecode": plan}))
+    made = {}
+    for name in ("skipdecode", "self_speculative", "deferred"):
+        lab.config = m.LabConfig(kv_strategy=name, n_layer=4)
+        made[name] = m.sample_decoder(lab)[1:]
+    assert made["skipdecode"] == ("skipdecode, top1 > 0", 0.0)
+    assert made["self_speculative"][1] is None
+    assert made["deferred"] == ("deferred, top1 > 0.7", 0.7)
 
 
 def test_output_says_not_same_where_greedy_speculation_differs(monkeypatch):

@@ -152,3 +152,15 @@ def test_auto_picks_cuda_then_the_cpu_never_mps(monkeypatch):
     assert m.pick_device("auto") == "cpu" and m.pick_device("mps") == "mps"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert m.pick_device("auto") == "cuda"
+
+
+def test_a_named_gpu_becomes_the_current_one(monkeypatch):
+    """One process on --device=cuda:1: the timers' synchronize and the memory counters read the
+    current GPU, so cuda:1 must be it."""
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    assert m.pick_device("cuda:1") == "cuda:1" and current == ["cuda:1"]
+    assert m.pick_device("cuda") == "cuda" and m.pick_device("cpu") == "cpu" and current == ["cuda:1"]
+

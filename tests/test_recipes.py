@@ -1,7 +1,5 @@
 """Training recipes: each option changes the loss exactly as it claims; all off is the joint-loss recipe."""
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F

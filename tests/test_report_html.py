@@ -131,9 +131,11 @@ def test_numbers_without_a_key_are_the_reports_too(page):
     told = {m.esc(t) for v in report["notes"].values() for t in v} | {m.esc(m.legend(a.table[1])) for a in m.ANALYSES}
     cfg, g = report["config"], report["generation"]
     rest = [[float(n) for n in re.findall(r"\d+(?:\.\d+)?", p)] for p in prose if re.search(r"\d", p) and p not in told]
-    # the model's shape (the summary), and the sample's threshold and layers (its caption)
+    # the model's shape (the summary), and the sample's decoder (its threshold) and layers (its caption)
+    assert g["decoder"].endswith(f" > {g['exit_threshold']:g}")
     assert rest == [[cfg["n_layer"], cfg["n_head"], cfg["n_embd"], cfg["block_size"]],
-                    [g["exit_threshold"], 0, cfg["n_layer"] - 1]], "a number the report does not hold"
+                    [*map(float, re.findall(r"\d+(?:\.\d+)?", g["decoder"])), 0, cfg["n_layer"] - 1]], \
+        "a number the report does not hold"
     for chart in re.findall(r"<svg .*?</svg>", html, flags=re.DOTALL):
         if "epsilon:" in chart:  # its axis is zoomed on purpose: points above it sit at the top
             continue

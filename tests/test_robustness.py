@@ -89,6 +89,51 @@ def trained_checkpoint(tmp_path):
     return tmp_path / "ckpt.pt"
 
 
+@pytest.mark.parametrize("args,ok", [
+    (["--depths=1,2"], True), (["--depths=3"], False), (["--depths=0,1"], False),  # n_layer 2: 1, 2
+    (["--draft_layers=1"], True), (["--draft_layers=2"], False),
+    (["--lesson_only=1"], True), (["--lesson_only=1", "--confidence_measure=margin"], False),
+    (["--bench_tokens=2"], True), (["--bench_tokens=1"], False)])  # one gap between two tokens
+def test_the_rules_across_fields_hold_one_step_either_side(tmp_path, args, ok):
+    argv = TINY + [f"--out_dir={tmp_path}", *args]
+    if ok:
+        m.parse_args(argv)
+    else:
+        with pytest.raises(ValueError):
+            m.parse_args(argv)
+
+
+def test_the_text_holds_a_quality_piece_for_every_row_of_the_largest_batch(tmp_path):
+    """quality_pass cuts B pieces of quality_positions / B + 1 characters from test: up to B = 16, that
+    is quality_positions + 16, and the split needs 2 more."""
+    smallest = min(map(len, m.split_data(open(m.Config.input_path, encoding="utf-8").read()).values()))
+    assert max(m.BATCH_SIZES) == 16
+    m.parse_args(TINY + [f"--out_dir={tmp_path}", f"--quality_positions={smallest - 18}"])
+    with pytest.raises(ValueError, match="too short"):
+        m.parse_args(TINY + [f"--out_dir={tmp_path}", f"--quality_positions={smallest - 17}"])
+
+
+def test_a_resume_checks_the_rules_again_with_the_checkpoints_architecture(tmp_path, capsys):
+    """--draft_exit=1 fits the default 6 layers, not the checkpoint's 2: said in one line, before training."""
+    trained_checkpoint(tmp_path)
+    argv = [a for a in TINY if not a.startswith(("--n_layer", "--draft_exit"))]
+    rc = m.main(argv + [f"--out_dir={tmp_path}", "--init_from=resume", "--draft_exit=1", "--max_iters=4"])
+    assert "draft_exit=1" in one_line_error(capsys, 2, rc)
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == 2
+
+
+def test_a_resume_trains_with_the_recipes_weight_decay_and_betas(tmp_path):
+    """Loading the optimizer's state brings back the hyperparameters it was saved with: the recipe's,
+    given anew or not, must be the ones it steps with."""
+    trained_checkpoint(tmp_path)
+    config, overridden = m.parse_args(TINY + [f"--out_dir={tmp_path}", "--init_from=resume", "--weight_decay=0.5",
+                                              "--beta2=0.9"])
+    tokenizer, _ = m.load_data(config)
+    optimizer = m.new_or_resumed(config, tokenizer, "cpu", overridden)[1]
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.5, 0.0]  # matrices, then the rest
+    assert all(g["betas"] == (config.beta1, 0.9) for g in optimizer.param_groups)
+
+
 def test_broken_checkpoints_end_in_one_line(tmp_path, capsys):
     ckpt = trained_checkpoint(tmp_path)
     good = ckpt.read_bytes()
@@ -236,11 +281,22 @@ def test_sample_only_prints_the_samples_and_nothing_else(tmp_path, capsys):
     assert run_main(tmp_path, "--sample_only=1") == 2  # it needs a checkpoint to sample from
 
 
+def test_a_page_that_fails_to_render_writes_neither_file(tmp_path, monkeypatch):
+    """report.json and report.html are a pair: a page that cannot be made leaves no report.json
+    without it."""
+    def broken(report):
+        raise KeyError("strategies")
+    monkeypatch.setattr(m, "html_report", broken)
+    with pytest.raises(KeyError):
+        m.write_report({"summary": []}, m.LabConfig(out_dir=str(tmp_path)), "report")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_write_that_fails_leaves_the_old_file_whole(tmp_path, monkeypatch):
     """Never a half-written file: a report, a page or a checkpoint whose write fails midway leaves the
     previous one as it was."""
     path = tmp_path / "report.json"
-    m.write_json({"old": 1}, str(path))
+    m.write_text(json.dumps({"old": 1}), str(path))
     real = m.Path.write_text
 
     def half(self, text, **kw):  # the disk fills up halfway
@@ -248,7 +304,7 @@ def test_a_write_that_fails_leaves_the_old_file_whole(tmp_path, monkeypatch):
         raise OSError("No space left on device")
     monkeypatch.setattr(m.Path, "write_text", half)
     with pytest.raises(OSError):
-        m.write_json({"new": 2}, str(path))
+        m.write_text(json.dumps({"new": 2}), str(path))
     assert json.loads(path.read_text()) == {"old": 1}
     monkeypatch.undo()
     ckpt = trained_checkpoint(tmp_path / "run")

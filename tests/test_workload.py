@@ -1,7 +1,5 @@
 """Speed figures that hold on real text: the workload, repetition, adaptive drafts, the cost-aware exit plan."""
 
-import json
-
 import pytest
 import torch
 
@@ -80,3 +78,8 @@ def test_the_plan_is_the_subset_predicted_fastest():
     assert best["label"] == "0,1"
     expensive = dict(COSTS, **{"check top1": 0.9})
     assert m.best_plan(records, "holes", "top1", 0.5, expensive, subsets, 16)["checked_exits"] == [0]
+    # at threshold 1 nothing can leave: the plan checks no exit, and says so
+    nothing = m.best_plan(records, "holes", "top1", 1.0, COSTS, subsets, 16)
+    assert (nothing["checked_exits"], nothing["label"], nothing["predicted_speedup"]) == ([], "-", 1.0)
+    just_below = m.best_plan(records, "holes", "top1", 0.999, COSTS, subsets, 16)
+    assert just_below["checked_exits"] and just_below["label"] != "-"

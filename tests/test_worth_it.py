@@ -221,3 +221,11 @@ def test_unit_costs_are_timed_at_the_workloads_typical_cache_length(model):
     model.transformer.h[0].register_forward_pre_hook(lambda mod, args: seen.append(args[1].lengths[0]))
     costs = m.decode_costs(model, torch.tensor([[1, 2, 3]]), 4, m.exit_rules(), repeats=3)
     assert costs["cache_length"] == 3 and seen[:3] == [3, 3, 3]  # the block stage, before the token is timed
+
+
+def test_the_cost_models_full_depth_token_is_timed_greedy(model, monkeypatch):
+    """The token every prediction divides by is full depth's greedy decoder: sampling would add its cost."""
+    temperatures = []
+    monkeypatch.setattr(m, "generate", lambda *a, **k: temperatures.append(k.get("temperature", 1.0)))
+    m.decode_costs(model, torch.tensor([[1, 2, 3], [3, 2, 1]]), 4, m.exit_rules(), repeats=2, attempts=1)
+    assert temperatures == [0.0, 0.0]
