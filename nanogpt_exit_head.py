@@ -9,9 +9,10 @@ Part I, the lesson: the original design end to end (exit heads and the joint los
 KV cache, gated decoding with backfill, exit statistics, training). It is a program of its own: the
 text above the Part II banner imports alone, and its run_lesson is what --lesson_only runs. Part II,
 the ideas, one a section, each returning plain data: the training recipe; the KV strategies
-(deferred recompute, state copy after CALM arXiv:2207.07061, holes, SkipDecode); self-speculative
-decoding (LayerSkip, arXiv:2404.16710); the exit rules; recording, calibration and the oracle; the
-cost model; smaller models. Part III, the harness: the workload and timing, the tables, the page,
+(deferred recompute, state copy after CALM arXiv:2207.07061, holes, SkipDecode); speculative
+decoding, drafted by early layers (LayerSkip, arXiv:2404.16710) or a small model; the exit rules;
+recording, calibration and the oracle; the cost model; the tail; smaller models; depth pruning;
+the frontier. Part III, the harness: the workload and timing, the tables, the analyses, the page,
 checkpoints, the command line, main.
 
 Left out on purpose: BPE, rotary embeddings, mixed precision in decoding, and dependencies beyond
@@ -678,7 +679,7 @@ def average(t):
 def layer_dropout_prob(layer, config):
     """LayerSkip's rate for block `layer`: 0 at the bottom, rising exponentially to layer_dropout
     at the top."""
-    return config.layer_dropout * (math.exp(layer * math.log(2) / (config.n_layer - 1)) - 1)
+    return config.layer_dropout * (math.exp(layer * math.log(2) / max(1, config.n_layer - 1)) - 1)
 
 def distillation(logits, teacher_log_probs, temperature):
     """T^2 * KL(teacher || student) per position, the usual scaling so gradients match across T."""
@@ -1440,9 +1441,10 @@ def exit_check(model, x, rule):
 def decode_costs(model, prompts, n_tokens, rules, repeats=200, attempts=3):
     """The unit costs, in seconds at batch 1 (medians): a block attending to a cache of the
     workload's typical length, an exit check by each rule, a state-copy write, the final head,
-    and a whole token of full depth's decoder (the one every speed-up divides by) continuing
-    these prompts. A token cheaper than n_layer blocks is impossible (a busy machine): measured
-    again, up to `attempts` times."""
+    and a whole token of full depth's greedy decoder continuing these prompts (the time every
+    prediction divides; sampling adds a little to both sides of a sampled speed-up). A token
+    cheaper than n_layer blocks is impossible (a busy machine): measured again, up to `attempts`
+    times."""
     cfg, device = model.config, prompts.device
     typical = typical_position(prompts.size(1), n_tokens, cfg.block_size)
     cache, x = KVCache(cfg, 1, device), torch.zeros(1, 1, cfg.n_embd, device=device)
@@ -1558,8 +1560,9 @@ def prediction(row, plans, spec, costs, depth, n_layer):
         figures["predicted_speedup"] = spec[row["name"].replace("auto", "self_speculative"),
                                             row["mode"], k]["speedup"]
     if name.endswith("GPT") or name.startswith("pruned"):  # it skips missing blocks, checks none
-        skipped = (n_layer - row["mean_layers"]) * costs["block"]
-        figures["predicted_speedup"] = costs["token"] / (costs["token"] - skipped)
+        skipped = (n_layer - row["mean_layers"]) * costs["block"]  # a block left, at least
+        figures["predicted_speedup"] = costs["token"] / max(costs["token"] - skipped,
+                                                            costs["block"])
     if name == "auto":
         figures["choice"] = f"k={k}" if k else "full depth"
     return figures
@@ -1748,18 +1751,18 @@ def quality_pass(decode, data, n_positions, batch_size=1):
             "test_accuracy": average(logits.argmax(-1) == targets)}
 
 def timed(decode, batch, n_tokens, generator):
-    """One decode call: (Generations, seconds, the most device memory it added above what was
+    """One decode call: (its Generation, seconds, the most device memory it added above what was
     allocated before it: CUDA's, else None)."""
-    cuda = batch.is_cuda
+    cuda, device = batch.is_cuda, batch.device
     if cuda:
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-    synchronize(batch.device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    synchronize(device)
     t0 = time.perf_counter()
     out = decode(batch, n_tokens, generator=generator)
-    synchronize(batch.device)
+    synchronize(device)
     seconds = time.perf_counter() - t0
-    return out, seconds, torch.cuda.max_memory_allocated() - before if cuda else None
+    return out, seconds, torch.cuda.max_memory_allocated(device) - before if cuda else None
 
 def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
     """Every decoder continues the workload, batch_size prompts a call, repeats times, interleaved
@@ -1944,7 +1947,7 @@ speedup_sampled   | sampled   | {:.2f}x | and sampled
 dominated_sampled | beaten by | {}      | sampled ('-': on the frontier)
 weights_mb        | weights   | {:.2f}  | MiB of weights read
 kv_kb             | KV        | {:,.0f} | KiB of keys and values held a sequence
-peak_mb           | peak      | {:.0f}  | MiB a call adds at its peak ('-': not reported)""")
+peak_kb           | peak      | {:,.0f} | KiB a call adds at its peak ('-': not reported)""")
 BATCH_TABLE = table("""Does early exit still save in a batch?
 batch_size        | B         | {}      | rows decoded together, a prompt each
 mode              | mode      | {}      | greedy, or sampled
@@ -2188,10 +2191,10 @@ def strategies(lab):
     return {"strategies": rows, "decode_costs": costs, "plans": plans, "notes": [
         f"{cfg.bench_prompts} test prompts of {cfg.bench_prompt_len} characters, "
         f"{cfg.bench_tokens} more each, batch 1, median of {cfg.bench_repeats} interleaved runs",
-        *notes, f"Chosen on val: exits (exit_layers={cfg.exit_layers!r}) at the sample's "
-        "threshold, skipdecode's schedule, and self_speculative's prediction, its speed-up timed "
-        "on val (per round: a round's time over the tokens it emits). Prefilling the prompt and "
-        "re-prefilling the window every block_size/2 tokens adds "
+        *notes, f"Chosen on val: exits (exit_layers={cfg.exit_layers!r}) at the run's threshold "
+        f"({lab.threshold:g}), skipdecode's schedule, and self_speculative's prediction, its "
+        "speed-up timed on val (per round: a round's time over the tokens it emits). Prefilling "
+        "the prompt and re-prefilling the window every block_size/2 tokens adds "
         f"{' to '.join(f'{p:.2f}' for p in prefill)} per token for every decoder. Sampled: "
         f"temperature {cfg.temperature:g}, top_k {cfg.top_k}.",
         f"output's agreement: on {cfg.quality_positions:,} test positions, teacher-forced. The "
@@ -2225,8 +2228,8 @@ def frontier(lab):
     cfg, keys = lab.config, [key for key, *_ in FRONTIER_TABLE[1]]
     rows = []
     for p in frontier_points(lab.measured):
-        peak = p["peak_bytes"] and p["peak_bytes"] / 2**20  # None where the device reports none
-        p.update(weights_mb=p["weight_bytes"] / 2**20, kv_kb=p["cache_bytes"] / 2**10, peak_mb=peak)
+        peak = p["peak_bytes"] and p["peak_bytes"] / 2**10  # None where the device reports none
+        p.update(weights_mb=p["weight_bytes"] / 2**20, kv_kb=p["cache_bytes"] / 2**10, peak_kb=peak)
         rows.append({key: p[key] for key in keys})
     on = {mode: ", ".join(r["name"] for r in rows if r[f"dominated_{mode}"] is None)
           for mode in MODES}
@@ -2699,7 +2702,9 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
     save_checkpoint(path, model, optimizer, config, progress)
     if done >= config.max_iters:
         ms = None
-        start = f"resumed from {path} at step {done}" if done else "a new model"
+        start = "a new model"
+        if config.init_from == "resume":
+            start = f"resumed from {path} at step {done}"
         print(f"{start}, max_iters={config.max_iters}: no training this run")
     else:
         print(f"trained steps {done}..{config.max_iters} in {took:.1f} s, median {ms:.1f} ms a "
@@ -2786,13 +2791,13 @@ def parse_args(argv):
         close = difflib.get_close_matches(unknown[0].split("=")[0], names) or ["a name of --help"]
         raise ValueError(f"unknown argument {unknown[0]!r}: arguments are --name=value; did you "
                          f"mean {close[0]}?")
-    config = LabConfig(**vars(known))
-    validate(config)
-    return config, set(vars(known))
+    config, given = LabConfig(**vars(known)), set(vars(known))
+    # a resume's depth is the checkpoint's: load_checkpoint checks its rules again, against it
+    validate(config, math.inf if config.init_from == "resume" and "n_layer" not in given else None)
+    return config, given
 
-def field_rules(config):
-    """The rules that tie fields together: (broken, the message saying so) each."""
-    L = config.n_layer
+def field_rules(config, L):
+    """The rules that tie fields together, for a model of L layers: (broken, its message) each."""
     return (
         (config.n_embd % config.n_head,
          f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}"),
@@ -2821,16 +2826,19 @@ def field_rules(config):
         (config.lesson_only and config.confidence_measure != "top1",
          "--lesson_only is Part I alone, whose one exit rule is top1"))
 
-def validate(config):
-    """The ranges, the rules that tie fields together, the files and the folder."""
+def validate(config, n_layer=None):
+    """The ranges, the rules that tie fields together, the files and the folder. n_layer: the
+    depth the rules check against, config.n_layer unless given (inf: none yet, before a resume)."""
+    n_layer = n_layer or config.n_layer
     for rule, names in RANGES.items():
         for name in names.split():
             if not in_range(getattr(config, name), rule):
                 raise ValueError(f"--{name}={getattr(config, name)} is outside {rule}")
-    for broken, message in field_rules(config):
+    for broken, message in field_rules(config, n_layer):
         if broken:
             raise ValueError(message)
-    parse_exit_layers(config.exit_layers, config.n_layer)
+    if n_layer < math.inf:
+        parse_exit_layers(config.exit_layers, n_layer)
     check_text(config)
     try:  # say now, not after training, that out_dir cannot be a folder of ours
         os.makedirs(config.out_dir, exist_ok=True)
@@ -2857,7 +2865,7 @@ def check_text(config):
     if min(map(len, split_data(text).values())) < need:
         raise ValueError(f"--input_path={config.input_path!r} ({len(text):,} characters) is too "
                          f"short: each split needs {need} for block_size, bench_prompt_len and "
-                         "quality_positions")
+                         f"quality_positions (a piece a row at batch {max(BATCH_SIZES)})")
     others = {"--prompt": config.prompt}
     if config.shift_path:
         others["--shift_path ('' skips it)"] = read_text(config, "shift_path")
@@ -2933,9 +2941,10 @@ def sample_decoder(lab):
                                                      f"{spec[1]} a round, the rest verify"), None
     plan = {"measure": cfg.confidence_measure, "threshold": lab.threshold,
             "checked_exits": parse_exit_layers(cfg.exit_layers, cfg.n_layer)}
+    label = f"{name}, {plan['measure']} > {plan['threshold']:g}"
     if name == "skipdecode":
         plan = lab.plans[1][name]
-    label = f"{name}, {plan['measure']} > {plan['threshold']:g}"
+        label = f"{name}, layer {plan['label']}"
     return decoder(lab.model, name, plan, lab.rules), label, plan["threshold"]
 
 def generation_report(lab, samples, label, threshold):
@@ -2987,9 +2996,9 @@ def write_report(report, config, name):
 def run_lab(lab, report):
     """Part I's samples from the lab's model, threshold and decoder, then every analysis of the
     list in its order, the summary and the page (--sample_only: the samples alone)."""
-    if lab.config.exit_threshold < 0:  # calibrate on val (Learn then Test)
-        print(f"\nthe early-exit sample uses the threshold calibrated on val ({lab.threshold:g})")
     decode, label, threshold = sample_decoder(lab)
+    if lab.config.exit_threshold < 0 and threshold == lab.threshold:  # Learn then Test's
+        print(f"\nthe early-exit sample uses the threshold calibrated on val ({lab.threshold:g})")
     samples = show_samples(lab.model, lab.tokenizer, lab.config, lab.device, decode, label)
     report.update(config=asdict(lab.config), notes={},
                   generation=generation_report(lab, samples, label, threshold))

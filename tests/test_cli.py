@@ -61,6 +61,8 @@ def test_checkpoint_round_trip_and_resume(tmp_path, capsys):
     assert "trained steps" not in out
     train_only(tmp_path / "new", "--max_iters=0")  # a new model, trained 0 steps, is not a resume
     assert "a new model, max_iters=0: no training this run" in capsys.readouterr().out
+    train_only(tmp_path / "new", "--max_iters=0", "--init_from=resume")  # its checkpoint, at step 0, is
+    assert f"resumed from {tmp_path / 'new' / 'ckpt.pt'} at step 0, max_iters=0" in capsys.readouterr().out
     # resuming with a larger budget continues from iteration 4
     train_only(tmp_path, "--max_iters=6", "--init_from=resume")
     assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["iter_num"] == 6

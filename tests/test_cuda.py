@@ -29,7 +29,7 @@ def test_the_default_run_and_every_study_on_cuda(tmp_path, study):
     assert report["config"]["device"] == "cuda" and report["strategies"]
     assert all(r["identical_to_full"] for r in report["strategies"]
                if r["name"] in ("self_speculative", "draft_model") and r["mode"] == "greedy")
-    assert all(r["peak_mb"] is not None for r in report["frontier"]), "CUDA reports each call's peak"
+    assert all(r["peak_kb"] is not None for r in report["frontier"]), "CUDA reports each call's peak"
 
 
 def test_resume_and_sample_only_on_cuda(tmp_path):

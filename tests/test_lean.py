@@ -112,3 +112,14 @@ def test_no_progress_bar_unless_stdout_and_stderr_are_both_terminals(terminal, c
         m.train(model, m.configure_optimizer(model, config), {"train": data, "val": data}, config, "cpu")
     out, err = capsys.readouterr()
     assert "step 2: train loss" in out and "training" not in err and "it/s" not in err
+
+
+def test_a_smaller_models_prediction_never_divides_by_a_negative_time():
+    """A busy machine can time a token under its blocks: a model that skips more than the token took
+    is predicted as if one block were left, not at a negative speed-up."""
+    row = {"name": "pruned 5", "mean_layers": 1.0, "mode": "greedy", "batch_size": 1}
+    costs = {"token": 1.0, "block": 0.3}
+    assert m.prediction(row, {}, {}, costs, {1: 6.0}, 6)["predicted_speedup"] == pytest.approx(1.0 / 0.3)
+    row["mean_layers"] = 5.0  # one block skipped: 1 / (1 - 0.3)
+    assert m.prediction(row, {}, {}, costs, {1: 6.0}, 6)["predicted_speedup"] == pytest.approx(1.0 / 0.7)
+

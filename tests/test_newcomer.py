@@ -156,7 +156,7 @@ def test_the_sample_reports_the_threshold_its_decoder_ran_at():
     for name in ("skipdecode", "self_speculative", "deferred"):
         lab.config = m.LabConfig(kv_strategy=name, n_layer=4)
         made[name] = m.sample_decoder(lab)[1:]
-    assert made["skipdecode"] == ("skipdecode, top1 > 0", 0.0)
+    assert made["skipdecode"] == ("skipdecode, layer 2,1,0", 0.0)  # its schedule, at threshold 0
     assert made["self_speculative"][1] is None
     assert made["deferred"] == ("deferred, top1 > 0.7", 0.7)
 
@@ -205,6 +205,18 @@ def test_speed_note_counts_the_exit_checks_that_ran():
                                         "1.40 exit checks (each a head, a softmax and a host sync)")
 
 
+def test_the_calibrated_threshold_is_named_only_where_the_sample_runs_at_it(tmp_path, capsys):
+    """skipdecode's sample runs its schedule at threshold 0: the console names the schedule, and does
+    not claim the calibrated threshold; the report keeps the threshold that ran."""
+    args = ARGS[:-1] + ["--kv_strategy=skipdecode", "--max_new_tokens=20", f"--out_dir={tmp_path}"]
+    with torch.enable_grad():
+        assert m.main(args) == 0
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert "--- early-exit sample: skipdecode, layer " + report["plans"]["skipdecode"]["label"] in out
+    assert "uses the threshold calibrated on val" not in out and report["generation"]["exit_threshold"] == 0.0
+
+
 def test_the_sample_can_be_drawn_with_self_speculation(tmp_path, capsys):
     """Greedy, the self-speculative sample is the full-depth one, character for character."""
     args = ARGS[:-1] + ["--kv_strategy=self_speculative", "--temperature=0", "--max_new_tokens=60",
@@ -223,7 +235,7 @@ def test_an_impossible_token_cost_is_measured_again_then_flagged(model, monkeypa
     costs = m.decode_costs(model, torch.tensor([[1, 2, 3]]), 4, m.exit_rules(), repeats=3)
     assert costs["attempts"] == 3 and costs["token"] < model.config.n_layer * costs["block"]
     rows = [{"name": "full", "mode": "greedy", "prefill_layers": 1.0}]
-    lab = types.SimpleNamespace(config=m.LabConfig(n_layer=model.config.n_layer), plans=(costs, {}),
+    lab = types.SimpleNamespace(config=m.LabConfig(n_layer=model.config.n_layer), plans=(costs, {}), threshold=0.5,
                                 measured=rows, batch_depth=lambda: {1: 3.0})
     assert "IMPOSSIBLE (4 blocks): so after 3 measurements" in " ".join(m.strategies(lab)["notes"])
     monkeypatch.undo()

@@ -72,6 +72,11 @@ def test_distillation_does_not_pull_the_final_head():
     assert torch.allclose(grads[0], grads[1])  # the teacher is detached
 
 
+def test_a_one_layer_model_has_no_layer_dropout_to_divide_by():
+    """A pruned model may keep one block: its rate is 0, not a division by zero."""
+    assert m.layer_dropout_prob(0, m.LabConfig(n_layer=1)) == 0.0
+
+
 def test_layer_dropout_skips_blocks_in_training_only():
     assert [m.layer_dropout_prob(l, m.LabConfig(n_layer=4, layer_dropout=0.9)) for l in range(4)] == pytest.approx(
         [0.0, 0.9 * (2 ** (1 / 3) - 1), 0.9 * (2 ** (2 / 3) - 1), 0.9])

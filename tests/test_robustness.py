@@ -122,6 +122,20 @@ def test_a_resume_checks_the_rules_again_with_the_checkpoints_architecture(tmp_p
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == 2
 
 
+def test_a_resume_checks_its_rules_against_the_checkpoints_depth_not_the_default(tmp_path):
+    """An 8-layer checkpoint resumed without --n_layer: --draft_exit=6 is outside the default 6 layers,
+    inside the checkpoint's 8."""
+    argv = [a for a in TINY if not a.startswith(("--n_layer", "--draft_exit"))] + [f"--out_dir={tmp_path}"]
+    from test_cli import train_only
+    train_only(tmp_path, "--n_layer=8", "--max_iters=1")
+    config, overridden = m.parse_args(argv + ["--init_from=resume", "--draft_exit=6"])
+    m.new_or_resumed(config, m.load_data(config)[0], "cpu", overridden)
+    assert (config.n_layer, config.draft_exit) == (8, 6)
+    with pytest.raises(ValueError, match="draft_exit=7"):  # the checkpoint's depth still bounds it
+        config, overridden = m.parse_args(argv + ["--init_from=resume", "--draft_exit=7"])
+        m.new_or_resumed(config, m.load_data(config)[0], "cpu", overridden)
+
+
 def test_a_resume_trains_with_the_recipes_weight_decay_and_betas(tmp_path):
     """Loading the optimizer's state brings back the hyperparameters it was saved with: the recipe's,
     given anew or not, must be the ones it steps with."""
