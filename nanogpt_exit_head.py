@@ -1216,8 +1216,8 @@ def fit_exit_predictor(model, data, n_positions):
     depth's, fitted by Newton's method on the exits recorded on data (the train split). The last
     exit's row is 0: it always exits."""
     records = record_exits(model, data, n_positions, {"features": exit_features})
-    X = records.confidences["features"][:-1].double().cpu()  # (L - 1, N, F); MPS has no float64
-    y = (records.pred[:-1] == records.pred[-1]).double().cpu()  # (L - 1, N): agrees with full
+    X = records.confidences["features"][:-1].cpu().double()  # (L - 1, N, F); MPS has no float64
+    y = (records.pred[:-1] == records.pred[-1]).cpu().double()  # (L - 1, N): agrees with full
     w = X.new_zeros(X.size(0), X.size(2), 1)
     ridge = 0.01 * torch.eye(X.size(2), dtype=X.dtype)  # a weak L2 penalty, 0.01 |w|^2 / 2
     for _ in range(20):  # Newton's steps; a logistic fit settles in fewer
@@ -1373,7 +1373,9 @@ def calibration_note(rows, threshold):
     """One sentence: do the exits mean the same thing by the same confidence, in the bin of the
     calibrated threshold (of ten)? rows: exit_calibration's."""
     b = min(int(10 * threshold), 9)
-    top = [r["bins"]["agreement"][b] for r in rows[:-1] if r["bins"]["positions"][b]] or [0.0]
+    top = [r["bins"]["agreement"][b] for r in rows[:-1] if r["bins"]["positions"][b]]
+    if not top:
+        return "No exit is that sure at any test position."
     differ = "one threshold means about the same at every exit."
     if max(top) - min(top) > 0.02:
         differ = ("the exits differ (by over 2 points), so one threshold does not mean the same "
@@ -1504,7 +1506,7 @@ def predict_speedup(records, name, plan, costs, block_size):
     extra = average(checks) * costs[f"check {plan['measure']}"]
     if name == "state_copy":
         extra += early * costs["state_copy"]
-    return costs["token"] / (costs["token"] - saved + extra)
+    return costs["token"] / max(costs["token"] - saved + extra, costs["block"])
 
 def best_plan(records, name, measure, threshold, costs, subsets, block_size):
     """The exits a KV strategy checks, chosen on val: of these subsets at the threshold, the one
@@ -1708,7 +1710,10 @@ def frontier_points(rows):
     in each mode (speedup_<mode>) and, in each, the point that beats it (dominated_<mode>)."""
     points = {}
     for r in rows:
-        points.setdefault(r["name"], dict(r))[f"speedup_{r['mode']}"] = r["speedup"]
+        point = points.setdefault(r["name"], dict(r))
+        point[f"speedup_{r['mode']}"] = r["speedup"]
+        if r.get("peak_bytes") is not None:  # the larger of the two modes' peaks
+            point["peak_bytes"] = max(point["peak_bytes"], r["peak_bytes"])
     points = list(points.values())
     for mode in MODES:
         for point, better in zip(points, dominated_by(points, mode)):
@@ -1739,13 +1744,15 @@ def repetition(tokens, n=4):
         return 0.0
     return 1.0 - len(set(grams)) / len(grams)
 
-def quality_pass(decode, data, n_positions, batch_size=1):
+def quality_pass(decode, data, n_positions, batch_size=1, prompt_len=1):
     """Teacher-forced decoding of batch_size contiguous pieces of data at once, n_positions in
-    all: every decoder sees the same text, and its own cache's effects."""
+    all, each piece after a prompt of prompt_len: every decoder sees the same text, and its own
+    cache's effects. The workload's prompt length puts the positions where the workload's are,
+    at every batch size."""
     per_row = n_positions // batch_size
-    pieces = data[: batch_size * (per_row + 1)].view(batch_size, -1)  # (B, per_row + 1)
-    out = decode(pieces[:, :1], per_row, forced=pieces[:, 1:])
-    logits, targets = out.logits.flatten(0, 1), pieces[:, 1:].flatten()  # (N, V), (N,)
+    pieces = data[: batch_size * (prompt_len + per_row)].view(batch_size, -1)  # (B, P + per_row)
+    out = decode(pieces[:, :prompt_len], per_row, forced=pieces[:, prompt_len:])
+    logits, targets = out.logits.flatten(0, 1), pieces[:, prompt_len:].flatten()  # (N, V), (N,)
     return {"pred": logits.argmax(-1), "mean_layers": out.layers_run / per_row,
             "test_loss": F.cross_entropy(logits, targets).item(),
             "test_accuracy": average(logits.argmax(-1) == targets)}
@@ -1820,7 +1827,8 @@ def table_row(name, mode, speed, quality, config, batch_size):
                    agreement=average(q["pred"] == quality["full"]["pred"]))
         row["output"] = f"agree {row['agreement']:.3f}"
     if name not in quality:  # speculation: acceptance, and the output it equals
-        row.update(spec_stats(s["outputs"], full["outputs"], mode), draft_exit=config.draft_exit)
+        row.update(spec_stats(s["outputs"], full["outputs"], mode),  # the draft's last layer
+                   draft_exit={"draft_model": config.draft_layers - 1}.get(name, config.draft_exit))
     if name in ("full", *SPECULATIVE):  # full depth's output (sampled: tested; greedy: compared)
         same = row.get("identical_to_full", mode == "greedy" or None)
         row["output"] = {True: "same tokens", None: "same dist.", False: "NOT same"}[same]
@@ -1832,7 +1840,8 @@ def measure_decoders(decoders, test, prompts, config, batch_size=1):
     decode}."""
     quality = {}
     if test is not None:
-        quality = {name: quality_pass(d["greedy"], test, config.quality_positions, batch_size)
+        quality = {name: quality_pass(d["greedy"], test, config.quality_positions, batch_size,
+                                      config.bench_prompt_len)
                    for name, d in decoders.items() if name not in SPECULATIVE}
     speed = speed_pass(in_mode(decoders, config), prompts, batch_size, config.bench_tokens,
                        config.bench_repeats, config.seed)
@@ -1916,7 +1925,7 @@ mode              | mode      | {}      | greedy, or sampled
 name              | decoder   | {}      | how the skipped layers' cache is filled
 exit_at           | exit at   | {}      | the exits checked ('-': none; skipdecode: its layer \
 from a window position on)
-threshold         | thr       | {:.2f}  | their threshold
+threshold         | thr       | {:.3g}  | their threshold
 speedup           | speed-up  | {:.2f}x | tokens per second over full depth's in the same mode
 predicted_speedup | predicted | {:.2f}x | the cost model's speed-up, from measured costs
 mean_layers       | layers    | {:.2f}  | blocks run per token while decoding, catch-up included \
@@ -2100,7 +2109,7 @@ class Lab:
 
 def threshold_sweep(lab):
     """Every threshold on val (for the chart), and the table's every tenth."""
-    m, n = lab.config.confidence_measure, f"{lab.config.sweep_positions:,}"
+    m, n = lab.config.confidence_measure, recorded(lab, "val")
     val = sweep(lab.records["val"], m, lab.checked)
     return {"sweep": [e for e in val if round(10 * e["threshold"], 6) % 1 == 0],
             "sweep_curve": val,
@@ -2108,10 +2117,14 @@ def threshold_sweep(lab):
                       "against quality", f"full depth's val loss on the {n} val positions: "
                       f"{val[0]['full_loss']:.4f}"]}
 
+def recorded(lab, split):
+    """How many positions of a split were recorded: sweep_positions, or all the split holds."""
+    return f"{lab.records[split].targets.numel():,}"
+
 def guarantee(cal, positions):
     return (f"Learn then Test: disagreement <= {100 * cal['epsilon']:g}% with probability >= "
             f"{100 * (1 - cal['delta']):g}%, chosen on val, reported on "
-            f"{positions:,} test positions")
+            f"{positions} test positions")
 
 def rule_calibrations(lab):
     """Every rule calibrated on val and reported on test, the rule chosen on val, the oracle."""
@@ -2122,7 +2135,7 @@ def rule_calibrations(lab):
     rows = [*lab.calibrations.values(), {**chosen, "measure": f"{chosen['measure']}, chosen"},
             {"measure": "oracle", "test": best}]
     return {"calibration_by_measure": rows, "calibration": cal, "chosen_rule": chosen, "notes": [
-        guarantee(cal, cfg.sweep_positions), "Teacher-forced, with an exact cache, every exit "
+        guarantee(cal, recorded(lab, "test")), "Teacher-forced, with an exact cache, every exit "
         "checked. The oracle leaves at the first exit whose top-1 is full depth's, and spends "
         "epsilon where that saves most: no rule saves more at the same disagreement.",
         f"The chosen rule, {chosen['measure']}: of the {R}, the one that saves the most on val "
@@ -2131,12 +2144,12 @@ def rule_calibrations(lab):
 
 def patience_sweep(lab):
     rows = patience_rows(lab.records["val"], lab.checked)
-    return {"patience": rows, "notes": [f"{lab.config.sweep_positions:,} val positions"]}
+    return {"patience": rows, "notes": [f"{recorded(lab, 'val')} val positions"]}
 
 def exit_calibrations(lab):
     rows = exit_calibration(lab.records["test"])
     return {"exit_calibration": rows, "notes": [
-        f"{lab.config.sweep_positions:,} test positions",
+        f"{recorded(lab, 'test')} test positions",
         calibration_note(rows, lab.calibrations["top1"]["threshold"])]}
 
 def shifted_text(lab):
@@ -2146,7 +2159,7 @@ def shifted_text(lab):
     path, cal = lab.config.shift_path, lab.calibrations[lab.config.confidence_measure]
     t, sh = cal["test"], cal["shift"]
     return {"shift": list(lab.calibrations.values()), "notes": [
-        f"{path}, up to {lab.config.sweep_positions:,} positions",
+        f"{path}, {recorded(lab, 'shift')} positions",
         f"share leaving at layer 0 ({cal['measure']}): test {t['exit_fractions'][0]:.1%}, "
         f"shifted {sh['exit_fractions'][0]:.1%}",
         f"On {path}, epsilon {'held' if sh['held'] else 'was BROKEN'} for {cal['measure']}: "
@@ -2164,7 +2177,7 @@ def slices(lab):
     cal, test = lab.calibrations[lab.config.confidence_measure], lab.records["test"]
     exits = exits_at_threshold(test, cal["measure"], cal["threshold"], lab.checked)
     return {"slices": exit_slices(test, exits, lab.tokenizer), "notes": [
-        f"The {lab.config.sweep_positions:,} test positions by the kind of the character to "
+        f"The {recorded(lab, 'test')} test positions by the kind of the character to "
         f"predict (calibrated threshold {cal['threshold']:g})"]}
 
 def strategies(lab):
@@ -2824,7 +2837,11 @@ def field_rules(config, L):
          "patience and the learned rule read every exit, in the lab: no --lesson_only, and "
          "--exit_layers=auto"),
         (config.lesson_only and config.confidence_measure != "top1",
-         "--lesson_only is Part I alone, whose one exit rule is top1"))
+         "--lesson_only is Part I alone, whose one exit rule is top1"),
+        (config.lesson_only and any(getattr(config, name) != getattr(LabConfig, name) for name
+                                    in ("kv_strategy", "exit_layers", "depths", "bench_batch")),
+         "--lesson_only is Part I alone: backfill at every exit; no --kv_strategy, --exit_layers, "
+         "--depths or --bench_batch"))
 
 def validate(config, n_layer=None):
     """The ranges, the rules that tie fields together, the files and the folder. n_layer: the
@@ -2859,13 +2876,14 @@ def check_text(config):
     if len(set(text)) < 2:
         raise ValueError(f"--input_path={config.input_path!r} holds {len(set(text))} distinct "
                          "characters: a model needs at least 2 to choose between")
-    # + 2: a character to predict after a window; quality: a piece a row, each one longer
+    # + 2: a character to predict after a window; quality: a piece a row, each after a prompt
     need = max(config.block_size, config.bench_prompt_len,
-               config.quality_positions + max(BATCH_SIZES)) + 2
+               config.quality_positions + max(BATCH_SIZES) * config.bench_prompt_len) + 2
     if min(map(len, split_data(text).values())) < need:
         raise ValueError(f"--input_path={config.input_path!r} ({len(text):,} characters) is too "
                          f"short: each split needs {need} for block_size, bench_prompt_len and "
-                         f"quality_positions (a piece a row at batch {max(BATCH_SIZES)})")
+                         "quality_positions (a prompt and a piece a row at batch "
+                         f"{max(BATCH_SIZES)})")
     others = {"--prompt": config.prompt}
     if config.shift_path:
         others["--shift_path ('' skips it)"] = read_text(config, "shift_path")

@@ -139,7 +139,7 @@ def test_mismatched_checkpoint(tmp_path, capsys):
     assert run_main(tmp_path, "--init_from=resume", "--n_layer=3") == 2
     assert "n_layer=2" in capsys.readouterr().err
     other = tmp_path / "other.txt"
-    other.write_text("abc\n" * 600)
+    other.write_text("abc\n" * 1200)
     assert run_main(tmp_path, "--init_from=resume", f"--input_path={other}", "--prompt=a") == 2
     assert "vocabulary" in capsys.readouterr().err
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)

@@ -108,7 +108,8 @@ def test_every_point_of_the_frontier_is_measured_on_the_same_positions_and_workl
     model = tiny_model()
     config = m.LabConfig(**{**vars(model.config), "quality_positions": 40, "bench_tokens": 6, "bench_repeats": 1,
                             "bench_prompts": 2, "bench_prompt_len": 6, "sweep_positions": 300, "shift_path": "",
-                            "exit_threshold": 0.5, "max_iters": 2, "eval_iters": 1, "batch_size": 2})
+                            "exit_threshold": 0.5, "max_iters": 2, "eval_iters": 1, "batch_size": 2,
+                            "draft_exit": 1})
     splits = {name: torch.randint(0, 11, (4000,), generator=torch.Generator().manual_seed(i))
               for i, name in enumerate(("train", "val", "test"))}
     prompts = []
@@ -127,10 +128,12 @@ def test_every_point_of_the_frontier_is_measured_on_the_same_positions_and_workl
             decode = m.decoder(model, name, plans[name], lab.rules)
         else:  # speculation is full depth's by construction
             decode = m.decoder(models.get(name, model), "full")
-        assert row["test_loss"] == pytest.approx(m.quality_pass(decode, test, 40)["test_loss"], abs=1e-6), name
+        assert row["test_loss"] == pytest.approx(m.quality_pass(decode, test, 40, 1, lab.config.bench_prompt_len)["test_loss"], abs=1e-6), name
     for mode in m.MODES:
         assert [r[f"dominated_{mode}"] for r in rows] == m.dominated_by(rows, mode)
     assert {"full", "backfill", "self_speculative", "draft_model", "1-layer GPT", "pruned 3"} <= {r["name"] for r in rows}
+    drafts = {r["name"]: r["draft_exit"] for r in lab.measured if "draft_exit" in r}
+    assert drafts == {"self_speculative": 1, "draft_model": 0}  # each draft's own last layer
 
 
 def test_each_drafter_is_the_one_its_name_says(trained):

@@ -93,6 +93,8 @@ def trained_checkpoint(tmp_path):
     (["--depths=1,2"], True), (["--depths=3"], False), (["--depths=0,1"], False),  # n_layer 2: 1, 2
     (["--draft_layers=1"], True), (["--draft_layers=2"], False),
     (["--lesson_only=1"], True), (["--lesson_only=1", "--confidence_measure=margin"], False),
+    (["--lesson_only=1", "--kv_strategy=deferred"], False), (["--lesson_only=1", "--depths=1"], False),
+    (["--lesson_only=1", "--bench_batch=1"], False), (["--lesson_only=1", "--exit_layers=0"], False),
     (["--bench_tokens=2"], True), (["--bench_tokens=1"], False)])  # one gap between two tokens
 def test_the_rules_across_fields_hold_one_step_either_side(tmp_path, args, ok):
     argv = TINY + [f"--out_dir={tmp_path}", *args]
@@ -104,13 +106,14 @@ def test_the_rules_across_fields_hold_one_step_either_side(tmp_path, args, ok):
 
 
 def test_the_text_holds_a_quality_piece_for_every_row_of_the_largest_batch(tmp_path):
-    """quality_pass cuts B pieces of quality_positions / B + 1 characters from test: up to B = 16, that
-    is quality_positions + 16, and the split needs 2 more."""
+    """quality_pass cuts B pieces of bench_prompt_len + quality_positions / B characters from test: up to
+    B = 16, that is quality_positions + 16 prompts, and the split needs 2 more."""
     smallest = min(map(len, m.split_data(open(m.Config.input_path, encoding="utf-8").read()).values()))
     assert max(m.BATCH_SIZES) == 16
-    m.parse_args(TINY + [f"--out_dir={tmp_path}", f"--quality_positions={smallest - 18}"])
+    need = 16 * 8 + 2  # TINY's bench_prompt_len is 8
+    m.parse_args(TINY + [f"--out_dir={tmp_path}", f"--quality_positions={smallest - need}"])
     with pytest.raises(ValueError, match="too short"):
-        m.parse_args(TINY + [f"--out_dir={tmp_path}", f"--quality_positions={smallest - 17}"])
+        m.parse_args(TINY + [f"--out_dir={tmp_path}", f"--quality_positions={smallest - need + 1}"])
 
 
 def test_a_resume_checks_the_rules_again_with_the_checkpoints_architecture(tmp_path, capsys):
