@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -291,3 +292,23 @@ def test_no_line_of_the_script_is_over_100_characters():
     lines = open(m.__file__, encoding="utf-8").read().splitlines()
     long = [i + 1 for i, line in enumerate(lines) if len(line) > 100]
     assert not long, f"lines over 100 characters: {long[:10]}"
+
+
+def test_the_readmes_token_figures_are_the_files():
+    """The README's count of the script's Python tokens, whole and by Part, counted as the budget does:
+    every token but comments, newlines and indentation, Part II from its banner, Part III from its."""
+    import io
+    import tokenize
+
+    src = open(m.__file__, encoding="utf-8").read()
+    skip = {tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.COMMENT, tokenize.ENDMARKER}
+    rows = [t.start[0] for t in tokenize.generate_tokens(io.StringIO(src).readline) if t.type not in skip]
+    lines = src.splitlines()
+    banners = [next(i + 1 for i, line in enumerate(lines) if re.match(rf"# Part {n}\b", line)) for n in ("II", "III")]
+    parts = [sum(1 for r in rows if r < banners[0]), sum(1 for r in rows if banners[0] <= r < banners[1]),
+             sum(1 for r in rows if r >= banners[1])]
+    readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    said = re.search(r"The script is ([\d,]+) Python tokens.*?Part I ([\d,]+), Part II ([\d,]+), Part III ([\d,]+)",
+                     readme)
+    assert said, "the README states the script's size"
+    assert [int(n.replace(",", "")) for n in said.groups()] == [len(rows), *parts]
