@@ -2310,14 +2310,12 @@ def layer_colour(layer, n_layer):
 def swatch(layer, n_layer):
     """A layer's colour as a background, under text that reads on it."""
     colour = layer_colour(layer, n_layer)
-    ink = "#fff"
-    if VIRIDIS.index(colour) >= 8:
-        ink = "#000"
+    ink = "#000" if colour in VIRIDIS[8:] else "#fff"  # dark ink on viridis' lighter colours
     return f'style="background:{colour};color:{ink}"'
 
 def esc(text):
     """Text made safe inside HTML and its attributes."""
-    return html.escape(str(text))
+    return html.escape(text)
 
 def datum(key, value):
     """The attributes that tie a number on the page to its place in report.json (a test checks)."""
@@ -2341,7 +2339,8 @@ td, th { padding: .2em .6em; border-bottom: 1px solid var(--grid); text-align: r
   white-space: nowrap; }
 th { color: var(--muted); font-weight: 500; }
 svg text { fill: var(--fg); font: 13px system-ui, sans-serif; } svg .grid { stroke: var(--grid); }
-svg .a { fill: var(--a); stroke: var(--a); } svg .b { fill: var(--b); stroke: var(--b); }
+svg .greedy, svg .compute_saved { fill: var(--a); stroke: var(--a); }
+svg .sampled, svg .disagreement { fill: var(--b); stroke: var(--b); }
 svg .line { fill: none; stroke-width: 2; } svg .mark { stroke: var(--fg); stroke-dasharray: 4 3; }
 #summary { border: 1px solid var(--grid); border-radius: 6px; padding: 0 1em; }
 """
@@ -2351,7 +2350,7 @@ def nice_ticks(top, bottom=0, n=5):
     steps of 1, 2 or 5 times a power of ten."""
     span = max(top - bottom, 1e-9)
     power = 10 ** math.floor(math.log10(span / n))
-    step = next(m * power for m in (1, 2, 5, 10) if m * power * n >= span)
+    step = next(m for m in (1, 2, 5, 10) if m * power * n >= span) * power
     first = math.floor(bottom / step + 1e-9)
     return [i * step for i in range(first, max(first + 1, math.ceil(top / step - 1e-9)) + 1)]
 
@@ -2369,11 +2368,13 @@ def plot_y(y, ticks):
     a y over the last tick at the last tick."""
     return PLOT_HEIGHT * (1 - 0.9 * (min(y, ticks[-1]) - ticks[0]) / (ticks[-1] - ticks[0]))
 
-def svg_point(cls, x, y, ticks, key, tip, width):
-    """One figure with its report key: a bar `width` wide (a share of the x axis), or a dot."""
+def svg_point(cls, point, ticks, width, shift):
+    """One figure with its report key: a bar `width` wide (a share of the x axis) moved `shift`
+    along it, or a dot; point: (x, y, report key, hover text)."""
+    x, y, key, tip = point
     data = f'class="{cls}" {datum(key, y)}><title>{esc(tip)}</title>'
     if width:
-        return (f'<rect x="{plot_x(x):.1f}" y="{plot_y(y, ticks):.1f}" '
+        return (f'<rect x="{plot_x(x + shift):.1f}" y="{plot_y(y, ticks):.1f}" '
                 f'width="{PLOT_WIDTH * width:.1f}" '
                 f'height="{PLOT_HEIGHT - plot_y(y, ticks):.1f}" {data}</rect>')
     return f'<circle cx="{plot_x(x):.1f}" cy="{plot_y(y, ticks):.1f}" r="3" {data}</circle>'
@@ -2394,9 +2395,8 @@ def svg_chart(series, x_ticks, titles, y_fmt, bars=False, mark=None, line=None, 
     parts += [f'<line class="grid" x1="64" x2="630" y1="{plot_y(t, ticks):.1f}" '
               f'y2="{plot_y(t, ticks):.1f}"/><text x="58" y="{plot_y(t, ticks) + 4:.1f}" '
               f'text-anchor="end">{y_fmt.format(t)}</text>' for t in ticks]
-    parts += [f'<text x="{plot_x(x):.1f}" y="{H + 18 + 14 * (i % 2 * bars)}" '
-              f'text-anchor="middle">{esc(label)}</text>'
-              for i, (label, x) in enumerate(x_ticks.items())]
+    parts += [f'<text x="{plot_x(x_ticks[label]):.1f}" y="{H + 18 + 14 * (i % 2 * bars)}" '
+              f'text-anchor="middle">{esc(label)}</text>' for i, label in enumerate(x_ticks)]
     width = 0.8 / len(x_ticks) / len(series) * bars  # a bar group fills 80% of its share; lines: 0
     if mark:
         parts.append(f'<line class="mark" x1="{plot_x(mark[0]):.1f}" x2="{plot_x(mark[0]):.1f}" '
@@ -2407,8 +2407,7 @@ def svg_chart(series, x_ticks, titles, y_fmt, bars=False, mark=None, line=None, 
         if not bars and bottom <= 0:
             coords = " ".join(f"{plot_x(x):.1f},{plot_y(y, ticks):.1f}" for x, y, _, _ in points)
             parts.append(f'<polyline class="{cls} line" points="{coords}"/>')
-        parts += [svg_point(cls, x + (s - len(series) / 2) * width, y, ticks, key, tip, width)
-                  for x, y, key, tip in points]
+        parts += [svg_point(cls, p, ticks, width, (s - len(series) / 2) * width) for p in points]
         parts.append(f'<rect class="{cls}" x="70" y="{H + 66 + 18 * s}" width="12" height="12"/>'
                      f'<text x="88" y="{H + 77 + 18 * s}">{esc(name)}</text>')
     if line:  # over the bars, its label at the left end (bars: over full depth's own)
@@ -2417,10 +2416,9 @@ def svg_chart(series, x_ticks, titles, y_fmt, bars=False, mark=None, line=None, 
                      f'y="{plot_y(line[0], ticks) - 4:.1f}">{esc(line[1])}</text>')
     return "".join(parts) + "</svg></div>"
 
-def html_table(table, rows, key, notes=()):
-    """A table in a box that scrolls sideways on a narrow screen, then its legend and notes;
-    key(i, column key): where row i's number in that column is in report.json."""
-    columns = table[1]
+def html_table(columns, rows, key, notes):
+    """A table's columns and rows in a box that scrolls sideways on a narrow screen, then its
+    legend and notes; the rows are report.json's list under key."""
     out = ["<div class='scroll'><table><tr>"]
     out += [f"<th>{esc(header)}</th>" for _, header, _, _ in columns]
     for i, row in enumerate(rows):
@@ -2428,7 +2426,7 @@ def html_table(table, rows, key, notes=()):
         for k, _, fmt, _ in columns:
             value = field(row, k)
             if type(value) in (int, float):  # a number (not a bool): tie it to report.json
-                out.append(f"<td {datum(key(i, k), value)}>{esc(fmt.format(value))}</td>")
+                out.append(f"<td {datum(f'{key}.{i}.{k}', value)}>{esc(fmt.format(value))}</td>")
             else:
                 out.append(f"<td>{esc(format_cell(value, fmt))}</td>")
     out.append("</tr></table></div>")
@@ -2439,11 +2437,14 @@ def section(anchor, question, *body):
     """One section of the page under its question; the summary links to it by its anchor."""
     return f"<section id='{anchor}'><h2>{esc(question)}</h2>{''.join(body)}</section>"
 
-def html_summary(report, sections):
-    """What was trained on what, the run's summary (the console's last lines), links to the rest."""
+def html_summary(report, body):
+    """What was trained on what, the run's summary (the console's last lines), links to every
+    section of the body."""
     cfg = report["config"]
+    # a --sample_only page has no summary
     lines = "".join(f"<li>{esc(line)}</li>" for line in report.get("summary", ()))
-    links = " · ".join(f"<a href='#{a}'>{q}</a>" for a, q in sections)  # q: escaped already
+    links = " · ".join(f"<a href='#{a}'>{q}</a>"  # q: escaped already
+                       for a, q in re.findall(r"<section id='([^']+)'><h2>([^<]+)</h2>", body))
     return (f"<div id='summary'><p>A {cfg['n_layer']}-layer GPT ({cfg['n_head']} heads, "
             f"{cfg['n_embd']} wide, context {cfg['block_size']} characters) with an exit head "
             f"after every layer but the last, trained on {esc(cfg['input_path'])}.</p><ul>{lines}"
@@ -2451,19 +2452,16 @@ def html_summary(report, sections):
             "wrote this page and move with its load; every number here is in report.json.</p>"
             f"<p>{links}</p></div>")
 
-def sample_spans(text, marks):
-    """A sample as spans, a character each with its (attributes, title); newlines show a mark."""
-    spans = "".join(f'<span {attrs} title="{esc(title)}">{esc(ch)}</span>'
-                    for ch, (attrs, title) in zip(text, marks))
-    return spans.replace("\n</span>", "&#8629;</span>\n")  # the line breaks after the span
-
 def html_generation(report):
     """The early-exit sample on the colours of its exit layers, full depth's beside it; the legend
     counts the characters that left at each layer."""
     g, L = report["generation"], report["config"]["n_layer"]
+    # a character each on the colour of its layer, which its title names
+    spans = "".join(f'<span {swatch(l, L)} data-layer="{l}" title="layer {l}">{esc(ch)}</span>'
+                    for ch, l in zip(g["sample"], g["exited_at"]))
+    spans = spans.replace("\n</span>", "&#8629;</span>\n")  # a newline shows a mark, then breaks
     legend = "".join(f"<span {swatch(l, L)}>layer {l}: <b {datum(f'generation.exit_counts.{l}', c)}"
                      f">{c}</b></span>" for l, c in enumerate(g["exit_counts"]))
-    marks = [(f'{swatch(l, L)} data-layer="{l}"', f"layer {l}") for l in g["exited_at"]]
     return section(
         "sample", "What does early exit look like?", f"<p class='legend'>{legend}</p><p "
         f"class='muted'>Each character of the early-exit sample ({esc(g['decoder'])}) sits on "
@@ -2471,78 +2469,79 @@ def html_generation(report):
         f"(layer 0) to light (layer {L - 1}, full depth); the legend counts the characters that "
         "left at each layer; hover for a character's layer.</p><div "
         "class='row'><div><h3>early exit</h3><pre class='sample'>\n"
-        f"{sample_spans(g['sample'], marks)}</pre></div><div><h3>full depth</h3><pre "
+        f"{spans}</pre></div><div><h3>full depth</h3><pre "
         f"class='sample'>\n{esc(g['full_depth_sample'])}</pre></div></div>")
 
-# the sweep's two charts: compute saved on its own axis, disagreement on one up to 2 epsilon
-SWEEP_LINES = (("compute saved (share of layer runs)", "a", "compute_saved"),
-               ("disagreement with full depth (share of positions)", "b", "disagreement"))
+def sweep_chart(report, key, name, line=None):
+    """One figure of the sweep at each threshold (line: drawn across, the axis zoomed to twice it),
+    the calibrated threshold marked."""
+    cal = report["calibration"]
+    points = [(e["threshold"], e[key], f"sweep_curve.{j}.{key}",
+               f"threshold {e['threshold']:g}: {e[key]:.2%}")
+              for j, e in enumerate(report["sweep_curve"])]
+    return svg_chart([(name, key, points)], {f"{t / 10:.1f}": t / 10 for t in range(11)},
+                     (f"exit threshold ({cal['measure']} confidence)", "share"), "{:.1%}",
+                     mark=(cal["threshold"], "calibration.threshold",
+                           f"calibrated: {cal['threshold']:g}"),
+                     line=line, top=line and 2 * line[0])
 
 def sweep_charts(report):
     """What each threshold trades on val, compute for disagreement, each on its own axis: the
     disagreement's zoomed to twice the budget (epsilon drawn); the calibrated threshold marked."""
-    cal = report["calibration"]
-    eps = cal["epsilon"]
-    ticks = {f"{t / 10:.1f}": t / 10 for t in range(11)}
-    mark = (cal["threshold"], "calibration.threshold", f"calibrated: {cal['threshold']:g}")
-    titles, charts = (f"exit threshold ({cal['measure']} confidence)", "share"), []
-    for (name, cls, key), line in zip(SWEEP_LINES, (None, (eps, f"epsilon: {100 * eps:g}%"))):
-        points = [(e["threshold"], e[key], f"sweep_curve.{j}.{key}",
-                   f"threshold {e['threshold']:g}: {e[key]:.2%}")
-                  for j, e in enumerate(report["sweep_curve"])]
-        charts.append(svg_chart([(name, cls, points)], ticks, titles, "{:.1%}", mark=mark,
-                                line=line, top=line and 2 * eps))
-    return "".join(charts) + ("<p class='muted'>Disagreement over twice epsilon is drawn at the "
-                              "top of its axis; hover for the value.</p>")
+    eps = report["calibration"]["epsilon"]
+    return (sweep_chart(report, "compute_saved", "compute saved (share of layer runs)")
+            + sweep_chart(report, "disagreement",
+                          "disagreement with full depth (share of positions)",
+                          (eps, f"epsilon: {100 * eps:g}%"))
+            + "<p class='muted'>Disagreement over twice epsilon is drawn at the top of its axis; "
+            "hover for the value.</p>")
 
 def speedup_chart(report, key="strategies", batch_size=1):
     """The measured speed-up of each decoder at one batch size, greedy and sampled side by side."""
     shown = [(i, r) for i, r in enumerate(report[key]) if r["batch_size"] == batch_size]
-    names = list(dict.fromkeys(r["name"] for _, r in shown))
+    names = dict.fromkeys(r["name"] for _, r in shown)  # each once, in the rows' order
     at = {name: (n + 0.5) / len(names) for n, name in enumerate(names)}  # the middle of its group
-    series = [(mode, cls, [(at[r["name"]], r["speedup"], f"{key}.{i}.speedup", f"{r['name']}, "
-                            f"{mode}: {r['speedup']:.2f}x") for i, r in shown if r["mode"] == mode])
-              for cls, mode in zip("ab", MODES)]
-    titles = (f"decoder, batch {batch_size}", "speed-up over full depth, measured")
-    return svg_chart(series, at, titles, "{:.1f}x", bars=True, line=(1, "1.0x: full depth"))
+    series = [(mode, mode, [(at[r["name"]], r["speedup"], f"{key}.{i}.speedup",
+                             f"{r['name']}, {mode}: {r['speedup']:.2f}x")
+                            for i, r in shown if r["mode"] == mode]) for mode in MODES]
+    return svg_chart(series, at, (f"decoder, batch {batch_size}",
+                                  "speed-up over full depth, measured"),
+                     "{:.1f}x", bars=True, line=(1, "1.0x: full depth"))
 
 def batch_charts(report):
-    sizes = dict.fromkeys(r["batch_size"] for r in report["batched"])
-    return "".join(speedup_chart(report, "batched", B) for B in sizes)
+    """The batch table's speed-ups, a chart for each batch size."""
+    return "".join(speedup_chart(report, "batched", B)
+                   for B in dict.fromkeys(r["batch_size"] for r in report["batched"]))
 
 def frontier_chart(report):
     """Every point's test loss against its speed-up, greedy and sampled: the frontier is the lower
     right edge."""
     rows = report["frontier"]
     top = nice_ticks(max(r[f"speedup_{mode}"] for r in rows for mode in MODES))[-1]
-    series = [(mode, cls, [(r[f"speedup_{mode}"] / top, r["test_loss"], f"frontier.{i}.test_loss",
-                            f"{r['name']}, {mode}: {r[f'speedup_{mode}']:.2f}x, "
-                            f"{r['test_loss']:.4f}") for i, r in enumerate(rows)])
-              for cls, mode in zip("ab", MODES)]
-    bottom = min(r["test_loss"] for r in rows)
+    series = [(mode, mode, [(r[f"speedup_{mode}"] / top, r["test_loss"], f"frontier.{i}.test_loss",
+                             f"{r['name']}, {mode}: {r[f'speedup_{mode}']:.2f}x, "
+                             f"{r['test_loss']:.4f}") for i, r in enumerate(rows)])
+              for mode in MODES]
     return svg_chart(series, {f"{t:g}x": t / top for t in nice_ticks(top)},
-                     ("speed-up over full depth", "test loss"), "{:.3f}", bottom=bottom)
-
-def html_analysis(analysis, report):
-    """An analysis's section of the page: its conditions, its chart, its table and notes."""
-    conditions, *notes = report["notes"][analysis.key]
-    chart = analysis.chart(report) if analysis.chart else ""
-    rows = html_table(analysis.table, report[analysis.key], f"{analysis.key}.{{}}.{{}}".format,
-                      notes)
-    return section(analysis.key, analysis.table[0], f"<p>{esc(conditions)}</p>", chart, rows)
+                     ("speed-up over full depth", "test loss"), "{:.3f}",
+                     bottom=min(r["test_loss"] for r in rows))
 
 def html_report(report):
     """report.html: report.json's numbers on a page that reads on a phone: the summary, the
     sample, then every analysis of the run in the list's order."""
-    body = "".join(html_analysis(a, report) for a in ANALYSES if a.key in report)
-    if "generation" in report:
-        body = html_generation(report) + body
-    found = re.findall(r"<section id='([^']+)'><h2>([^<]+)</h2>", body)
+    sections = [html_generation(report)]
+    for key, (question, columns), _, chart in ANALYSES:
+        if key in report:  # an analysis's section: its conditions, its chart, its table and notes
+            conditions, *notes = report["notes"][key]
+            sections.append(section(key, question, f"<p>{esc(conditions)}</p>",
+                                    chart(report) if chart else "",
+                                    html_table(columns, report[key], key, notes)))
+    body = "".join(sections)
     return ('<!doctype html><html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
             'content="width=device-width, initial-scale=1"><meta name="color-scheme" '
             'content="light dark"><title>nanogpt_exit_head report</title>'
             f"<style>{HTML_STYLE}</style></head><body><h1>Early exit in a character-level GPT"
-            f"</h1>{html_summary(report, found)}{body}</body></html>")
+            f"</h1>{html_summary(report, body)}{body}</body></html>")
 
 # -----------------------------------------------------------------------------
 # Checkpoints: written to a temporary file, then renamed; resume, Ctrl-C, torchrun
