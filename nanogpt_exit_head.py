@@ -2321,6 +2321,7 @@ def datum(key, value):
     """The attributes that tie a number on the page to its place in report.json (a test checks)."""
     return f'data-key="{esc(key)}" data-value="{value!r}"'
 
+# a chart series' class (its mode, or the sweep's figure) picks its colour
 HTML_STYLE = """
 :root { --bg: #fff; --fg: #1d1d1f; --muted: #6e6e73; --grid: #d2d2d7; --a: #2a788e; --b: #e66101; }
 @media (prefers-color-scheme: dark) { :root { --bg: #161618; --fg: #f2f2f7; --muted: #a1a1a6;
@@ -2429,8 +2430,8 @@ def html_table(columns, rows, key, notes):
                 out.append(f"<td {datum(f'{key}.{i}.{k}', value)}>{esc(fmt.format(value))}</td>")
             else:
                 out.append(f"<td>{esc(format_cell(value, fmt))}</td>")
-    out.append("</tr></table></div>")
-    out += [f"<p class='muted'>{esc(note)}</p>" for note in (legend(columns), *notes)]
+    out += ["</tr></table></div>"] + [f"<p class='muted'>{esc(note)}</p>"
+                                      for note in (legend(columns), *notes)]
     return "".join(out)
 
 def section(anchor, question, *body):
@@ -2529,14 +2530,13 @@ def frontier_chart(report):
 def html_report(report):
     """report.html: report.json's numbers on a page that reads on a phone: the summary, the
     sample, then every analysis of the run in the list's order."""
-    sections = [html_generation(report)]
+    body = html_generation(report)
     for key, (question, columns), _, chart in ANALYSES:
         if key in report:  # an analysis's section: its conditions, its chart, its table and notes
             conditions, *notes = report["notes"][key]
-            sections.append(section(key, question, f"<p>{esc(conditions)}</p>",
-                                    chart(report) if chart else "",
-                                    html_table(columns, report[key], key, notes)))
-    body = "".join(sections)
+            body += section(key, question, f"<p>{esc(conditions)}</p>",
+                            chart(report) if chart else "",
+                            html_table(columns, report[key], key, notes))
     return ('<!doctype html><html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
             'content="width=device-width, initial-scale=1"><meta name="color-scheme" '
             'content="light dark"><title>nanogpt_exit_head report</title>'
