@@ -2473,29 +2473,25 @@ def html_generation(report):
         f"{spans}</pre></div><div><h3>full depth</h3><pre "
         f"class='sample'>\n{esc(g['full_depth_sample'])}</pre></div></div>")
 
-def sweep_chart(report, key, name, line=None):
-    """One figure of the sweep at each threshold (line: drawn across, the axis zoomed to twice it),
-    the calibrated threshold marked."""
-    cal = report["calibration"]
-    points = [(e["threshold"], e[key], f"sweep_curve.{j}.{key}",
-               f"threshold {e['threshold']:g}: {e[key]:.2%}")
-              for j, e in enumerate(report["sweep_curve"])]
-    return svg_chart([(name, key, points)], {f"{t / 10:.1f}": t / 10 for t in range(11)},
-                     (f"exit threshold ({cal['measure']} confidence)", "share"), "{:.1%}",
-                     mark=(cal["threshold"], "calibration.threshold",
-                           f"calibrated: {cal['threshold']:g}"),
-                     line=line, top=line and 2 * line[0])
-
 def sweep_charts(report):
     """What each threshold trades on val, compute for disagreement, each on its own axis: the
     disagreement's zoomed to twice the budget (epsilon drawn); the calibrated threshold marked."""
-    eps = report["calibration"]["epsilon"]
-    return (sweep_chart(report, "compute_saved", "compute saved (share of layer runs)")
-            + sweep_chart(report, "disagreement",
-                          "disagreement with full depth (share of positions)",
-                          (eps, f"epsilon: {100 * eps:g}%"))
-            + "<p class='muted'>Disagreement over twice epsilon is drawn at the top of its axis; "
-            "hover for the value.</p>")
+    cal = report["calibration"]
+    eps = cal["epsilon"]
+    charts = ""
+    for key, name, line in (("compute_saved", "compute saved (share of layer runs)", None),
+                            ("disagreement", "disagreement with full depth (share of positions)",
+                             (eps, f"epsilon: {100 * eps:g}%"))):
+        points = [(e["threshold"], e[key], f"sweep_curve.{j}.{key}",
+                   f"threshold {e['threshold']:g}: {e[key]:.2%}")
+                  for j, e in enumerate(report["sweep_curve"])]
+        charts += svg_chart([(name, key, points)], {f"{t / 10:.1f}": t / 10 for t in range(11)},
+                            (f"exit threshold ({cal['measure']} confidence)", "share"), "{:.1%}",
+                            mark=(cal["threshold"], "calibration.threshold",
+                                  f"calibrated: {cal['threshold']:g}"),
+                            line=line, top=line and 2 * eps)
+    return charts + ("<p class='muted'>Disagreement over twice epsilon is drawn at the top of its "
+                     "axis; hover for the value.</p>")
 
 def speedup_chart(report, key="strategies", batch_size=1):
     """The measured speed-up of each decoder at one batch size, greedy and sampled side by side."""
