@@ -1734,15 +1734,13 @@ def workload(data, n_prompts, prompt_len):
     if len(data) < prompt_len + 2:
         raise ValueError(f"a {len(data)}-character split is too short for prompts of {prompt_len}")
     starts = torch.linspace(0, len(data) - prompt_len - 1, n_prompts).long()  # (n_prompts,)
-    return data[starts[:, None] + torch.arange(prompt_len, device=data.device)]
+    return data.unfold(0, prompt_len, 1)[starts]  # (n_prompts, prompt_len)
 
 def repetition(tokens, n=4):
     """1 - distinct n-grams / n-grams of one generated sequence: 0 never repeats itself, near 1 a
     loop."""
     grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
-    if not grams:
-        return 0.0
-    return 1.0 - len(set(grams)) / len(grams)
+    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
 
 def quality_pass(decode, data, n_positions, batch_size=1, prompt_len=1):
     """Teacher-forced decoding of batch_size contiguous pieces of data at once, n_positions in
@@ -1751,11 +1749,13 @@ def quality_pass(decode, data, n_positions, batch_size=1, prompt_len=1):
     at every batch size."""
     per_row = n_positions // batch_size
     pieces = data[: batch_size * (prompt_len + per_row)].view(batch_size, -1)  # (B, P + per_row)
-    out = decode(pieces[:, :prompt_len], per_row, forced=pieces[:, prompt_len:])
-    logits, targets = out.logits.flatten(0, 1), pieces[:, prompt_len:].flatten()  # (N, V), (N,)
-    return {"pred": logits.argmax(-1), "mean_layers": out.layers_run / per_row,
+    prompt, forced = pieces.split([prompt_len, per_row], dim=1)  # (B, P), (B, per_row)
+    out = decode(prompt, per_row, forced=forced)
+    logits, targets = out.logits.flatten(0, 1), forced.flatten()  # (N, V), (N,)
+    pred = logits.argmax(-1)  # (N,)
+    return {"pred": pred, "mean_layers": out.layers_run / per_row,
             "test_loss": F.cross_entropy(logits, targets).item(),
-            "test_accuracy": average(logits.argmax(-1) == targets)}
+            "test_accuracy": average(pred == targets)}
 
 def timed(decode, batch, n_tokens, generator):
     """One decode call: (its Generation, seconds, the most device memory it added above what was
@@ -1778,7 +1778,7 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
     while decoding (catch-up included) and re-prefilling, the keys and values it holds a row, the
     device memory it adds at its peak (CUDA's; else None), how repetitive the text is, and the last
     pass's Generations."""
-    batches = prompts.view(-1, batch_size, prompts.size(1))  # (n_batches, B, T0)
+    batches = prompts.split(batch_size)  # n_batches of (B, T0)
     seconds, peak = {key: [0.0] * repeats for key in decoders}, dict.fromkeys(decoders)
     gc.disable()  # no garbage collection while timing: it would land on whichever decoder runs
     try:
@@ -1791,7 +1791,8 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
                     out, took, added = timed(decode, batch, n_tokens, generator)
                     outputs[key].append(out)
                     seconds[key][r] += took
-                    peak[key] = peak[key] if added is None else max(peak[key] or 0, added)
+                    if added is not None:
+                        peak[key] = max(peak[key] or 0, added)
     finally:
         gc.enable()
     steps = len(batches) * n_tokens  # layers_run and prefill_runs count per row
@@ -1803,13 +1804,6 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
                                                for o in outs for r in o.tokens])),
                   "outputs": outs} for key, outs in outputs.items()}
 
-def in_mode(decoders, config):
-    """(name, mode) -> decode for both modes of name -> {mode: decode}: greedy at temperature 0,
-    sampled at the config's temperature and top_k."""
-    temperature = {"greedy": 0.0, "sampled": config.temperature}
-    return {(name, mode): partial(d[mode], temperature=temperature[mode], top_k=config.top_k)
-            for mode in MODES for name, d in decoders.items()}
-
 def table_row(name, mode, speed, quality, config, batch_size):
     """One row of a decoder table: speed over full depth at the same batch size and mode, and
     quality beside it, teacher-forced (a speculative decoder's is full depth's by construction;
@@ -1818,16 +1812,16 @@ def table_row(name, mode, speed, quality, config, batch_size):
     row = {"batch_size": batch_size, "name": name, "mode": mode, **s,
            "speedup": s["tokens_per_second"] / full["tokens_per_second"],
            "cache": {"state_copy": "approx.", "holes": "holes"}.get(name, "exact")}
-    del row["outputs"]
+    outputs = row.pop("outputs")  # the last pass's Generations
     if batch_size == 1:
-        row.update(tail(s["outputs"]))
+        row.update(tail(outputs))
     if quality:
         q = quality.get(name, quality["full"])
         row.update(test_loss=q["test_loss"], test_accuracy=q["test_accuracy"],
                    agreement=average(q["pred"] == quality["full"]["pred"]))
         row["output"] = f"agree {row['agreement']:.3f}"
     if name not in quality:  # speculation: acceptance, and the output it equals
-        row.update(spec_stats(s["outputs"], full["outputs"], mode),  # the draft's last layer
+        row.update(spec_stats(outputs, full["outputs"], mode),  # the draft's last layer
                    draft_exit={"draft_model": config.draft_layers - 1}.get(name, config.draft_exit))
     if name in ("full", *SPECULATIVE):  # full depth's output (sampled: tested; greedy: compared)
         same = row.get("identical_to_full", mode == "greedy" or None)
@@ -1838,13 +1832,15 @@ def measure_decoders(decoders, test, prompts, config, batch_size=1):
     """The rows of a decoder table at one batch size, both modes: speed on the workload,
     interleaved, and quality teacher-forced on test (test None: none). decoders: name -> {mode:
     decode}."""
-    quality = {}
-    if test is not None:
-        quality = {name: quality_pass(d["greedy"], test, config.quality_positions, batch_size,
-                                      config.bench_prompt_len)
-                   for name, d in decoders.items() if name not in SPECULATIVE}
-    speed = speed_pass(in_mode(decoders, config), prompts, batch_size, config.bench_tokens,
-                       config.bench_repeats, config.seed)
+    quality = {name: quality_pass(d["greedy"], test, config.quality_positions, batch_size,
+                                  config.bench_prompt_len)
+               for name, d in decoders.items() if test is not None and name not in SPECULATIVE}
+    # (name, mode) -> decode: greedy at temperature 0, sampled at the config's temperature and top_k
+    runs = {(name, mode): partial(d[mode], top_k=config.top_k,
+                                  temperature=config.temperature if mode == "sampled" else 0.0)
+            for mode in MODES for name, d in decoders.items()}
+    speed = speed_pass(runs, prompts, batch_size, config.bench_tokens, config.bench_repeats,
+                       config.seed)
     return [table_row(name, mode, speed, quality, config, batch_size) for name, mode in speed]
 
 def speculation_costs(model, prompts, config, batch_size, cells, draft):
@@ -1855,8 +1851,9 @@ def speculation_costs(model, prompts, config, batch_size, cells, draft):
     decoders = {(name, k): dict.fromkeys(MODES, decoder(model, name, spec=(config.draft_exit, k),
                                                         draft=draft)) for name, k in cells}
     decoders["full"] = dict.fromkeys(MODES, decoder(model, "full"))
-    rows = measure_decoders(decoders, None, prompts, config, batch_size)
-    return [dict(row, name=row["name"][0]) for row in rows if row["name"] != "full"]
+    return [dict(row, name=row["name"][0])
+            for row in measure_decoders(decoders, None, prompts, config, batch_size)
+            if row["name"] != "full"]
 
 # -----------------------------------------------------------------------------
 # Tables: each defined once, printed on the console and drawn on the page from that definition
