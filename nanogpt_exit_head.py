@@ -2041,8 +2041,8 @@ class Lab:
     def batch_depth(self):
         """A step runs as deep as its deepest row: the expected layers a step at each batch size,
         from val's exits under state_copy's plan."""
-        plan = self.plans[1]["state_copy"]
-        exits = planned_exits(self.records["val"], "state_copy", plan, self.config.block_size)[0]
+        exits = planned_exits(self.records["val"], "state_copy", self.plans[1]["state_copy"],
+                              self.config.block_size)[0]
         return expected_batch_depth(exits, BATCH_SIZES, self.config.n_layer)
 
     def plain(self, d):
@@ -2061,11 +2061,9 @@ class Lab:
         strategies at their plans, and self_speculative and draft_model drafting drafts[name][mode]
         tokens a round."""
         cfg, plans, model = self.config, self.plans[1], self.model
-        made = {}
-        for name in names:
-            heads = set(plans[name]["checked_exits"]) if name in plans else ()
-            made[name] = (dict.fromkeys(MODES, decoder(model, name, plans.get(name), self.rules)),
-                          weight_bytes(model, heads))
+        made = {name: (dict.fromkeys(MODES, decoder(model, name, plans.get(name), self.rules)),
+                       weight_bytes(model, plans[name]["checked_exits"] if name in plans else ()))
+                for name in names}
         draft = self.plain(cfg.draft_layers)
         for name, size in (("self_speculative", weight_bytes(model, [cfg.draft_exit])),
                            ("draft_model", weight_bytes(model) + weight_bytes(draft))):
@@ -2073,16 +2071,12 @@ class Lab:
                            for mode, k in drafts[name].items()}, size)
         return made
 
-    def measure(self, decoders, B=1, on_val=None):
+    def measure(self, decoders, B, on_val):
         """The rows of a decoder table at batch size B on the test workload, both modes, quality
         teacher-forced on test, each beside its prediction and the bytes of weights it reads.
         decoders: name -> ({mode: decode}, weight bytes); on_val: speculation's rows on val, the
-        prediction for it (timed once here when not given)."""
+        prediction for it."""
         cfg, (costs, plans) = self.config, self.plans
-        if on_val is None:  # one timed pass on val: a prediction, not a reported figure
-            on_val = speculation_costs(self.model, self.workloads[0], replace(cfg, bench_repeats=1),
-                                       B, [(name, cfg.num_draft) for name in SPECULATIVE[:2]],
-                                       self.plain(cfg.draft_layers))
         rows = measure_decoders({name: d for name, (d, _) in decoders.items()},
                                 self.splits["test"], self.workloads[1], cfg, B)
         spec = {(e["name"], e["mode"], e["num_draft"]): e for e in on_val}
@@ -2095,14 +2089,18 @@ class Lab:
         """Every decoder at batch 1, both modes: full depth, the KV strategies, both drafters, the
         pruned models and every plain GPT the run trains."""
         cfg = self.config
-        k = dict.fromkeys(MODES, cfg.num_draft)
-        decoders = self.decoders(("full", *KV_STRATEGIES), dict.fromkeys(SPECULATIVE[:2], k))
-        gpts = {d: self.plain(d) for d in plain_depths(cfg.depths, cfg.draft_layers, cfg.n_layer)}
-        for name, model in [*((f"{d}-layer GPT", gpt) for d, gpt in gpts.items()),
-                            *((f"pruned {k}", small) for k, small in
-                              pruned_models(self.model, self.splits["val"]).items())]:
+        decoders = self.decoders(("full", *KV_STRATEGIES),
+                                 dict.fromkeys(SPECULATIVE[:2], dict.fromkeys(MODES, cfg.num_draft)))
+        gpts = {f"{d}-layer GPT": self.plain(d)
+                for d in plain_depths(cfg.depths, cfg.draft_layers, cfg.n_layer)}
+        for name, model in [*gpts.items(), *((f"pruned {k}", small) for k, small in
+                                             pruned_models(self.model, self.splits["val"]).items())]:
             decoders[name] = dict.fromkeys(MODES, decoder(model, "full")), weight_bytes(model)
-        return self.measure(decoders)
+        # one timed pass on val: a prediction, not a reported figure
+        on_val = speculation_costs(self.model, self.workloads[0], replace(cfg, bench_repeats=1), 1,
+                                   [(name, cfg.num_draft) for name in SPECULATIVE[:2]],
+                                   self.plain(cfg.draft_layers))
+        return self.measure(decoders, 1, on_val)
 
 def threshold_sweep(lab):
     """Every threshold on val (for the chart), and the table's every tenth."""
@@ -2118,21 +2116,18 @@ def recorded(lab, split):
     """How many positions of a split were recorded: sweep_positions, or all the split holds."""
     return f"{lab.records[split].targets.numel():,}"
 
-def guarantee(cal, positions):
-    return (f"Learn then Test: disagreement <= {100 * cal['epsilon']:g}% with probability >= "
-            f"{100 * (1 - cal['delta']):g}%, chosen on val, reported on "
-            f"{positions} test positions")
-
 def rule_calibrations(lab):
     """Every rule calibrated on val and reported on test, the rule chosen on val, the oracle."""
-    cfg, test, R = lab.config, lab.records["test"], len(lab.rules)
+    cfg, n, R = lab.config, recorded(lab, "test"), len(lab.rules)
     cal = lab.calibrations[cfg.confidence_measure]
     chosen = choose_rule(lab.records, lab.rules, lab.checked, cfg.epsilon, cfg.delta)
-    best = {**oracle(test, lab.checked, cfg.epsilon), "oracle_share": 1.0}
+    best = {**oracle(lab.records["test"], lab.checked, cfg.epsilon), "oracle_share": 1.0}
     rows = [*lab.calibrations.values(), {**chosen, "measure": f"{chosen['measure']}, chosen"},
             {"measure": "oracle", "test": best}]
     return {"calibration_by_measure": rows, "calibration": cal, "chosen_rule": chosen, "notes": [
-        guarantee(cal, recorded(lab, "test")), "Teacher-forced, with an exact cache, every exit "
+        f"Learn then Test: disagreement <= {100 * cal['epsilon']:g}% with probability >= "
+        f"{100 * (1 - cal['delta']):g}%, chosen on val, reported on {n} test positions",
+        "Teacher-forced, with an exact cache, every exit "
         "checked. The oracle leaves at the first exit whose top-1 is full depth's, and spends "
         "epsilon where that saves most: no rule saves more at the same disagreement.",
         f"The chosen rule, {chosen['measure']}: of the {R}, the one that saves the most on val "
@@ -2140,8 +2135,8 @@ def rule_calibrations(lab):
         "guarantee; a rule picked by its test figures would not."]}
 
 def patience_sweep(lab):
-    rows = patience_rows(lab.records["val"], lab.checked)
-    return {"patience": rows, "notes": [f"{recorded(lab, 'val')} val positions"]}
+    return {"patience": patience_rows(lab.records["val"], lab.checked),
+            "notes": [f"{recorded(lab, 'val')} val positions"]}
 
 def exit_calibrations(lab):
     rows = exit_calibration(lab.records["test"])
@@ -2235,12 +2230,11 @@ def frontier(lab):
     """When does early exit pay? Every point by test loss, teacher-forced on the same test
     positions, against its speed-up in each mode, marked with the point that beats it on both;
     and what each holds in memory."""
-    cfg, keys = lab.config, [key for key, *_ in FRONTIER_TABLE[1]]
-    rows = []
-    for p in frontier_points(lab.measured):
-        peak = p["peak_bytes"] and p["peak_bytes"] / 2**10  # None where the device reports none
-        p.update(weights_mb=p["weight_bytes"] / 2**20, kv_kb=p["cache_bytes"] / 2**10, peak_kb=peak)
-        rows.append({key: p[key] for key in keys})
+    cfg, points = lab.config, frontier_points(lab.measured)
+    for p in points:  # peak_kb: None where the device reports none
+        p.update(weights_mb=p["weight_bytes"] / 2**20, kv_kb=p["cache_bytes"] / 2**10,
+                 peak_kb=p["peak_bytes"] and p["peak_bytes"] / 2**10)
+    rows = [{key: p[key] for key, *_ in FRONTIER_TABLE[1]} for p in points]
     on = {mode: ", ".join(r["name"] for r in rows if r[f"dominated_{mode}"] is None)
           for mode in MODES}
     seconds = ", ".join(f"{d}-layer GPT {t:.0f} s" for d, (_, t) in sorted(lab.plain_gpts.items()))
@@ -2260,27 +2254,26 @@ BATCH_DESIGNS = ("full", "state_copy", "skipdecode")  # then both drafters and a
 # num_draft tried in batches (11 fills 33 new tokens: half of block 64, plus 1)
 BATCH_DRAFTS = (4, 8, 11, 16)
 
-def batch_rows(lab, B, cells):
-    """The batch table's rows at batch size B: each drafter at the k fastest on val in each mode,
-    and auto running self_speculative's k or, where none beat full depth on val, full depth."""
-    on_val = speculation_costs(lab.model, lab.workloads[0], lab.config, B, cells,
-                               lab.plain(lab.config.draft_layers))
-    drafts, auto = choose_drafts(on_val)
-    decoders = lab.decoders(BATCH_DESIGNS, drafts)
-    (runs, size), full = decoders["self_speculative"], decoders["full"][0]
-    decoders["auto"] = {mode: runs[mode] if k else full[mode] for mode, k in auto.items()}, size
-    return lab.measure(decoders, B, on_val)
-
 def batches(lab):
     """The batch table: every design at every batch size, greedy and sampled, quality beside
-    speed, and the cost model's predictions (--bench_batch only)."""
-    cfg, (_, plans) = lab.config, lab.plans
+    speed, and the cost model's predictions (--bench_batch only). At each batch size, each drafter
+    runs the k fastest on val in each mode, and auto self_speculative's k or, where none beat full
+    depth on val, full depth."""
+    cfg, plans = lab.config, lab.plans[1]
     if not cfg.bench_batch:
         return {}
     drafts = sorted({*BATCH_DRAFTS, cfg.num_draft})
-    cells = [(name, k) for name in SPECULATIVE[:2] for k in drafts]
+    cells = list(itertools.product(SPECULATIVE[:2], drafts))  # (drafter, k)
     sizes = [B for B in BATCH_SIZES if cfg.bench_prompts % B == 0]
-    rows = [row for B in sizes for row in batch_rows(lab, B, cells)]
+    rows = []
+    for B in sizes:
+        on_val = speculation_costs(lab.model, lab.workloads[0], cfg, B, cells,
+                                   lab.plain(cfg.draft_layers))
+        fastest, auto = choose_drafts(on_val)
+        decoders = lab.decoders(BATCH_DESIGNS, fastest)
+        (runs, size), full = decoders["self_speculative"], decoders["full"][0]
+        decoders["auto"] = {mode: runs[mode] if k else full[mode] for mode, k in auto.items()}, size
+        rows += lab.measure(decoders, B, on_val)
     chose = [f"B={r['batch_size']} {r['mode']} {r['choice']}" for r in rows if r["name"] == "auto"]
     skip = plans["skipdecode"]
     return {"batched": rows, "notes": [
