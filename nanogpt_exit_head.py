@@ -1865,7 +1865,7 @@ def table(text):
     header | format | help'. print_table prints it, html_table renders it, and both write its
     legend from the help."""
     question, *columns = text.strip().split("\n")
-    return question, [[part.strip() for part in column.split("|")] for column in columns]
+    return question, [list(map(str.strip, column.split("|"))) for column in columns]
 
 SWEEP_TABLE = table("""Which threshold?
 threshold      | threshold         | {:.2f}  | a position leaves at the first exit this sure
@@ -1994,7 +1994,7 @@ def print_table(table, rows, conditions="", notes=()):
     # the question as the title, '=== ... ===', wrapped to WIDTH
     print("\n=== " + "\n    ".join(textwrap.wrap(f"{question} {conditions}", WIDTH - 8)) + " ===")
     for line in lines:
-        print("  ".join(v.rjust(w) for v, w in zip(line, widths)))
+        print("  ".join(map(str.rjust, line, widths)))
     for note in (legend(columns), *notes):
         print(textwrap.fill(note, WIDTH, subsequent_indent="  ", break_on_hyphens=False))
 
