@@ -2089,12 +2089,13 @@ class Lab:
         """Every decoder at batch 1, both modes: full depth, the KV strategies, both drafters, the
         pruned models and every plain GPT the run trains."""
         cfg = self.config
-        decoders = self.decoders(("full", *KV_STRATEGIES),
-                                 dict.fromkeys(SPECULATIVE[:2], dict.fromkeys(MODES, cfg.num_draft)))
+        k = dict.fromkeys(MODES, cfg.num_draft)
+        decoders = self.decoders(("full", *KV_STRATEGIES), dict.fromkeys(SPECULATIVE[:2], k))
         gpts = {f"{d}-layer GPT": self.plain(d)
                 for d in plain_depths(cfg.depths, cfg.draft_layers, cfg.n_layer)}
-        for name, model in [*gpts.items(), *((f"pruned {k}", small) for k, small in
-                                             pruned_models(self.model, self.splits["val"]).items())]:
+        pruned = pruned_models(self.model, self.splits["val"])
+        for name, model in [*gpts.items(),
+                            *((f"pruned {k}", small) for k, small in pruned.items())]:
             decoders[name] = dict.fromkeys(MODES, decoder(model, "full")), weight_bytes(model)
         # one timed pass on val: a prediction, not a reported figure
         on_val = speculation_costs(self.model, self.workloads[0], replace(cfg, bench_repeats=1), 1,
