@@ -2708,7 +2708,14 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
     base, heads = count_params(model)
     if rank == 0:
         os.makedirs(config.out_dir, exist_ok=True)
-        print_setup(base, heads, config, tokenizer, splits, device, world)
+        sizes = "/".join(f"{len(split):,}" for split in splits.values())
+        print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: "
+              f"{sizes} characters | processes: {world}")
+        print(f"parameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in "
+              f"{config.n_layer - 1} exit heads ({100 * heads / base:.2f}% overhead)")
+        print(f"losses while training: each split's mean over {config.eval_iters} batches of "
+              f"{config.batch_size} random windows of {config.block_size} characters; 'val loss' "
+              "is full depth's")
     took, ms = train_with_checkpoints(model, optimizer, splits, config, device, progress, rank,
                                       world)
     if rank > 0:
@@ -2729,16 +2736,6 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
                   val_loss={"final": losses["val"][-1], "exits": losses["val"][:-1]},
                   train_loss=losses["train"][-1], train_log=progress["train_log"], processes=world)
     return model.eval()
-
-def print_setup(base, heads, config, tokenizer, splits, device, world):
-    sizes = "/".join(f"{len(split):,}" for split in splits.values())
-    print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: "
-          f"{sizes} characters | processes: {world}")
-    print(f"parameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in {config.n_layer - 1} "
-          f"exit heads ({100 * heads / base:.2f}% overhead)")
-    print(f"losses while training: each split's mean over {config.eval_iters} batches of "
-          f"{config.batch_size} random windows of {config.block_size} characters; 'val loss' is "
-          "full depth's")
 
 # -----------------------------------------------------------------------------
 # Command line: every Config field as --name=value (argparse), and the rules it checks
@@ -2876,7 +2873,7 @@ def check_text(config):
         raise ValueError(f"--input_path={config.input_path!r} holds {len(set(text))} distinct "
                          "characters: a model needs at least 2 to choose between")
     # + 2: a character to predict after a window; quality: a piece a row, each after a prompt
-    need = max(config.block_size, config.bench_prompt_len,
+    need = max(config.block_size,
                config.quality_positions + max(BATCH_SIZES) * config.bench_prompt_len) + 2
     if min(map(len, split_data(text).values())) < need:
         raise ValueError(f"--input_path={config.input_path!r} ({len(text):,} characters) is too "
