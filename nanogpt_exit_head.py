@@ -2583,11 +2583,12 @@ def load_checkpoint(path, config, overridden, tokenizer):
     for name in (*ARCH_FIELDS, *TRAINING_FIELDS):
         given = getattr(config, name)
         saved = ckpt["config"].get(name, given)  # a field newer than the checkpoint: as given
-        if name in overridden and given != saved and name in ARCH_FIELDS:
-            raise ValueError(f"checkpoint has {name}={saved}, but --{name}={given} was given")
-        if name in overridden and given != saved:
+        if name not in overridden:
+            setattr(config, name, saved)
+        elif given != saved:
+            if name in ARCH_FIELDS:
+                raise ValueError(f"checkpoint has {name}={saved}, but --{name}={given} was given")
             overrides.append(f"--{name}={given} (the checkpoint's: {saved})")
-        setattr(config, name, given if name in overridden else saved)
     validate(config)  # the rules that tie fields together, with the checkpoint's architecture
     return ckpt, overrides
 
@@ -2602,11 +2603,11 @@ def start_processes(config, alone=False):
     if config.device not in ("auto", "cuda", "cpu"):
         raise ValueError(f"--device={config.device} under torchrun: each process takes its own "
                          "GPU (auto or cuda: cuda:LOCAL_RANK) or the CPU (cpu)")
-    device, backend = pick_device(config.device), "gloo"
+    device = pick_device(config.device)
     if device == "cuda":
-        device, backend = f"cuda:{os.environ['LOCAL_RANK']}", "nccl"
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
         torch.cuda.set_device(device)
-    torch.distributed.init_process_group(backend)
+    torch.distributed.init_process_group("gloo" if device == "cpu" else "nccl")
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
 
 def step_model_for(model, config, world):
@@ -2614,19 +2615,11 @@ def step_model_for(model, config, world):
     its own batch, gradients averaged in backward), compiled with --compile."""
     step_model = model
     if world > 1:
-        unused = config.alpha == 0 and config.distill_weight == 0  # no gradient for the exits
-        step_model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=unused)
+        step_model = torch.nn.parallel.DistributedDataParallel(  # unused: no gradient for the exits
+            model, find_unused_parameters=config.alpha == 0 and config.distill_weight == 0)
     if config.compile:
         step_model = torch.compile(step_model)
     return step_model
-
-def batch_sampler(config, splits, rank, steps):
-    """Process rank's batch generator after `steps` steps: seeded seed + rank, then those steps'
-    batches drawn again (one a step, cheap), so a resumed process draws what it would have."""
-    generator = torch.Generator().manual_seed(config.seed + rank)
-    for _ in range(steps):
-        get_batch(splits["train"], config.block_size, config.batch_size, generator, "cpu")
-    return generator
 
 def new_or_resumed(config, tokenizer, device, overridden, rank=0):
     """(model, optimizer, progress): new, or the checkpoint's with its random states back. Every
@@ -2648,10 +2641,10 @@ def new_or_resumed(config, tokenizer, device, overridden, rank=0):
         except RuntimeError as e:
             raise ValueError("checkpoint does not fit the model: "
                              + " ".join(str(e).split())[:300]) from None
-        fresh = [{k: g[k] for k in ("weight_decay", "betas")} for g in optimizer.param_groups]
+        # the saved state with the recipe's hyperparameters, given anew or not
+        for saved, group in zip(ckpt["optimizer"]["param_groups"], optimizer.param_groups):
+            saved.update(weight_decay=group["weight_decay"], betas=group["betas"])
         optimizer.load_state_dict(ckpt["optimizer"])  # a ValueError where its groups do not fit
-        for group, hyper in zip(optimizer.param_groups, fresh):  # the recipe's, given anew or not
-            group.update(hyper)
         set_random_states(ckpt["rng"])
     if rank > 0:
         torch.manual_seed(config.seed + 1_000_003 * rank + ckpt["iter_num"])
@@ -2660,8 +2653,17 @@ def new_or_resumed(config, tokenizer, device, overridden, rank=0):
 def train_with_checkpoints(model, optimizer, splits, config, device, progress, rank, world):
     """Train from progress's step to max_iters; rank 0 saves a checkpoint at every evaluation and
     on Ctrl-C, which then raises Interrupted. Updates progress; returns (seconds, ms a step)."""
-    path, done = os.path.join(config.out_dir, "ckpt.pt"), progress["iter_num"]
-    seconds, log, stop, t0 = progress["train_seconds"], progress["train_log"], [], time.time()
+    path = os.path.join(config.out_dir, "ckpt.pt")
+    done = progress["iter_num"]
+    seconds = progress["train_seconds"]
+    log = progress["train_log"]
+    # process rank's batches, seeded seed + rank; the steps done draw theirs again (one a step,
+    # cheap), so that a resumed process draws what it would have
+    generator = torch.Generator().manual_seed(config.seed + rank)
+    for _ in range(done):
+        get_batch(splits["train"], config.block_size, config.batch_size, generator, "cpu")
+    stop = []  # Ctrl-C's flag
+    t0 = time.time()
 
     def on_step(it, new_log):  # before every step
         if rank == 0 and (stop or (it % config.eval_interval == 0 and it > done)):
@@ -2674,9 +2676,8 @@ def train_with_checkpoints(model, optimizer, splits, config, device, progress, r
     # Ctrl-C only sets a flag: the step under way finishes, so the checkpoint holds whole steps
     handler = signal.signal(signal.SIGINT, lambda *_: stop.append(1))
     try:
-        took, ms, new_log = train(model, optimizer, splits, config, device, done,
-                                  batch_sampler(config, splits, rank, done), on_step,
-                                  step_model_for(model, config, world), evaluate=rank == 0)
+        took, ms, new_log = train(model, optimizer, splits, config, device, done, generator,
+                                  on_step, step_model_for(model, config, world), evaluate=rank == 0)
     finally:
         signal.signal(signal.SIGINT, handler)
     progress.update(iter_num=max(done, config.max_iters), train_seconds=seconds + took,
@@ -2688,10 +2689,19 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
     evaluation and on Ctrl-C; None on the ranks of a torchrun job above 0. The training figures go
     into report."""
     model, optimizer, progress = new_or_resumed(config, tokenizer, device, overridden, rank)
-    done, path = progress["iter_num"], os.path.join(config.out_dir, "ckpt.pt")
+    done = progress["iter_num"]
+    path = os.path.join(config.out_dir, "ckpt.pt")
+    base, heads = count_params(model)
     if rank == 0:
         os.makedirs(config.out_dir, exist_ok=True)
-        print_setup(model, config, tokenizer, splits, device, world)
+        sizes = "/".join(f"{len(split):,}" for split in splits.values())
+        print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: "
+              f"{sizes} characters | processes: {world}")
+        print(f"parameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in "
+              f"{config.n_layer - 1} exit heads ({100 * heads / base:.2f}% overhead)")
+        print(f"losses while training: each split's mean over {config.eval_iters} batches of "
+              f"{config.batch_size} random windows of {config.block_size} characters; 'val loss' "
+              "is full depth's")
     took, ms = train_with_checkpoints(model, optimizer, splits, config, device, progress, rank,
                                       world)
     if rank > 0:
@@ -2699,32 +2709,19 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
     losses = estimate_loss(model, splits, config, device)
     print(format_eval(progress["iter_num"], losses))
     save_checkpoint(path, model, optimizer, config, progress)
-    if done >= config.max_iters:
-        ms = None
-        start = "a new model"
-        if config.init_from == "resume":
-            start = f"resumed from {path} at step {done}"
-        print(f"{start}, max_iters={config.max_iters}: no training this run")
-    else:
+    if done < config.max_iters:
         print(f"trained steps {done}..{config.max_iters} in {took:.1f} s, median {ms:.1f} ms a "
               f"step; checkpoint: {path}")
-    base, heads = count_params(model)
+    else:
+        ms = None
+        start = (f"resumed from {path} at step {done}" if config.init_from == "resume"
+                 else "a new model")
+        print(f"{start}, max_iters={config.max_iters}: no training this run")
     report.update(config=asdict(config), n_params=base, n_params_exit_heads=heads,
                   train_seconds=progress["train_seconds"], ms_per_iter=ms,
                   val_loss={"final": losses["val"][-1], "exits": losses["val"][:-1]},
                   train_loss=losses["train"][-1], train_log=progress["train_log"], processes=world)
     return model.eval()
-
-def print_setup(model, config, tokenizer, splits, device, world):
-    base, heads = count_params(model)
-    sizes = "/".join(f"{len(split):,}" for split in splits.values())
-    print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: "
-          f"{sizes} characters | processes: {world}")
-    print(f"parameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in {config.n_layer - 1} "
-          f"exit heads ({100 * heads / base:.2f}% overhead)")
-    print(f"losses while training: each split's mean over {config.eval_iters} batches of "
-          f"{config.batch_size} random windows of {config.block_size} characters; 'val loss' is "
-          "full depth's")
 
 # -----------------------------------------------------------------------------
 # Command line: every Config field as --name=value (argparse), and the rules it checks
@@ -2769,7 +2766,7 @@ def build_parser():
     source = inspect.getsource(Config) + inspect.getsource(LabConfig)
     comments = dict(re.findall(r"^ +(\w+): .*?  # (.*)$", source.replace("%", "%%"), re.M))
     rules = {name: f" in {rule}" for rule, names in RANGES.items() for name in names.split()}
-    rules.update({name: f" one of {', '.join(choices)}" for name, choices in CHOICES.items()})
+    rules.update(dict.fromkeys(CHOICES, " one of %(choices)s"))  # argparse lists them
     parser = ArgumentParser(
         usage="nanogpt_exit_head.py [--name=value ...]", allow_abbrev=False,
         argument_default=argparse.SUPPRESS,
@@ -2790,7 +2787,8 @@ def parse_args(argv):
         close = difflib.get_close_matches(unknown[0].split("=")[0], names) or ["a name of --help"]
         raise ValueError(f"unknown argument {unknown[0]!r}: arguments are --name=value; did you "
                          f"mean {close[0]}?")
-    config, given = LabConfig(**vars(known)), set(vars(known))
+    config = LabConfig(**vars(known))
+    given = set(vars(known))
     # a resume's depth is the checkpoint's: load_checkpoint checks its rules again, against it
     validate(config, math.inf if config.init_from == "resume" and "n_layer" not in given else None)
     return config, given
@@ -2808,10 +2806,6 @@ def field_rules(config, L):
         (not config.prompt, "--prompt must hold at least one character"),
         (config.bench_batch and config.quality_positions < max(BATCH_SIZES),
          f"--bench_batch needs quality_positions >= {max(BATCH_SIZES)}: a position a row"),
-        (config.lesson_only and (config.init_from == "resume" or config.sample_only),
-         "--lesson_only is Part I alone: it trains anew, with no resume or samples only"),
-        (config.sample_only and config.init_from != "resume",
-         "--sample_only=1 samples from a checkpoint: add --init_from=resume"),
         (not re.fullmatch(r"(all|(\d+,)*\d+)?", config.depths),
          f"--depths={config.depths!r}: '', 'all' or a comma list of layers"),
         (any(not 0 < int(d) <= L for d in re.findall(r"\d+", config.depths)),
@@ -2822,12 +2816,14 @@ def field_rules(config, L):
             config.lesson_only or config.exit_layers not in ("auto", "all")),
          "patience and the learned rule read every exit, in the lab: no --lesson_only, and "
          "--exit_layers=auto"),
-        (config.lesson_only and config.confidence_measure != "top1",
-         "--lesson_only is Part I alone, whose one exit rule is top1"),
-        (config.lesson_only and any(getattr(config, name) != getattr(LabConfig, name) for name
-                                    in ("kv_strategy", "exit_layers", "depths", "bench_batch")),
-         "--lesson_only is Part I alone: backfill at every exit; no --kv_strategy, --exit_layers, "
-         "--depths or --bench_batch"))
+        (config.lesson_only and any(getattr(config, name) != getattr(LabConfig, name) for name in (
+            "init_from", "sample_only", "confidence_measure", "kv_strategy", "exit_layers",
+            "depths", "bench_batch")),
+         "--lesson_only is Part I alone: it trains anew, backfills, exits by top1 at every exit; "
+         "no --init_from=resume, --sample_only, --confidence_measure, --kv_strategy, "
+         "--exit_layers, --depths or --bench_batch"),
+        (config.sample_only and config.init_from != "resume",
+         "--sample_only=1 samples from a checkpoint: add --init_from=resume"))
 
 def validate(config, n_layer=None):
     """The ranges, the rules that tie fields together, the files and the folder. n_layer: the
@@ -2863,7 +2859,7 @@ def check_text(config):
         raise ValueError(f"--input_path={config.input_path!r} holds {len(set(text))} distinct "
                          "characters: a model needs at least 2 to choose between")
     # + 2: a character to predict after a window; quality: a piece a row, each after a prompt
-    need = max(config.block_size, config.bench_prompt_len,
+    need = max(config.block_size,
                config.quality_positions + max(BATCH_SIZES) * config.bench_prompt_len) + 2
     if min(map(len, split_data(text).values())) < need:
         raise ValueError(f"--input_path={config.input_path!r} ({len(text):,} characters) is too "
@@ -2886,10 +2882,11 @@ def parse_exit_layers(text, n_layer):
     resolved per strategy by the exit plan, and checks all elsewhere."""
     if text in ("all", "auto"):
         return list(range(n_layer - 1))
-    if not re.fullmatch(r"\d+(,\d+)*", text) or max(map(int, text.split(","))) > n_layer - 2:
+    layers = sorted(set(map(int, re.findall(r"\d+", text))))
+    if not re.fullmatch(r"\d+(,\d+)*", text) or layers[-1] > n_layer - 2:
         raise ValueError(f"exit_layers={text!r}: 'all', 'auto' or a comma list of layers "
                          f"0..{n_layer - 2} (the last layer always exits)")
-    return sorted({int(t) for t in text.split(",")})
+    return layers
 
 def pick_device(name):
     """'auto' picks CUDA, then the CPU; Apple's MPS runs only when named. A named device must be
@@ -2938,11 +2935,12 @@ ANALYSES = (
 def sample_decoder(lab):
     """The early-exit sample's decoder (--kv_strategy), its label, and the threshold it runs at
     (self_speculative: none)."""
-    cfg, name = lab.config, lab.config.kv_strategy
-    spec = (cfg.draft_exit, cfg.num_draft)
+    cfg = lab.config
+    name = cfg.kv_strategy
     if name == "self_speculative":
-        return decoder(lab.model, name, spec=spec), (f"{name}, layer {spec[0]} drafts up to "
-                                                     f"{spec[1]} a round, the rest verify"), None
+        label = (f"{name}, layer {cfg.draft_exit} drafts up to {cfg.num_draft} a round, the rest "
+                 "verify")
+        return decoder(lab.model, name, spec=(cfg.draft_exit, cfg.num_draft)), label, None
     plan = {"measure": cfg.confidence_measure, "threshold": lab.threshold,
             "checked_exits": parse_exit_layers(cfg.exit_layers, cfg.n_layer)}
     label = f"{name}, {plan['measure']} > {plan['threshold']:g}"
@@ -2951,13 +2949,21 @@ def sample_decoder(lab):
         label = f"{name}, layer {plan['label']}"
     return decoder(lab.model, name, plan, lab.rules), label, plan["threshold"]
 
-def generation_report(lab, samples, label, threshold):
-    """The report.json entry of both samples (report.html colours each character by its exit)."""
-    (full, full_speed), (early, speed) = samples["full-depth"], samples["early-exit"]
-    text, T0 = lab.tokenizer.decode, len(lab.config.prompt)
+def generation_report(lab):
+    """Part I's samples from the lab's model, threshold and decoder; returns the report.json entry
+    of both (report.html colours each character by its exit)."""
+    cfg = lab.config
+    decode, label, threshold = sample_decoder(lab)
+    if cfg.exit_threshold < 0 and threshold == lab.threshold:  # Learn then Test's
+        print(f"\nthe early-exit sample uses the threshold calibrated on val ({lab.threshold:g})")
+    samples = show_samples(lab.model, lab.tokenizer, cfg, lab.device, decode, label)
+    full, full_speed = samples["full-depth"]
+    early, speed = samples["early-exit"]
+    text = lab.tokenizer.decode
+    T0 = len(cfg.prompt)
     exited_at = early.exited_at[0].tolist()
-    return {"exit_threshold": threshold, "kv_strategy": lab.config.kv_strategy, "decoder": label,
-            "exit_counts": [exited_at.count(l) for l in range(lab.config.n_layer)],
+    return {"exit_threshold": threshold, "kv_strategy": cfg.kv_strategy, "decoder": label,
+            "exit_counts": [exited_at.count(l) for l in range(cfg.n_layer)],
             "tokens_per_second": speed, "full_depth_tokens_per_second": full_speed,
             "sample": text(early.tokens[0, T0:].tolist()), "exited_at": exited_at,
             "full_depth_sample": text(full.tokens[0, T0:].tolist())}
@@ -2965,7 +2971,8 @@ def generation_report(lab, samples, label, threshold):
 def summary(report):
     """The run's answers in four lines: the model's loss, what early exit skips with a guarantee,
     the fastest decoder with an exact cache in each mode, and the points on the frontier."""
-    cal, chosen = report["calibration"], report["chosen_rule"]
+    cal = report["calibration"]
+    chosen = report["chosen_rule"]
     exact = [e for e in report["strategies"]  # the exit model's decoders, no hole, no copy
              if e["cache"] == "exact" and not e["name"].endswith("GPT")]
     # each mode's fastest: the last of its rows sorted by speed (full depth: none is faster)
@@ -2992,20 +2999,15 @@ def lesson_config(config):
 def write_report(report, config, name):
     """name.json and its page, both made before either is written: one that fails writes neither."""
     path = os.path.join(config.out_dir, name)
-    page, numbers = html_report(report), json.dumps(report, indent=2)
-    write_text(numbers, path + ".json")
+    page = html_report(report)  # first: a page that fails to render writes neither file
+    write_text(json.dumps(report, indent=2), path + ".json")
     write_text(page, path + ".html")
     print(f"page: {path}.html (its numbers: {name}.json beside it)")
 
 def run_lab(lab, report):
     """Part I's samples from the lab's model, threshold and decoder, then every analysis of the
     list in its order, the summary and the page (--sample_only: the samples alone)."""
-    decode, label, threshold = sample_decoder(lab)
-    if lab.config.exit_threshold < 0 and threshold == lab.threshold:  # Learn then Test's
-        print(f"\nthe early-exit sample uses the threshold calibrated on val ({lab.threshold:g})")
-    samples = show_samples(lab.model, lab.tokenizer, lab.config, lab.device, decode, label)
-    report.update(config=asdict(lab.config), notes={},
-                  generation=generation_report(lab, samples, label, threshold))
+    report.update(config=asdict(lab.config), notes={}, generation=generation_report(lab))
     if lab.config.sample_only:  # sampling leaves the trained run's report alone: samples.*
         return write_report(report, lab.config, "samples")
     for analysis in ANALYSES:
@@ -3023,7 +3025,6 @@ def run(config, overridden):
     """The default job: the lab's model (trained, resumed, or loaded by --sample_only), its
     samples and every analysis; --lesson_only runs Part I alone. Under torchrun every process
     trains, and rank 0 alone analyses, prints and writes (--sample_only: rank 0 alone runs)."""
-    torch.manual_seed(config.seed)
     if config.lesson_only:
         return run_lesson(lesson_config(config), pick_device(config.device))
     if config.sample_only and int(os.environ.get("RANK", "0")) > 0:
