@@ -780,16 +780,15 @@ def write_state_copy(cache, first_layer, x, weight, bias):
     """CALM's state propagation: the K and V of layers first_layer.. computed from the exit state
     x (B, 1, C), written at the next position of a level cache. One batched matmul serves every
     skipped layer."""
-    n = cache.lengths[first_layer]
-    assert all(m == n for m in cache.lengths[first_layer:]), "state copy needs level skipped layers"
+    J, n = len(cache.lengths) - first_layer, cache.lengths[first_layer]  # J layers skipped
+    assert cache.lengths[first_layer:] == [n] * J, "state copy needs level skipped layers"
     xn = F.layer_norm(x[:, 0], x.shape[-1:])  # (B, C): the normalisation shared by every ln_1
     # (J, B, 2C): every skipped layer's K and V at once
-    kv = torch.matmul(xn, weight[first_layer:].transpose(1, 2)) + bias[first_layer:, None]
-    k, v = kv.unflatten(-1, (2 * cache.k.size(2), -1)).chunk(2, dim=2)  # (J, B, nh, hs) each
+    kv = xn @ weight[first_layer:].mT + bias[first_layer:, None]
+    k, v = kv.unflatten(-1, (2, cache.k.size(2), -1)).unbind(2)  # (J, B, nh, hs) each
     cache.k[first_layer:, :, :, n] = k
     cache.v[first_layer:, :, :, n] = v
-    for layer in range(first_layer, len(cache.lengths)):
-        cache.lengths[layer] = n + 1
+    cache.lengths[first_layer:] = [n + 1] * J
 
 class StateCopy(Backfill):
     """Approximate: the skipped layers see the exit state where their own input would have been."""
@@ -867,22 +866,22 @@ class RowKVCache(KVCache):
         self.fed = [0] * len(self.lengths)  # positions appended this round, per layer
         self.layouts = {}  # (fed, T) -> its layout: the block calls of a round share a few
 
-    def layout(self, fed, T):
-        """Where T new entries of every row go after `fed` this round: (slots (B, T), their scatter
-        index, the mask of what each query may see, W). One row's slots are the last T of its W: a
-        single query needs no mask, a chunk a causal one (and append writes a slice)."""
+    def layout(self, fed, k):
+        """Where new entries k (B, nh, T, hs) of every row go after `fed` this round: (slots (B, T),
+        their scatter index, the mask of what each query may see, W). One row's slots are the last
+        T of its W: a single query needs no mask, a chunk a causal one (and append writes a
+        slice)."""
+        T = k.size(2)
         width = self.furthest + fed + T
         slots = self.pos[:, None] + fed + torch.arange(T, device=self.pos.device)  # (B, T)
-        if len(slots) == 1:
-            mask = None
-            if T > 1:
-                mask = torch.ones(T, width, dtype=torch.bool, device=slots.device).tril(width - T)
-            return slots, None, mask, width
+        if len(slots) == 1 and T == 1:  # one query of one row sees every slot: no mask
+            return slots, None, None, width
         seen = torch.arange(width, device=slots.device) <= slots[:, :, None]  # (B, T, W)
+        if len(slots) == 1:  # a chunk of one row: a causal mask, (T, W)
+            return slots, None, seen[0], width
         mask = torch.where(seen, 0.0, float("-inf"))[:, None]  # (B, 1, T, W)
         # (B, nh, T, hs): where each entry goes
-        index = slots[:, None, :, None].expand(-1, self.k.size(2), -1, self.k.size(4))
-        return slots, index, mask, width
+        return slots, slots[:, None, :, None].expand_as(k), mask, width
 
     def __init__(self, config, batch_size, device):
         super().__init__(config, batch_size, device)
@@ -900,15 +899,16 @@ class RowKVCache(KVCache):
 
     def append(self, layer, k, v):
         """Write k, v (B, nh, T, hs) at each row's slots; return the first W slots and the mask."""
-        key = (self.fed[layer], k.size(2))
+        T = k.size(2)
+        key = (self.fed[layer], T)
         if key not in self.layouts:
-            self.layouts[key] = self.layout(*key)
+            self.layouts[key] = self.layout(self.fed[layer], k)
         slots, index, mask, width = self.layouts[key]
-        self.fed[layer] += k.size(2)
+        self.fed[layer] += T
         if index is None:  # one row: its T new entries are the last T of its W slots
-            self.k[layer, :, :, width - k.size(2) : width] = k
-            self.v[layer, :, :, width - k.size(2) : width] = v
-        elif k.size(2) == 1:  # (B, nh, S, hs): each row's new entry at its own slot
+            self.k[layer, :, :, width - T : width] = k
+            self.v[layer, :, :, width - T : width] = v
+        elif T == 1:  # (B, nh, S, hs): each row's new entry at its own slot
             self.k[layer].scatter_(2, index, k)
             self.v[layer].scatter_(2, index, v)
         else:  # a chunk: indexing writes it faster than scatter
@@ -920,7 +920,7 @@ class RowKVCache(KVCache):
 def prefill_rows(model, cache, tokens, rows, starts, n):
     """Re-prefill the windows of `rows`, each tokens[b, starts[b] : n[b] - 1], at full depth (equal
     lengths). Returns the block runs per row; they are not counted in cache.layer_evals."""
-    m = int(n[rows[0]] - 1 - starts[rows[0]])
+    m = int((n - 1 - starts)[rows[0]])  # the rows' window length
     idx = tokens[rows[:, None], starts[rows][:, None] + torch.arange(m, device=tokens.device)]
     # a plain cache for just these rows (no per-row mask: they are level), then copied into place
     level = KVCache(replace(model.config, block_size=m), len(rows), tokens.device)
@@ -929,49 +929,37 @@ def prefill_rows(model, cache, tokens, rows, starts, n):
     cache.v[:, rows, :, :m] = level.v
     return m * model.config.n_layer
 
-def slide_rows(models, tokens, starts, n):
+def slide_rows(models, tokens, starts, n, block_size):
     """Each row slides its window by window_start's rule; rows that moved re-prefill together,
     grouped by window length, in each (model, cache) of models. Returns the block runs summed over
     rows."""
-    block_size = models[0][0].config.block_size
     if not bool((n - starts > block_size).any()):  # most rounds: no row moves
         return 0
-    moved = {}
-    for b in range(len(n)):
-        s = window_start(None if starts[b] < 0 else int(starts[b]), int(n[b]), block_size)
-        if s != starts[b]:
+    moved = {}  # window length -> the rows that moved to a window of that length
+    for b, (start, length) in enumerate(zip(starts.tolist(), n.tolist())):
+        s = window_start(None if start < 0 else start, length, block_size)
+        if s != start:
             starts[b] = s
-            moved.setdefault(int(n[b]) - 1 - s, []).append(b)
-    runs = 0
-    for group in moved.values():
-        rows = torch.tensor(group, device=n.device)
-        for model, cache in models:
-            runs += len(group) * prefill_rows(model, cache, tokens, rows, starts, n)
-    return runs
+            moved.setdefault(length - 1 - s, []).append(b)
+    return sum(len(group) * prefill_rows(model, cache, tokens, torch.tensor(group, device=n.device),
+                                         starts, n)
+               for group in moved.values() for model, cache in models)
 
-def draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k, generator):
-    """Every row drafts with layers 0..draft_exit from its own position pos[b], max(room) steps.
-    Returns the draft logits (B, k, V), the drafts (B, k) and their states (B, k, C), which the
-    verify pass takes up from."""
-    k, furthest = torch.stack((room.max(), pos.max())).tolist()  # one read of the device a round
-    cache.start_round(pos, furthest)
-    steps = torch.arange(k, device=n.device)
-    # k x (B, C): a row with less room than k drafts on at the last position, in spare slots;
-    # those drafts are never kept
-    wpe = model.transformer.wpe((pos[:, None] + steps).clamp(max=model.config.block_size - 1))
-    token, q, states, drafts = tokens.gather(1, n[:, None] - 1)[:, 0], [], [], []  # token: (B,)
-    for j in range(k):
-        x = (model.transformer.wte(token) + wpe[:, j])[:, None]  # (B, 1, C); never dropped out
+def draft(model, cache, tokens, n, slots, draft_exit, temperature, top_k, generator):
+    """Every row drafts with layers 0..draft_exit, one token at each of its window positions slots
+    (B, k), the first after its last token tokens[b, n[b] - 1]. Returns the draft logits (B, k, V),
+    the drafts (B, k) and their states (B, k, C), which the verify pass takes up from."""
+    wpe = model.transformer.wpe(slots)  # (B, k, C)
+    token, steps = tokens.gather(1, n[:, None] - 1)[:, 0], []  # token: (B,)
+    for wpe_j in wpe.unbind(1):  # (B, C): the position of draft j
+        x = (model.transformer.wte(token) + wpe_j)[:, None]  # (B, 1, C); never dropped out
         for l in range(draft_exit + 1):
             x = model.transformer.h[l](x, cache, l)
         logits = model.exit_logits(x[:, 0], draft_exit)  # (B, V)
         token = sample(logits, temperature, top_k, generator)
-        q.append(logits)
-        states.append(x)
-        drafts.append(token)
-    drafts = torch.stack(drafts, dim=1)  # (B, k)
-    tokens.scatter_(1, n[:, None] + steps, drafts)
-    return torch.stack(q, dim=1), drafts, torch.cat(states, dim=1)
+        steps.append((logits, token, x))
+    q, drafts, states = zip(*steps)
+    return torch.stack(q, dim=1), torch.stack(drafts, dim=1), torch.cat(states, dim=1)
 
 def speculative_accept(drafts, q, p, room, temperature, generator):
     """How many drafts each row keeps (at most room[b]), and the full model's token after them.
@@ -1011,13 +999,20 @@ def speculative_round(models, tokens, exited, n, pos, room, draft_exit, temperat
     draft model's, if any. Returns (accepted (B,), has_next (B,)), as speculative_accept."""
     (model, cache), (drafter, draft_cache) = models[0], models[-1]
     L = model.config.n_layer
-    q, drafts, x = draft(drafter, draft_cache, tokens, n, pos, room, draft_exit, temperature, top_k,
+    k, furthest = torch.stack((room.max(), pos.max())).tolist()  # one read of the device a round
+    for _, c in models:
+        c.start_round(pos, furthest)
+    steps = torch.arange(k, device=n.device)
+    at = n[:, None] + steps  # (B, k): where the drafts go in tokens
+    # (B, k): their window positions; a row with less room than k drafts on at the last position,
+    # in spare slots; those drafts are never kept
+    slots = (pos[:, None] + steps).clamp(max=model.config.block_size - 1)
+    q, drafts, x = draft(drafter, draft_cache, tokens, n, slots, draft_exit, temperature, top_k,
                          generator)
-    steps, first = torch.arange(drafts.size(1), device=n.device), draft_exit + 1
+    tokens.scatter_(1, at, drafts)
+    first = draft_exit + 1
     if drafter is not model:  # a draft model: the model verifies from its own embedding
-        cache.start_round(pos, draft_cache.furthest)
-        slots = (pos[:, None] + steps).clamp(max=model.config.block_size - 1)  # (B, k)
-        fed = tokens.gather(1, n[:, None] - 1 + steps)  # (B, k): the last token, the drafts but one
+        fed = tokens.gather(1, at - 1)  # (B, k): the last token, the drafts but one
         x, first = model.transformer.wte(fed) + model.transformer.wpe(slots), 0
     for l in range(first, L):  # verify: the layers above the draft, once over every draft
         x = model.transformer.h[l](x, cache, l)
@@ -1031,7 +1026,7 @@ def speculative_round(models, tokens, exited, n, pos, room, draft_exit, temperat
     # kept drafts left at the draft's exit, the full model's token at the top (later rounds
     # overwrite the marks past it)
     marks = torch.where(steps < accepted[:, None], draft_exit, L - 1)  # (B, k)
-    exited.scatter_(1, n[:, None] + steps, marks)
+    exited.scatter_(1, at, marks)
     return accepted, has_next
 
 def leave(done, rows, models):
@@ -1069,7 +1064,7 @@ def generate_speculative(model, idx, max_new_tokens, draft_exit=0, num_draft=8, 
     ids, rounds, drafted, kept, prefilled = torch.arange(B, device=dev), 0, 0, 0, 0.0
     clock = [tick(dev, T0)]
     while max_new_tokens > 0 and len(ids):  # ids (R,): the rows still in the batch
-        prefilled += slide_rows(models, tokens, starts, n) / B
+        prefilled += slide_rows(models, tokens, starts, n, cfg.block_size) / B
         pos = n - 1 - starts  # (R,) window position of each row's first token fed this round
         # (R,) how many drafts each row may keep: none past end, no position past block_size
         room = torch.minimum(end - n, cfg.block_size - pos).clamp(max=num_draft)
