@@ -742,7 +742,7 @@ class Deferred(Backfill):
 
     def park(self, cache, x, pos):
         if self.parked is None:
-            self.parked = x.new_zeros(x.size(0), cache.k.size(3), x.size(2))
+            self.parked = x.new_zeros(len(x), cache.k.size(3), x.size(2))
         self.parked[:, pos] = x[:, 0]
 
     def run_layer(self, block, cache, layer, x, pos):
@@ -765,12 +765,13 @@ def kv_projection(block):
 
     K and V of a state x are W_kv (g * norm(x) + beta) + b_kv
     = (W_kv g) norm(x) + (W_kv beta + b_kv): one matrix per layer, applied to one shared norm(x)."""
-    C = block.ln_1.weight.numel()
-    w = block.attn.c_attn.weight[C:]  # (2C, C): the K and V rows of the fused projection
+    ln_1, c_attn = block.ln_1, block.attn.c_attn
+    C = ln_1.weight.numel()
+    w = c_attn.weight[C:]  # (2C, C): the K and V rows of the fused projection
     bias = w.new_zeros(2 * C)
-    if block.ln_1.bias is not None:  # config.bias gives ln_1 and c_attn their biases together
-        bias = w @ block.ln_1.bias + block.attn.c_attn.bias[C:]
-    return w * block.ln_1.weight, bias
+    if ln_1.bias is not None:  # config.bias gives ln_1 and c_attn their biases together
+        bias = w @ ln_1.bias + c_attn.bias[C:]
+    return w * ln_1.weight, bias
 
 def state_copy_projections(model):
     """Every layer's folded K/V projection, stacked: (L, 2C, C) and (L, 2C)."""
@@ -1029,12 +1030,12 @@ def speculative_round(models, tokens, exited, n, pos, room, draft_exit, temperat
     exited.scatter_(1, at, marks)
     return accepted, has_next
 
-def leave(done, rows, models):
-    """Rows that are done (done (R,) bool) leave the batch: rows' tensors and every cache keep the
-    rest."""
+def leave(keep, rows, models):
+    """Only the rows still decoding (keep (R,) bool) stay in the batch: rows' tensors and every
+    cache keep those."""
     for _, cache in models:
-        cache.keep_rows(~done)
-    return [t[~done] for t in rows]
+        cache.keep_rows(keep)
+    return [t[keep] for t in rows]
 
 @dataclass
 class SpeculativeGeneration(Generation):
@@ -1051,18 +1052,17 @@ def generate_speculative(model, idx, max_new_tokens, draft_exit=0, num_draft=8, 
     if num_draft < 1 or draft_model is None and not 0 <= draft_exit < cfg.n_layer - 1:
         raise ValueError(f"need 0 <= draft_exit < {cfg.n_layer - 1} and num_draft >= 1, "
                          f"got draft_exit={draft_exit}, num_draft={num_draft}")
-    if draft_model is not None:
-        draft_exit = draft_model.config.n_layer - 1
+    draft_exit = draft_exit if draft_model is None else draft_model.config.n_layer - 1
     end = T0 + max_new_tokens
     tokens = F.pad(idx, (0, max_new_tokens + num_draft))  # zeros: room for the tokens and drafts
     exited = torch.full_like(tokens, cfg.n_layer - 1)  # exit layers (kept drafts: the draft's last)
-    out_tokens, out_exited = tokens[:, :end].clone(), exited[:, :end].clone()
+    out_tokens, out_exited = tokens.clone(), exited.clone()  # each row's, once it is done
     models = [(m, RowKVCache(replace(m.config, block_size=cfg.block_size + num_draft), B, dev))
               for m in dict.fromkeys([model, draft_model or model])]  # the model's, a drafter's
     # (R,) each row's length and window start (none yet: far back)
     n, starts = idx.new_full((B,), T0), idx.new_full((B,), -cfg.block_size - 1)
-    ids, rounds, drafted, kept, prefilled = torch.arange(B, device=dev), 0, 0, 0, 0.0
-    clock = [tick(dev, T0)]
+    ids, drafted, kept, prefilled = torch.arange(B, device=dev), 0, 0, 0.0
+    clock = [tick(dev, T0)]  # then one a round
     while max_new_tokens > 0 and len(ids):  # ids (R,): the rows still in the batch
         prefilled += slide_rows(models, tokens, starts, n, cfg.block_size) / B
         pos = n - 1 - starts  # (R,) window position of each row's first token fed this round
@@ -1070,30 +1070,30 @@ def generate_speculative(model, idx, max_new_tokens, draft_exit=0, num_draft=8, 
         room = torch.minimum(end - n, cfg.block_size - pos).clamp(max=num_draft)
         accepted, has_next = speculative_round(models, tokens, exited, n, pos, room, draft_exit,
                                                temperature, top_k, generator)
-        rounds, drafted, kept = rounds + 1, drafted + room.sum(), kept + accepted.sum()
+        drafted, kept = drafted + room.sum(), kept + accepted.sum()
         n = n + accepted + has_next  # n back past a rejected draft: the row's cache rolls back
-        clock.append(tick(dev, min(int(n[0]), end)))  # row 0's length: the tail at batch 1
+        clock.append(tick(dev, int(n[0])))  # row 0's length (never past end): the tail at batch 1
         done = n >= end  # rows that are done leave: the next rounds run on the rest only
         if bool(done.any()):
-            out_tokens[ids[done]], out_exited[ids[done]] = tokens[done, :end], exited[done, :end]
-            tokens, exited, n, starts, ids = leave(done, (tokens, exited, n, starts, ids), models)
-    stats = dict(rounds=rounds, drafted=int(drafted), accepted=int(kept), num_draft=num_draft)
-    return SpeculativeGeneration(out_tokens, out_exited[:, T0:], None,  # a draft model's runs too
+            out_tokens[ids[done]], out_exited[ids[done]] = tokens[done], exited[done]
+            tokens, exited, n, starts, ids = leave(~done, (tokens, exited, n, starts, ids), models)
+    return SpeculativeGeneration(out_tokens[:, :end], out_exited[:, T0:end], None,
                                  sum(c.block_runs() for _, c in models), prefilled, clock,
-                                 cache_bytes=sum(c.row_bytes for _, c in models), stats=stats)
+                                 cache_bytes=sum(c.row_bytes for _, c in models),  # a drafter's too
+                                 stats=dict(rounds=len(clock) - 1, drafted=int(drafted),
+                                            accepted=int(kept), num_draft=num_draft))
 
 def spec_stats(outputs, full_outputs, mode):
     """Acceptance (drafts kept over drafts a row could keep), tokens per verify pass, the draft
     that ran, and (greedy) whether every row's output equals full depth's. Outputs of full depth
     (auto's choice where speculation does not pay) count no drafts."""
     runs = [o.stats for o in outputs if isinstance(o, SpeculativeGeneration)]
-    same = None
-    if mode == "greedy":
-        same = all(torch.equal(a.tokens, b.tokens) for a, b in zip(outputs, full_outputs))
+    same = (all(torch.equal(a.tokens, b.tokens) for a, b in zip(outputs, full_outputs))
+            if mode == "greedy" else None)
     if not runs:
         return {"identical_to_full": same}
     rounds, drafted, accepted = (sum(s[k] for s in runs) for k in ("rounds", "drafted", "accepted"))
-    return {"acceptance_rate": accepted / max(1, drafted), "rounds": rounds,
+    return {"acceptance_rate": accepted / drafted, "rounds": rounds,
             "tokens_per_verify": sum(o.exited_at.numel() for o in outputs) / rounds,
             "num_draft": runs[0]["num_draft"], "identical_to_full": same}
 
