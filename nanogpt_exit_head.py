@@ -869,9 +869,9 @@ class RowKVCache(KVCache):
 
     def layout(self, fed, k):
         """Where new entries k (B, nh, T, hs) of every row go after `fed` this round: (slots (B, T),
-        their scatter index, the mask of what each query may see, W). One row's slots are the last
-        T of its W: a single query needs no mask, a chunk a causal one (and append writes a
-        slice)."""
+        the index append writes them with, the mask of what each query may see, W). One row's
+        slots are the last T of its W: a single query needs no mask, a chunk a causal one (and
+        append writes a slice, no index)."""
         T = k.size(2)
         width = self.furthest + fed + T
         slots = self.pos[:, None] + fed + torch.arange(T, device=self.pos.device)  # (B, T)
@@ -881,8 +881,10 @@ class RowKVCache(KVCache):
         if len(slots) == 1:  # a chunk of one row: a causal mask, (T, W)
             return slots, None, seen[0], width
         mask = torch.where(seen, 0.0, float("-inf"))[:, None]  # (B, 1, T, W)
-        # (B, nh, T, hs): where each entry goes
-        return slots, slots[:, None, :, None].expand_as(k), mask, width
+        # one entry a row: its scatter index (B, nh, 1, hs); a chunk: the rows to index, (B, 1)
+        index = (slots[:, None, :, None].expand_as(k) if T == 1
+                 else torch.arange(len(slots), device=slots.device)[:, None])
+        return slots, index, mask, width
 
     def __init__(self, config, batch_size, device):
         super().__init__(config, batch_size, device)
@@ -906,16 +908,13 @@ class RowKVCache(KVCache):
             self.layouts[key] = self.layout(self.fed[layer], k)
         slots, index, mask, width = self.layouts[key]
         self.fed[layer] += T
-        if index is None:  # one row: its T new entries are the last T of its W slots
-            self.k[layer, :, :, width - T : width] = k
-            self.v[layer, :, :, width - T : width] = v
-        elif T == 1:  # (B, nh, S, hs): each row's new entry at its own slot
-            self.k[layer].scatter_(2, index, k)
-            self.v[layer].scatter_(2, index, v)
-        else:  # a chunk: indexing writes it faster than scatter
-            rows = torch.arange(k.size(0), device=k.device)[:, None]
-            self.k[layer][rows, :, slots] = k.transpose(1, 2)  # (B, T, nh, hs)
-            self.v[layer][rows, :, slots] = v.transpose(1, 2)
+        for buffer, new in ((self.k, k), (self.v, v)):
+            if index is None:  # one row: its T new entries are the last T of its W slots
+                buffer[layer, :, :, width - T : width] = new
+            elif T == 1:  # (B, nh, 1, hs): each row's new entry at its own slot
+                buffer[layer].scatter_(2, index, new)
+            else:  # a chunk: indexing writes it faster than scatter
+                buffer[layer][index, :, slots] = new.transpose(1, 2)  # (B, T, nh, hs)
         return self.k[layer, :, :, :width], self.v[layer, :, :, :width], mask
 
 def prefill_rows(model, cache, tokens, rows, starts, n):
