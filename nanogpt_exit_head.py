@@ -921,7 +921,7 @@ def prefill_rows(model, cache, tokens, rows, starts, n):
     """Re-prefill the windows of `rows`, each tokens[b, starts[b] : n[b] - 1], at full depth (equal
     lengths). Returns the block runs per row; they are not counted in cache.layer_evals."""
     m = int((n - 1 - starts)[rows[0]])  # the rows' window length
-    idx = tokens[rows[:, None], starts[rows][:, None] + torch.arange(m, device=tokens.device)]
+    idx = tokens[rows[:, None], starts[rows, None] + torch.arange(m, device=tokens.device)]
     # a plain cache for just these rows (no per-row mask: they are level), then copied into place
     level = KVCache(replace(model.config, block_size=m), len(rows), tokens.device)
     prefill(model, level, idx, 0)
@@ -945,13 +945,12 @@ def slide_rows(models, tokens, starts, n, block_size):
                                          starts, n)
                for group in moved.values() for model, cache in models)
 
-def draft(model, cache, tokens, n, slots, draft_exit, temperature, top_k, generator):
+def draft(model, cache, token, slots, draft_exit, temperature, top_k, generator):
     """Every row drafts with layers 0..draft_exit, one token at each of its window positions slots
-    (B, k), the first after its last token tokens[b, n[b] - 1]. Returns the draft logits (B, k, V),
-    the drafts (B, k) and their states (B, k, C), which the verify pass takes up from."""
-    wpe = model.transformer.wpe(slots)  # (B, k, C)
-    token, steps = tokens.gather(1, n[:, None] - 1)[:, 0], []  # token: (B,)
-    for wpe_j in wpe.unbind(1):  # (B, C): the position of draft j
+    (B, k), the first after its last token, token (B,). Returns the draft logits (B, k, V), the
+    drafts (B, k) and their states (B, k, C), which the verify pass takes up from."""
+    steps = []
+    for wpe_j in model.transformer.wpe(slots).unbind(1):  # (B, k, C) -> k x (B, C)
         x = (model.transformer.wte(token) + wpe_j)[:, None]  # (B, 1, C); never dropped out
         for l in range(draft_exit + 1):
             x = model.transformer.h[l](x, cache, l)
@@ -1007,7 +1006,8 @@ def speculative_round(models, tokens, exited, n, pos, room, draft_exit, temperat
     # (B, k): their window positions; a row with less room than k drafts on at the last position,
     # in spare slots; those drafts are never kept
     slots = (pos[:, None] + steps).clamp(max=model.config.block_size - 1)
-    q, drafts, x = draft(drafter, draft_cache, tokens, n, slots, draft_exit, temperature, top_k,
+    last = tokens.gather(1, at[:, :1] - 1)[:, 0]  # (B,): each row's last token
+    q, drafts, x = draft(drafter, draft_cache, last, slots, draft_exit, temperature, top_k,
                          generator)
     tokens.scatter_(1, at, drafts)
     first = draft_exit + 1
@@ -1058,8 +1058,8 @@ def generate_speculative(model, idx, max_new_tokens, draft_exit=0, num_draft=8, 
     out_tokens, out_exited = tokens.clone(), exited.clone()  # each row's, once it is done
     models = [(m, RowKVCache(replace(m.config, block_size=cfg.block_size + num_draft), B, dev))
               for m in dict.fromkeys([model, draft_model or model])]  # the model's, a drafter's
-    # (R,) each row's length and window start (none yet: far back)
-    n, starts = idx.new_full((B,), T0), idx.new_full((B,), -cfg.block_size - 1)
+    n = idx.new_full((B,), T0)  # (R,) each row's length
+    starts = -n - cfg.block_size  # (R,) each row's window start (none yet: far back, negative)
     ids, drafted, kept, prefilled = torch.arange(B, device=dev), 0, 0, 0.0
     clock = [tick(dev, T0)]  # then one a round
     while max_new_tokens > 0 and len(ids):  # ids (R,): the rows still in the batch
