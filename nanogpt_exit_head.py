@@ -766,11 +766,10 @@ def kv_projection(block):
     K and V of a state x are W_kv (g * norm(x) + beta) + b_kv
     = (W_kv g) norm(x) + (W_kv beta + b_kv): one matrix per layer, applied to one shared norm(x)."""
     ln_1, c_attn = block.ln_1, block.attn.c_attn
-    C = ln_1.weight.numel()
+    C = len(ln_1.weight)
     w = c_attn.weight[C:]  # (2C, C): the K and V rows of the fused projection
-    bias = w.new_zeros(2 * C)
-    if ln_1.bias is not None:  # config.bias gives ln_1 and c_attn their biases together
-        bias = w @ ln_1.bias + c_attn.bias[C:]
+    # config.bias gives ln_1 and c_attn their biases together
+    bias = w.new_zeros(2 * C) if ln_1.bias is None else w @ ln_1.bias + c_attn.bias[C:]
     return w * ln_1.weight, bias
 
 def state_copy_projections(model):
@@ -830,7 +829,7 @@ def choose_schedule(records, n_layer, block_size, budget):
     with full depth, full depth before window position a and exit layer e from there on (a, e on
     a grid)."""
     last = n_layer - 1
-    wpos = window_positions(records.targets.numel(), block_size).to(records.pred.device)
+    wpos = window_positions(len(records.targets), block_size).to(records.pred.device)
     best = {"checked_exits": [last] * block_size, "compute_saved": 0.0, "disagreement": 0.0,
             "label": "-"}
     for a in range(0, block_size, max(1, block_size // 16)):
@@ -933,7 +932,7 @@ def slide_rows(models, tokens, starts, n, block_size):
     """Each row slides its window by window_start's rule; rows that moved re-prefill together,
     grouped by window length, in each (model, cache) of models. Returns the block runs summed over
     rows."""
-    if not bool((n - starts > block_size).any()):  # most rounds: no row moves
+    if not (n - starts > block_size).any():  # a host sync; most rounds: no row moves
         return 0
     moved = {}  # window length -> the rows that moved to a window of that length
     for b, (start, length) in enumerate(zip(starts.tolist(), n.tolist())):
@@ -984,7 +983,7 @@ def speculative_accept(drafts, q, p, room, temperature, generator):
     at = accepted.clamp(max=k - 1)
     if temperature == 0:
         return accepted, target[rows, at], has_next
-    if not bool(has_next.any()):  # no row rejected: nothing to draw
+    if not has_next.any():  # (a host sync) no row rejected: nothing to draw
         return accepted, drafts[:, -1], has_next
     # + 1 on rows without a rejection: their draw is unused, but must not divide by zero
     residual = (p - q)[rows, at].clamp_min(0) + (~has_next)[:, None]
@@ -995,7 +994,7 @@ def speculative_round(models, tokens, exited, n, pos, room, draft_exit, temperat
     """One round of every row: draft up to room[b] tokens from window position pos[b], verify them
     in one pass, keep each row's accepted prefix, write the full model's token after it, and mark
     in exited the layer each of the round's tokens left at. models: (the model, its cache), then a
-    draft model's, if any. Returns (accepted (B,), has_next (B,)), as speculative_accept."""
+    draft model's, if any. Returns (accepted (B,), each row's new length (B,))."""
     (model, cache), (drafter, draft_cache) = models[0], models[-1]
     L = model.config.n_layer
     k, furthest = torch.stack((room.max(), pos.max())).tolist()  # one read of the device a round
@@ -1006,7 +1005,7 @@ def speculative_round(models, tokens, exited, n, pos, room, draft_exit, temperat
     # (B, k): their window positions; a row with less room than k drafts on at the last position,
     # in spare slots; those drafts are never kept
     slots = (pos[:, None] + steps).clamp(max=model.config.block_size - 1)
-    last = tokens.gather(1, at[:, :1] - 1)[:, 0]  # (B,): each row's last token
+    last = tokens.gather(1, n[:, None] - 1)[:, 0]  # (B,): each row's last token
     q, drafts, x = draft(drafter, draft_cache, last, slots, draft_exit, temperature, top_k,
                          generator)
     tokens.scatter_(1, at, drafts)
@@ -1027,7 +1026,8 @@ def speculative_round(models, tokens, exited, n, pos, room, draft_exit, temperat
     # overwrite the marks past it)
     marks = torch.where(steps < accepted[:, None], draft_exit, L - 1)  # (B, k)
     exited.scatter_(1, at, marks)
-    return accepted, has_next
+    # back past a rejected draft: the row's cache rolls back, its next round starts there
+    return accepted, n + accepted + has_next
 
 def leave(keep, rows, models):
     """Only the rows still decoding (keep (R,) bool) stay in the batch: rows' tensors and every
@@ -1067,13 +1067,13 @@ def generate_speculative(model, idx, max_new_tokens, draft_exit=0, num_draft=8, 
         pos = n - 1 - starts  # (R,) window position of each row's first token fed this round
         # (R,) how many drafts each row may keep: none past end, no position past block_size
         room = torch.minimum(end - n, cfg.block_size - pos).clamp(max=num_draft)
-        accepted, has_next = speculative_round(models, tokens, exited, n, pos, room, draft_exit,
-                                               temperature, top_k, generator)
-        drafted, kept = drafted + room.sum(), kept + accepted.sum()
-        n = n + accepted + has_next  # n back past a rejected draft: the row's cache rolls back
+        accepted, n = speculative_round(models, tokens, exited, n, pos, room, draft_exit,
+                                        temperature, top_k, generator)
+        drafted += room.sum()
+        kept += accepted.sum()
         clock.append(tick(dev, int(n[0])))  # row 0's length (never past end): the tail at batch 1
         done = n >= end  # rows that are done leave: the next rounds run on the rest only
-        if bool(done.any()):
+        if done.any():  # a host sync
             out_tokens[ids[done]], out_exited[ids[done]] = tokens[done], exited[done]
             tokens, exited, n, starts, ids = leave(~done, (tokens, exited, n, starts, ids), models)
     return SpeculativeGeneration(out_tokens[:, :end], out_exited[:, T0:end], None,
