@@ -780,15 +780,15 @@ def write_state_copy(cache, first_layer, x, weight, bias):
     """CALM's state propagation: the K and V of layers first_layer.. computed from the exit state
     x (B, 1, C), written at the next position of a level cache. One batched matmul serves every
     skipped layer."""
-    J, n = len(cache.lengths) - first_layer, cache.lengths[first_layer]  # J layers skipped
-    assert cache.lengths[first_layer:] == [n] * J, "state copy needs level skipped layers"
+    n = cache.lengths[first_layer]  # the J skipped layers' length
+    assert set(cache.lengths[first_layer:]) == {n}, "state copy needs level skipped layers"
     xn = F.layer_norm(x[:, 0], x.shape[-1:])  # (B, C): the normalisation shared by every ln_1
     # (J, B, 2C): every skipped layer's K and V at once
     kv = xn @ weight[first_layer:].mT + bias[first_layer:, None]
     k, v = kv.unflatten(-1, (2, cache.k.size(2), -1)).unbind(2)  # (J, B, nh, hs) each
     cache.k[first_layer:, :, :, n] = k
     cache.v[first_layer:, :, :, n] = v
-    cache.lengths[first_layer:] = [n + 1] * J
+    cache.lengths[first_layer:] = [n + 1] * (len(cache.lengths) - first_layer)
 
 class StateCopy(Backfill):
     """Approximate: the skipped layers see the exit state where their own input would have been."""
@@ -860,6 +860,8 @@ class RowKVCache(KVCache):
     overwritten. Attention reads the slots any row has filled by then (the width W), through one
     mask. Made with a block_size num_draft larger: those spare slots take the drafts of rows with
     less room than others, and are always rolled back."""
+    counted = 0.0  # block runs per row of the batch, by the calls before the last keep_rows
+
     def start_round(self, pos, furthest):
         """A round begins at each row's window position pos (B,); furthest = max(pos), read once."""
         self.pos, self.furthest = pos, furthest
@@ -874,7 +876,7 @@ class RowKVCache(KVCache):
         T = k.size(2)
         width = self.furthest + fed + T
         slots = self.pos[:, None] + fed + torch.arange(T, device=self.pos.device)  # (B, T)
-        if len(slots) == 1 and T == 1:  # one query of one row sees every slot: no mask
+        if slots.numel() == 1:  # one query of one row sees every slot: no mask
             return slots, None, None, width
         seen = torch.arange(width, device=slots.device) <= slots[:, :, None]  # (B, T, W)
         if len(slots) == 1:  # a chunk of one row: a causal mask, (T, W)
@@ -887,7 +889,7 @@ class RowKVCache(KVCache):
 
     def __init__(self, config, batch_size, device):
         super().__init__(config, batch_size, device)
-        self.batch_size, self.counted = batch_size, 0.0
+        self.batch_size = batch_size
         self.row_bytes = (self.k.nbytes + self.v.nbytes) / batch_size  # a row's keys and values
 
     def block_runs(self):
@@ -901,11 +903,10 @@ class RowKVCache(KVCache):
 
     def append(self, layer, k, v):
         """Write k, v (B, nh, T, hs) at each row's slots; return the first W slots and the mask."""
-        T = k.size(2)
-        key = (self.fed[layer], T)
-        if key not in self.layouts:
-            self.layouts[key] = self.layout(self.fed[layer], k)
-        slots, index, mask, width = self.layouts[key]
+        fed, T = self.fed[layer], k.size(2)
+        if (fed, T) not in self.layouts:
+            self.layouts[fed, T] = self.layout(fed, k)
+        slots, index, mask, width = self.layouts[fed, T]
         self.fed[layer] += T
         for buffer, new in ((self.k, k), (self.v, v)):
             if index is None:  # one row: its T new entries are the last T of its W slots
@@ -953,11 +954,12 @@ def draft(model, cache, token, slots, draft_exit, temperature, top_k, generator)
         x = (model.transformer.wte(token) + wpe_j)[:, None]  # (B, 1, C); never dropped out
         for l in range(draft_exit + 1):
             x = model.transformer.h[l](x, cache, l)
-        logits = model.exit_logits(x[:, 0], draft_exit)  # (B, V)
+        h = x[:, 0]  # (B, C): the draft's state
+        logits = model.exit_logits(h, draft_exit)  # (B, V)
         token = sample(logits, temperature, top_k, generator)
-        steps.append((logits, token, x))
-    q, drafts, states = zip(*steps)
-    return torch.stack(q, dim=1), torch.stack(drafts, dim=1), torch.cat(states, dim=1)
+        steps.append((logits, token, h))
+    # k x ((B, V), (B,), (B, C)) -> the logits (B, k, V), the drafts (B, k), the states (B, k, C)
+    return tuple(torch.stack(t, dim=1) for t in zip(*steps))
 
 def speculative_accept(drafts, q, p, room, temperature, generator):
     """How many drafts each row keeps (at most room[b]), and the full model's token after them.
@@ -1005,7 +1007,7 @@ def speculative_round(models, tokens, exited, n, pos, room, draft_exit, temperat
     # (B, k): their window positions; a row with less room than k drafts on at the last position,
     # in spare slots; those drafts are never kept
     slots = (pos[:, None] + steps).clamp(max=model.config.block_size - 1)
-    last = tokens.gather(1, n[:, None] - 1)[:, 0]  # (B,): each row's last token
+    last = tokens.gather(1, at - 1)[:, 0]  # (B,): each row's last token, before its first draft
     q, drafts, x = draft(drafter, draft_cache, last, slots, draft_exit, temperature, top_k,
                          generator)
     tokens.scatter_(1, at, drafts)
@@ -1058,9 +1060,9 @@ def generate_speculative(model, idx, max_new_tokens, draft_exit=0, num_draft=8, 
     out_tokens, out_exited = tokens.clone(), exited.clone()  # each row's, once it is done
     models = [(m, RowKVCache(replace(m.config, block_size=cfg.block_size + num_draft), B, dev))
               for m in dict.fromkeys([model, draft_model or model])]  # the model's, a drafter's
-    n = idx.new_full((B,), T0)  # (R,) each row's length
-    starts = -n - cfg.block_size  # (R,) each row's window start (none yet: far back, negative)
     ids, drafted, kept, prefilled = torch.arange(B, device=dev), 0, 0, 0.0
+    n = torch.full_like(ids, T0)  # (R,) each row's length
+    starts = -n - cfg.block_size  # (R,) each row's window start (none yet: far back, negative)
     clock = [tick(dev, T0)]  # then one a round
     while max_new_tokens > 0 and len(ids):  # ids (R,): the rows still in the batch
         prefilled += slide_rows(models, tokens, starts, n, cfg.block_size) / B
@@ -1087,8 +1089,8 @@ def spec_stats(outputs, full_outputs, mode):
     that ran, and (greedy) whether every row's output equals full depth's. Outputs of full depth
     (auto's choice where speculation does not pay) count no drafts."""
     runs = [o.stats for o in outputs if isinstance(o, SpeculativeGeneration)]
-    same = (all(torch.equal(a.tokens, b.tokens) for a, b in zip(outputs, full_outputs))
-            if mode == "greedy" else None)
+    same = None if mode != "greedy" else all(torch.equal(a.tokens, b.tokens)
+                                             for a, b in zip(outputs, full_outputs))
     if not runs:
         return {"identical_to_full": same}
     rounds, drafted, accepted = (sum(s[k] for s in runs) for k in ("rounds", "drafted", "accepted"))
