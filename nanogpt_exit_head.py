@@ -742,7 +742,7 @@ class Deferred(Backfill):
 
     def park(self, cache, x, pos):
         if self.parked is None:
-            self.parked = x.new_zeros(x.size(0), cache.k.size(3), x.size(2))
+            self.parked = x.new_zeros(len(x), cache.k.size(3), x.size(2))
         self.parked[:, pos] = x[:, 0]
 
     def run_layer(self, block, cache, layer, x, pos):
@@ -765,12 +765,12 @@ def kv_projection(block):
 
     K and V of a state x are W_kv (g * norm(x) + beta) + b_kv
     = (W_kv g) norm(x) + (W_kv beta + b_kv): one matrix per layer, applied to one shared norm(x)."""
-    C = block.ln_1.weight.numel()
-    w = block.attn.c_attn.weight[C:]  # (2C, C): the K and V rows of the fused projection
-    bias = w.new_zeros(2 * C)
-    if block.ln_1.bias is not None:  # config.bias gives ln_1 and c_attn their biases together
-        bias = w @ block.ln_1.bias + block.attn.c_attn.bias[C:]
-    return w * block.ln_1.weight, bias
+    ln_1, c_attn = block.ln_1, block.attn.c_attn
+    C = len(ln_1.weight)
+    w = c_attn.weight[C:]  # (2C, C): the K and V rows of the fused projection
+    # config.bias gives ln_1 and c_attn their biases together
+    bias = w.new_zeros(2 * C) if ln_1.bias is None else w @ ln_1.bias + c_attn.bias[C:]
+    return w * ln_1.weight, bias
 
 def state_copy_projections(model):
     """Every layer's folded K/V projection, stacked: (L, 2C, C) and (L, 2C)."""
@@ -780,16 +780,15 @@ def write_state_copy(cache, first_layer, x, weight, bias):
     """CALM's state propagation: the K and V of layers first_layer.. computed from the exit state
     x (B, 1, C), written at the next position of a level cache. One batched matmul serves every
     skipped layer."""
-    n = cache.lengths[first_layer]
-    assert all(m == n for m in cache.lengths[first_layer:]), "state copy needs level skipped layers"
+    n = cache.lengths[first_layer]  # the J skipped layers' length
+    assert set(cache.lengths[first_layer:]) == {n}, "state copy needs level skipped layers"
     xn = F.layer_norm(x[:, 0], x.shape[-1:])  # (B, C): the normalisation shared by every ln_1
     # (J, B, 2C): every skipped layer's K and V at once
-    kv = torch.matmul(xn, weight[first_layer:].transpose(1, 2)) + bias[first_layer:, None]
-    k, v = kv.unflatten(-1, (2 * cache.k.size(2), -1)).chunk(2, dim=2)  # (J, B, nh, hs) each
+    kv = xn @ weight[first_layer:].mT + bias[first_layer:, None]
+    k, v = kv.unflatten(-1, (2, cache.k.size(2), -1)).unbind(2)  # (J, B, nh, hs) each
     cache.k[first_layer:, :, :, n] = k
     cache.v[first_layer:, :, :, n] = v
-    for layer in range(first_layer, len(cache.lengths)):
-        cache.lengths[layer] = n + 1
+    cache.lengths[first_layer:] = [n + 1] * (len(cache.lengths) - first_layer)
 
 class StateCopy(Backfill):
     """Approximate: the skipped layers see the exit state where their own input would have been."""
@@ -830,7 +829,7 @@ def choose_schedule(records, n_layer, block_size, budget):
     with full depth, full depth before window position a and exit layer e from there on (a, e on
     a grid)."""
     last = n_layer - 1
-    wpos = window_positions(records.targets.numel(), block_size).to(records.pred.device)
+    wpos = window_positions(len(records.targets), block_size).to(records.pred.device)
     best = {"checked_exits": [last] * block_size, "compute_saved": 0.0, "disagreement": 0.0,
             "label": "-"}
     for a in range(0, block_size, max(1, block_size // 16)):
@@ -861,32 +860,36 @@ class RowKVCache(KVCache):
     overwritten. Attention reads the slots any row has filled by then (the width W), through one
     mask. Made with a block_size num_draft larger: those spare slots take the drafts of rows with
     less room than others, and are always rolled back."""
+    counted = 0.0  # block runs per row of the batch, by the calls before the last keep_rows
+
     def start_round(self, pos, furthest):
         """A round begins at each row's window position pos (B,); furthest = max(pos), read once."""
         self.pos, self.furthest = pos, furthest
         self.fed = [0] * len(self.lengths)  # positions appended this round, per layer
         self.layouts = {}  # (fed, T) -> its layout: the block calls of a round share a few
 
-    def layout(self, fed, T):
-        """Where T new entries of every row go after `fed` this round: (slots (B, T), their scatter
-        index, the mask of what each query may see, W). One row's slots are the last T of its W: a
-        single query needs no mask, a chunk a causal one (and append writes a slice)."""
+    def layout(self, fed, k):
+        """Where new entries k (B, nh, T, hs) of every row go after `fed` this round: (slots (B, T),
+        the index append writes them with, the mask of what each query may see, W). One row's
+        slots are the last T of its W: a single query needs no mask, a chunk a causal one (and
+        append writes a slice, no index)."""
+        T = k.size(2)
         width = self.furthest + fed + T
         slots = self.pos[:, None] + fed + torch.arange(T, device=self.pos.device)  # (B, T)
-        if len(slots) == 1:
-            mask = None
-            if T > 1:
-                mask = torch.ones(T, width, dtype=torch.bool, device=slots.device).tril(width - T)
-            return slots, None, mask, width
+        if slots.numel() == 1:  # one query of one row sees every slot: no mask
+            return slots, None, None, width
         seen = torch.arange(width, device=slots.device) <= slots[:, :, None]  # (B, T, W)
+        if len(slots) == 1:  # a chunk of one row: a causal mask, (T, W)
+            return slots, None, seen[0], width
         mask = torch.where(seen, 0.0, float("-inf"))[:, None]  # (B, 1, T, W)
-        # (B, nh, T, hs): where each entry goes
-        index = slots[:, None, :, None].expand(-1, self.k.size(2), -1, self.k.size(4))
+        # one entry a row: its scatter index (B, nh, 1, hs); a chunk: the rows to index, (B, 1)
+        index = (slots[:, None, :, None].expand_as(k) if T == 1
+                 else torch.arange(len(slots), device=slots.device)[:, None])
         return slots, index, mask, width
 
     def __init__(self, config, batch_size, device):
         super().__init__(config, batch_size, device)
-        self.batch_size, self.counted = batch_size, 0.0
+        self.batch_size = batch_size
         self.row_bytes = (self.k.nbytes + self.v.nbytes) / batch_size  # a row's keys and values
 
     def block_runs(self):
@@ -900,28 +903,25 @@ class RowKVCache(KVCache):
 
     def append(self, layer, k, v):
         """Write k, v (B, nh, T, hs) at each row's slots; return the first W slots and the mask."""
-        key = (self.fed[layer], k.size(2))
-        if key not in self.layouts:
-            self.layouts[key] = self.layout(*key)
-        slots, index, mask, width = self.layouts[key]
-        self.fed[layer] += k.size(2)
-        if index is None:  # one row: its T new entries are the last T of its W slots
-            self.k[layer, :, :, width - k.size(2) : width] = k
-            self.v[layer, :, :, width - k.size(2) : width] = v
-        elif k.size(2) == 1:  # (B, nh, S, hs): each row's new entry at its own slot
-            self.k[layer].scatter_(2, index, k)
-            self.v[layer].scatter_(2, index, v)
-        else:  # a chunk: indexing writes it faster than scatter
-            rows = torch.arange(k.size(0), device=k.device)[:, None]
-            self.k[layer][rows, :, slots] = k.transpose(1, 2)  # (B, T, nh, hs)
-            self.v[layer][rows, :, slots] = v.transpose(1, 2)
+        fed, T = self.fed[layer], k.size(2)
+        if (fed, T) not in self.layouts:
+            self.layouts[fed, T] = self.layout(fed, k)
+        slots, index, mask, width = self.layouts[fed, T]
+        self.fed[layer] += T
+        for buffer, new in ((self.k, k), (self.v, v)):
+            if index is None:  # one row: its T new entries are the last T of its W slots
+                buffer[layer, :, :, width - T : width] = new
+            elif T == 1:  # (B, nh, 1, hs): each row's new entry at its own slot
+                buffer[layer].scatter_(2, index, new)
+            else:  # a chunk: indexing writes it faster than scatter
+                buffer[layer][index, :, slots] = new.transpose(1, 2)  # (B, T, nh, hs)
         return self.k[layer, :, :, :width], self.v[layer, :, :, :width], mask
 
 def prefill_rows(model, cache, tokens, rows, starts, n):
     """Re-prefill the windows of `rows`, each tokens[b, starts[b] : n[b] - 1], at full depth (equal
     lengths). Returns the block runs per row; they are not counted in cache.layer_evals."""
-    m = int(n[rows[0]] - 1 - starts[rows[0]])
-    idx = tokens[rows[:, None], starts[rows][:, None] + torch.arange(m, device=tokens.device)]
+    m = int((n - 1 - starts)[rows[0]])  # the rows' window length
+    idx = tokens[rows[:, None], starts[rows, None] + torch.arange(m, device=tokens.device)]
     # a plain cache for just these rows (no per-row mask: they are level), then copied into place
     level = KVCache(replace(model.config, block_size=m), len(rows), tokens.device)
     prefill(model, level, idx, 0)
@@ -929,49 +929,37 @@ def prefill_rows(model, cache, tokens, rows, starts, n):
     cache.v[:, rows, :, :m] = level.v
     return m * model.config.n_layer
 
-def slide_rows(models, tokens, starts, n):
+def slide_rows(models, tokens, starts, n, block_size):
     """Each row slides its window by window_start's rule; rows that moved re-prefill together,
     grouped by window length, in each (model, cache) of models. Returns the block runs summed over
     rows."""
-    block_size = models[0][0].config.block_size
-    if not bool((n - starts > block_size).any()):  # most rounds: no row moves
+    if not (n - starts > block_size).any():  # a host sync; most rounds: no row moves
         return 0
-    moved = {}
-    for b in range(len(n)):
-        s = window_start(None if starts[b] < 0 else int(starts[b]), int(n[b]), block_size)
-        if s != starts[b]:
+    moved = {}  # window length -> the rows that moved to a window of that length
+    for b, (start, length) in enumerate(zip(starts.tolist(), n.tolist())):
+        s = window_start(None if start < 0 else start, length, block_size)
+        if s != start:
             starts[b] = s
-            moved.setdefault(int(n[b]) - 1 - s, []).append(b)
-    runs = 0
-    for group in moved.values():
-        rows = torch.tensor(group, device=n.device)
-        for model, cache in models:
-            runs += len(group) * prefill_rows(model, cache, tokens, rows, starts, n)
-    return runs
+            moved.setdefault(length - 1 - s, []).append(b)
+    return sum(len(group) * prefill_rows(model, cache, tokens, torch.tensor(group, device=n.device),
+                                         starts, n)
+               for group in moved.values() for model, cache in models)
 
-def draft(model, cache, tokens, n, pos, room, draft_exit, temperature, top_k, generator):
-    """Every row drafts with layers 0..draft_exit from its own position pos[b], max(room) steps.
-    Returns the draft logits (B, k, V), the drafts (B, k) and their states (B, k, C), which the
-    verify pass takes up from."""
-    k, furthest = torch.stack((room.max(), pos.max())).tolist()  # one read of the device a round
-    cache.start_round(pos, furthest)
-    steps = torch.arange(k, device=n.device)
-    # k x (B, C): a row with less room than k drafts on at the last position, in spare slots;
-    # those drafts are never kept
-    wpe = model.transformer.wpe((pos[:, None] + steps).clamp(max=model.config.block_size - 1))
-    token, q, states, drafts = tokens.gather(1, n[:, None] - 1)[:, 0], [], [], []  # token: (B,)
-    for j in range(k):
-        x = (model.transformer.wte(token) + wpe[:, j])[:, None]  # (B, 1, C); never dropped out
+def draft(model, cache, token, slots, draft_exit, temperature, top_k, generator):
+    """Every row drafts with layers 0..draft_exit, one token at each of its window positions slots
+    (B, k), the first after its last token, token (B,). Returns the draft logits (B, k, V), the
+    drafts (B, k) and their states (B, k, C), which the verify pass takes up from."""
+    steps = []
+    for wpe_j in model.transformer.wpe(slots).unbind(1):  # (B, k, C) -> k x (B, C)
+        x = (model.transformer.wte(token) + wpe_j)[:, None]  # (B, 1, C); never dropped out
         for l in range(draft_exit + 1):
             x = model.transformer.h[l](x, cache, l)
-        logits = model.exit_logits(x[:, 0], draft_exit)  # (B, V)
+        h = x[:, 0]  # (B, C): the draft's state
+        logits = model.exit_logits(h, draft_exit)  # (B, V)
         token = sample(logits, temperature, top_k, generator)
-        q.append(logits)
-        states.append(x)
-        drafts.append(token)
-    drafts = torch.stack(drafts, dim=1)  # (B, k)
-    tokens.scatter_(1, n[:, None] + steps, drafts)
-    return torch.stack(q, dim=1), drafts, torch.cat(states, dim=1)
+        steps.append((logits, token, h))
+    # k x ((B, V), (B,), (B, C)) -> the logits (B, k, V), the drafts (B, k), the states (B, k, C)
+    return tuple(torch.stack(t, dim=1) for t in zip(*steps))
 
 def speculative_accept(drafts, q, p, room, temperature, generator):
     """How many drafts each row keeps (at most room[b]), and the full model's token after them.
@@ -997,7 +985,7 @@ def speculative_accept(drafts, q, p, room, temperature, generator):
     at = accepted.clamp(max=k - 1)
     if temperature == 0:
         return accepted, target[rows, at], has_next
-    if not bool(has_next.any()):  # no row rejected: nothing to draw
+    if not has_next.any():  # (a host sync) no row rejected: nothing to draw
         return accepted, drafts[:, -1], has_next
     # + 1 on rows without a rejection: their draw is unused, but must not divide by zero
     residual = (p - q)[rows, at].clamp_min(0) + (~has_next)[:, None]
@@ -1008,16 +996,24 @@ def speculative_round(models, tokens, exited, n, pos, room, draft_exit, temperat
     """One round of every row: draft up to room[b] tokens from window position pos[b], verify them
     in one pass, keep each row's accepted prefix, write the full model's token after it, and mark
     in exited the layer each of the round's tokens left at. models: (the model, its cache), then a
-    draft model's, if any. Returns (accepted (B,), has_next (B,)), as speculative_accept."""
+    draft model's, if any. Returns (accepted (B,), each row's new length (B,))."""
     (model, cache), (drafter, draft_cache) = models[0], models[-1]
     L = model.config.n_layer
-    q, drafts, x = draft(drafter, draft_cache, tokens, n, pos, room, draft_exit, temperature, top_k,
+    k, furthest = torch.stack((room.max(), pos.max())).tolist()  # one read of the device a round
+    for _, c in models:
+        c.start_round(pos, furthest)
+    steps = torch.arange(k, device=n.device)
+    at = n[:, None] + steps  # (B, k): where the drafts go in tokens
+    # (B, k): their window positions; a row with less room than k drafts on at the last position,
+    # in spare slots; those drafts are never kept
+    slots = (pos[:, None] + steps).clamp(max=model.config.block_size - 1)
+    last = tokens.gather(1, at - 1)[:, 0]  # (B,): each row's last token, before its first draft
+    q, drafts, x = draft(drafter, draft_cache, last, slots, draft_exit, temperature, top_k,
                          generator)
-    steps, first = torch.arange(drafts.size(1), device=n.device), draft_exit + 1
+    tokens.scatter_(1, at, drafts)
+    first = draft_exit + 1
     if drafter is not model:  # a draft model: the model verifies from its own embedding
-        cache.start_round(pos, draft_cache.furthest)
-        slots = (pos[:, None] + steps).clamp(max=model.config.block_size - 1)  # (B, k)
-        fed = tokens.gather(1, n[:, None] - 1 + steps)  # (B, k): the last token, the drafts but one
+        fed = tokens.gather(1, at - 1)  # (B, k): the last token, the drafts but one
         x, first = model.transformer.wte(fed) + model.transformer.wpe(slots), 0
     for l in range(first, L):  # verify: the layers above the draft, once over every draft
         x = model.transformer.h[l](x, cache, l)
@@ -1031,15 +1027,16 @@ def speculative_round(models, tokens, exited, n, pos, room, draft_exit, temperat
     # kept drafts left at the draft's exit, the full model's token at the top (later rounds
     # overwrite the marks past it)
     marks = torch.where(steps < accepted[:, None], draft_exit, L - 1)  # (B, k)
-    exited.scatter_(1, n[:, None] + steps, marks)
-    return accepted, has_next
+    exited.scatter_(1, at, marks)
+    # back past a rejected draft: the row's cache rolls back, its next round starts there
+    return accepted, n + accepted + has_next
 
-def leave(done, rows, models):
-    """Rows that are done (done (R,) bool) leave the batch: rows' tensors and every cache keep the
-    rest."""
+def leave(keep, rows, models):
+    """Only the rows still decoding (keep (R,) bool) stay in the batch: rows' tensors and every
+    cache keep those."""
     for _, cache in models:
-        cache.keep_rows(~done)
-    return [t[~done] for t in rows]
+        cache.keep_rows(keep)
+    return [t[keep] for t in rows]
 
 @dataclass
 class SpeculativeGeneration(Generation):
@@ -1056,49 +1053,48 @@ def generate_speculative(model, idx, max_new_tokens, draft_exit=0, num_draft=8, 
     if num_draft < 1 or draft_model is None and not 0 <= draft_exit < cfg.n_layer - 1:
         raise ValueError(f"need 0 <= draft_exit < {cfg.n_layer - 1} and num_draft >= 1, "
                          f"got draft_exit={draft_exit}, num_draft={num_draft}")
-    if draft_model is not None:
-        draft_exit = draft_model.config.n_layer - 1
+    draft_exit = draft_exit if draft_model is None else draft_model.config.n_layer - 1
     end = T0 + max_new_tokens
     tokens = F.pad(idx, (0, max_new_tokens + num_draft))  # zeros: room for the tokens and drafts
     exited = torch.full_like(tokens, cfg.n_layer - 1)  # exit layers (kept drafts: the draft's last)
-    out_tokens, out_exited = tokens[:, :end].clone(), exited[:, :end].clone()
+    out_tokens, out_exited = tokens.clone(), exited.clone()  # each row's, once it is done
     models = [(m, RowKVCache(replace(m.config, block_size=cfg.block_size + num_draft), B, dev))
               for m in dict.fromkeys([model, draft_model or model])]  # the model's, a drafter's
-    # (R,) each row's length and window start (none yet: far back)
-    n, starts = idx.new_full((B,), T0), idx.new_full((B,), -cfg.block_size - 1)
-    ids, rounds, drafted, kept, prefilled = torch.arange(B, device=dev), 0, 0, 0, 0.0
-    clock = [tick(dev, T0)]
+    ids, drafted, kept, prefilled = torch.arange(B, device=dev), 0, 0, 0.0
+    n = torch.full_like(ids, T0)  # (R,) each row's length
+    starts = -n - cfg.block_size  # (R,) each row's window start (none yet: far back, negative)
+    clock = [tick(dev, T0)]  # then one a round
     while max_new_tokens > 0 and len(ids):  # ids (R,): the rows still in the batch
-        prefilled += slide_rows(models, tokens, starts, n) / B
+        prefilled += slide_rows(models, tokens, starts, n, cfg.block_size) / B
         pos = n - 1 - starts  # (R,) window position of each row's first token fed this round
         # (R,) how many drafts each row may keep: none past end, no position past block_size
         room = torch.minimum(end - n, cfg.block_size - pos).clamp(max=num_draft)
-        accepted, has_next = speculative_round(models, tokens, exited, n, pos, room, draft_exit,
-                                               temperature, top_k, generator)
-        rounds, drafted, kept = rounds + 1, drafted + room.sum(), kept + accepted.sum()
-        n = n + accepted + has_next  # n back past a rejected draft: the row's cache rolls back
-        clock.append(tick(dev, min(int(n[0]), end)))  # row 0's length: the tail at batch 1
+        accepted, n = speculative_round(models, tokens, exited, n, pos, room, draft_exit,
+                                        temperature, top_k, generator)
+        drafted += room.sum()
+        kept += accepted.sum()
+        clock.append(tick(dev, int(n[0])))  # row 0's length (never past end): the tail at batch 1
         done = n >= end  # rows that are done leave: the next rounds run on the rest only
-        if bool(done.any()):
-            out_tokens[ids[done]], out_exited[ids[done]] = tokens[done, :end], exited[done, :end]
-            tokens, exited, n, starts, ids = leave(done, (tokens, exited, n, starts, ids), models)
-    stats = dict(rounds=rounds, drafted=int(drafted), accepted=int(kept), num_draft=num_draft)
-    return SpeculativeGeneration(out_tokens, out_exited[:, T0:], None,  # a draft model's runs too
+        if done.any():  # a host sync
+            out_tokens[ids[done]], out_exited[ids[done]] = tokens[done], exited[done]
+            tokens, exited, n, starts, ids = leave(~done, (tokens, exited, n, starts, ids), models)
+    return SpeculativeGeneration(out_tokens[:, :end], out_exited[:, T0:end], None,
                                  sum(c.block_runs() for _, c in models), prefilled, clock,
-                                 cache_bytes=sum(c.row_bytes for _, c in models), stats=stats)
+                                 cache_bytes=sum(c.row_bytes for _, c in models),  # a drafter's too
+                                 stats=dict(rounds=len(clock) - 1, drafted=int(drafted),
+                                            accepted=int(kept), num_draft=num_draft))
 
 def spec_stats(outputs, full_outputs, mode):
     """Acceptance (drafts kept over drafts a row could keep), tokens per verify pass, the draft
     that ran, and (greedy) whether every row's output equals full depth's. Outputs of full depth
     (auto's choice where speculation does not pay) count no drafts."""
     runs = [o.stats for o in outputs if isinstance(o, SpeculativeGeneration)]
-    same = None
-    if mode == "greedy":
-        same = all(torch.equal(a.tokens, b.tokens) for a, b in zip(outputs, full_outputs))
+    same = None if mode != "greedy" else all(torch.equal(a.tokens, b.tokens)
+                                             for a, b in zip(outputs, full_outputs))
     if not runs:
         return {"identical_to_full": same}
     rounds, drafted, accepted = (sum(s[k] for s in runs) for k in ("rounds", "drafted", "accepted"))
-    return {"acceptance_rate": accepted / max(1, drafted), "rounds": rounds,
+    return {"acceptance_rate": accepted / drafted, "rounds": rounds,
             "tokens_per_verify": sum(o.exited_at.numel() for o in outputs) / rounds,
             "num_draft": runs[0]["num_draft"], "identical_to_full": same}
 

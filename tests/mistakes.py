@@ -47,7 +47,7 @@ MISTAKES = [
      ["test_robustness.py::test_a_crashed_run_resumes_from_its_last_periodic_checkpoint",
       "test_processes.py::test_a_resumed_process_draws_its_own_batches"]),
     ("drafts_one_early", "every kept-draft mark one token early",
-     "    exited.scatter_(1, n[:, None] + steps, marks)", "    exited.scatter_(1, (n[:, None] + steps - 1).clamp(min=0), marks)",
+     "    exited.scatter_(1, at, marks)", "    exited.scatter_(1, (at - 1).clamp(min=0), marks)",
      ["test_speculative.py::test_kept_drafts_are_marked_round_by_round"]),
     ("teacher_forcing_off_by_one", "teacher forcing misaligned by one",
      "            tokens[:, n] = forced[:, i]", "            tokens[:, n] = forced[:, max(i - 1, 0)]",
