@@ -679,7 +679,7 @@ def average(t):
 def layer_dropout_prob(layer, config):
     """LayerSkip's rate for block `layer`: 0 at the bottom, rising exponentially to layer_dropout
     at the top."""
-    return config.layer_dropout * (math.exp(layer * math.log(2) / max(1, config.n_layer - 1)) - 1)
+    return config.layer_dropout * (2 ** (layer / max(1, config.n_layer - 1)) - 1)
 
 def distillation(logits, teacher_log_probs, temperature):
     """T^2 * KL(teacher || student) per position, the usual scaling so gradients match across T."""
@@ -722,8 +722,8 @@ class RecipeGPT(GPT):
             exit_logits = self.exit_logits(states[l], l)
             loss = loss + cfg.alpha * cross_entropy(exit_logits, targets)
             if teacher is not None:
-                kl = distillation(exit_logits, teacher, cfg.distill_temperature)
-                loss = loss + cfg.distill_weight * kl
+                loss = loss + cfg.distill_weight * distillation(exit_logits, teacher,
+                                                                cfg.distill_temperature)
         return loss
 
 def count_params(model):
@@ -1293,10 +1293,8 @@ def calibrate(records, measure, checked_exits, epsilon, delta):
     down, the last one before the first whose disagreement with full depth is not certified below
     epsilon; 1.0 if none is."""
     disagree = records.pred != records.pred[-1]  # (L, N): each exit against full depth
-    failures = []
-    for t in THRESHOLDS:
-        exits = exits_at_threshold(records, measure, t, checked_exits)  # (N,)
-        failures.append(int(disagree.gather(0, exits[None]).sum()))
+    exits = [exits_at_threshold(records, measure, t, checked_exits) for t in THRESHOLDS]  # (N,) each
+    failures = [int(disagree.gather(0, e[None]).sum()) for e in exits]
     chosen = fixed_sequence_test(failures, disagree.size(1), epsilon, delta)
     return THRESHOLDS[max(chosen, 0)]  # THRESHOLDS[0] is 1.0: full depth when none is certified
 
@@ -1328,11 +1326,9 @@ def calibration_report(records, measure, checked_exits, epsilon, delta):
 
 def patience_rows(records, checked_exits):
     """Patience with k swept: how much k exits agreeing in a row save, and what they cost."""
-    rows = []
-    for k in range(1, len(records.pred) + 1):  # k = n_layer: never leaves early
-        exits = exits_at_threshold(records, "patience", 1 - 0.5 ** (k - 1), checked_exits)
-        rows.append({"k": k, **exit_summary(records, exits)})
-    return rows
+    return [{"k": k, **exit_summary(records, exits_at_threshold(
+                records, "patience", 1 - 0.5 ** (k - 1), checked_exits))}
+            for k in range(1, len(records.pred) + 1)]  # k = n_layer: never leaves early
 
 def choose_rule(records, rules, checked_exits, epsilon, delta):
     """The rule chosen on val: each of `rules` calibrated at delta / len(rules) (Bonferroni), so the
@@ -1555,8 +1551,8 @@ def prediction(row, plans, spec, costs, depth, n_layer):
         figures.update(expected_layers=depth[B],
                        predicted_speedup=figures["predicted_speedup"] * depth[1] / depth[B])
     if k is not None:  # auto runs self_speculative's k
-        figures["predicted_speedup"] = spec[row["name"].replace("auto", "self_speculative"),
-                                            row["mode"], k]["speedup"]
+        figures["predicted_speedup"] = spec[name.replace("auto", "self_speculative"), row["mode"],
+                                            k]["speedup"]
     if name.endswith("GPT") or name.startswith("pruned"):  # it skips missing blocks, checks none
         skipped = (n_layer - row["mean_layers"]) * costs["block"]  # a block left, at least
         figures["predicted_speedup"] = costs["token"] / max(costs["token"] - skipped,
