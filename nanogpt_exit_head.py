@@ -1293,7 +1293,7 @@ def calibrate(records, measure, checked_exits, epsilon, delta):
     down, the last one before the first whose disagreement with full depth is not certified below
     epsilon; 1.0 if none is."""
     disagree = records.pred != records.pred[-1]  # (L, N): each exit against full depth
-    exits = [exits_at_threshold(records, measure, t, checked_exits) for t in THRESHOLDS]  # (N,) each
+    exits = [exits_at_threshold(records, measure, t, checked_exits) for t in THRESHOLDS]  # (N,)s
     failures = [int(disagree.gather(0, e[None]).sum()) for e in exits]
     chosen = fixed_sequence_test(failures, disagree.size(1), epsilon, delta)
     return THRESHOLDS[max(chosen, 0)]  # THRESHOLDS[0] is 1.0: full depth when none is certified
