@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from conftest import ROOT, m
+from conftest import ROOT, THREE_LAYER_RUN, m
 
 
 # --- command line, checkpoints, bad input --------------------------------------------
@@ -23,8 +23,8 @@ def run_main(tmp_path, *args):
 
 
 # whole runs several tests read, each made once a session (conftest's lab_runs)
-TWO_STEPS = TINY_ARGS + ["--max_iters=2"]
-THREE_LAYERS = TINY_ARGS + ["--n_layer=3", "--max_iters=2"]
+TWO_STEPS = TINY_ARGS + ["--max_iters=2", "--exit_threshold=0.05"]  # a threshold that lets tokens exit
+THREE_LAYERS = THREE_LAYER_RUN  # test_report_html's page too
 
 
 def test_overrides_type_check():
@@ -85,9 +85,8 @@ def test_report_has_the_promised_keys(lab_runs):
     assert sum(g["exit_counts"]) == 20 and len(g["exit_counts"]) == 2
 
 
-def test_default_run_prints_the_statistics(tmp_path, capsys):
-    assert run_main(tmp_path, "--max_iters=2", "--exit_threshold=0.05") == 0
-    out = capsys.readouterr().out
+def test_default_run_prints_the_statistics(lab_runs):
+    out = lab_runs(TWO_STEPS)[0]
     assert "Layer 0:" in out and "Layer 1 (full):" in out
     assert "full-depth sample" in out and "early-exit sample" in out
     assert "% overhead" in out and "mean exit depth" in out
@@ -171,7 +170,7 @@ def test_report_has_the_strategies_and_calibration(lab_runs):
     spec = [row for row in r["strategies"] if row["name"] == "self_speculative"]
     assert all({"acceptance_rate", "draft_exit", "num_draft", "identical_to_full"} <= set(s) for s in spec)
     assert spec[0]["identical_to_full"] is True and spec[1]["identical_to_full"] is None
-    assert r["notes"]["strategies"][0] == "2 test prompts of 8 characters, 20 more each, batch 1, median of 1 interleaved runs"
+    assert r["notes"]["strategies"][0] == "2 test prompts of 8 characters, 12 more each, batch 1, median of 1 interleaved runs"
     cal = r["calibration"]
     assert {"measure", "epsilon", "delta", "threshold", "val", "test"} <= set(cal)
     assert {"disagreement", "loss", "full_loss", "accuracy", "compute_saved"} <= set(cal["test"])
