@@ -1,4 +1,7 @@
+import contextlib
+import io
 import os
+import shutil
 import sys
 
 import pytest
@@ -115,3 +118,50 @@ def flush(model, cache, deferred):
             if n < end:
                 deferred.parked[:, n:end] = block(deferred.parked[:, n:end], cache, l)
     return cache
+
+
+class LabRuns:
+    """Whole runs of m.main, each made once a session and shared by every test that reads it.
+
+    A test calls it in its body (not as a fixture), so a run that breaks fails each test that reads it,
+    with the run's stderr, and is not cached: the next reader runs it again. Readers only read the run's
+    folder and output; a test that writes there (a resume, a broken checkpoint) works on a copy (copy_to).
+    """
+
+    def __init__(self, tmp_path_factory):
+        self.factory, self.done = tmp_path_factory, {}
+
+    def __call__(self, args):
+        """m.main(args + --out_dir) with grad enabled (as a test calls it): (stdout, stderr, out_dir)."""
+        key = tuple(args)
+        if key not in self.done:
+            out = self.factory.mktemp("lab_run")
+            stdout, stderr = io.StringIO(), io.StringIO()
+            with torch.enable_grad(), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+                rc = m.main(list(args) + [f"--out_dir={out}"])
+            assert rc == 0, stderr.getvalue()[-2000:]
+            self.done[key] = (stdout.getvalue(), stderr.getvalue(), out)
+        return self.done[key]
+
+    def copy_to(self, args, folder):
+        """The run's files (ckpt.pt, report.json, report.html) copied into folder, for a test to change."""
+        shutil.copytree(self(args)[2], folder, dirs_exist_ok=True)
+        return folder
+
+
+@pytest.fixture(scope="session")
+def lab_runs(tmp_path_factory):
+    return LabRuns(tmp_path_factory)
+
+
+# a tiny run of the whole lab, 3 layers (test_report_html's page, test_cli's report and story)
+THREE_LAYER_RUN = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--eval_iters=1",
+                   "--max_iters=2", "--max_new_tokens=40", "--device=cpu", "--quality_positions=48",
+                   "--bench_tokens=12", "--bench_repeats=1", "--bench_prompts=2", "--bench_prompt_len=8",
+                   "--sweep_positions=500"]
+
+# a tiny run of the whole lab with the batch table (test_newcomer's default run, test_batches' batch table)
+BATCH_TABLE_RUN = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--eval_iters=1",
+                   "--max_iters=4", "--eval_interval=2", "--max_new_tokens=40", "--device=cpu",
+                   "--quality_positions=48", "--bench_tokens=12", "--bench_repeats=1", "--bench_prompts=4",
+                   "--bench_prompt_len=8", "--sweep_positions=500", "--bench_batch=1"]

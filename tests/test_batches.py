@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import generate_with_cache, m, tiny_model
+from conftest import BATCH_TABLE_RUN, generate_with_cache, m, tiny_model
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 
@@ -97,15 +97,11 @@ def test_choose_schedule_keeps_its_budget_and_never_rises():
     assert saved[0] < saved[2]
 
 
-def test_batch_table_in_the_report(tmp_path, capsys):
-    args = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--eval_iters=1",
-            "--max_iters=2", "--max_new_tokens=10", "--device=cpu", "--quality_positions=48", "--bench_tokens=12",
-            "--bench_repeats=1", "--bench_prompts=4", "--bench_prompt_len=8", "--bench_batch=1", "--sweep_positions=500",
-            f"--out_dir={tmp_path}"]
-    with torch.enable_grad():
-        assert m.main(args) == 0
-    assert "Does early exit still save in a batch?" in capsys.readouterr().out
-    report = json.loads((tmp_path / "report.json").read_text())
+def test_batch_table_in_the_report(lab_runs):
+    """The tiny default run with --bench_batch=1 (made once a session, shared with test_newcomer)."""
+    out, _, out_dir = lab_runs(BATCH_TABLE_RUN)
+    assert "Does early exit still save in a batch?" in out
+    report = json.loads((out_dir / "report.json").read_text())
     rows = report["batched"]
     names = (*m.BATCH_DESIGNS, "self_speculative", "draft_model", "auto")
     assert [(r["batch_size"], r["name"], r["mode"]) for r in rows] == [

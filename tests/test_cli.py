@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from conftest import ROOT, m
+from conftest import ROOT, THREE_LAYER_RUN, m
 
 
 # --- command line, checkpoints, bad input --------------------------------------------
@@ -20,6 +20,11 @@ TINY_ARGS = ["--n_layer=2", "--n_head=2", "--n_embd=16", "--block_size=16", "--b
 
 def run_main(tmp_path, *args):
     return m.main(TINY_ARGS + [f"--out_dir={tmp_path}"] + list(args))
+
+
+# whole runs several tests read, each made once a session (conftest's lab_runs)
+TWO_STEPS = TINY_ARGS + ["--max_iters=2", "--exit_threshold=0.05"]  # a threshold that lets tokens exit
+THREE_LAYERS = THREE_LAYER_RUN  # test_report_html's page too
 
 
 def test_overrides_type_check():
@@ -71,9 +76,8 @@ def test_checkpoint_round_trip_and_resume(tmp_path, capsys):
     assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
 
 
-def test_report_has_the_promised_keys(tmp_path):
-    assert run_main(tmp_path, "--max_iters=2") == 0
-    r = json.loads((tmp_path / "report.json").read_text())
+def test_report_has_the_promised_keys(lab_runs):
+    r = json.loads((lab_runs(TWO_STEPS)[2] / "report.json").read_text())
     assert {"config", "n_params", "n_params_exit_heads", "train_seconds", "val_loss", "generation"} <= set(r)
     assert len(r["val_loss"]["exits"]) == 1 and isinstance(r["val_loss"]["final"], float)
     g = r["generation"]
@@ -81,9 +85,8 @@ def test_report_has_the_promised_keys(tmp_path):
     assert sum(g["exit_counts"]) == 20 and len(g["exit_counts"]) == 2
 
 
-def test_default_run_prints_the_statistics(tmp_path, capsys):
-    assert run_main(tmp_path, "--max_iters=2", "--exit_threshold=0.05") == 0
-    out = capsys.readouterr().out
+def test_default_run_prints_the_statistics(lab_runs):
+    out = lab_runs(TWO_STEPS)[0]
     assert "Layer 0:" in out and "Layer 1 (full):" in out
     assert "full-depth sample" in out and "early-exit sample" in out
     assert "% overhead" in out and "mean exit depth" in out
@@ -134,9 +137,8 @@ def test_sweep_positions_of_ten_run_the_whole_lab(tmp_path):
     assert json.loads((tmp_path / "report.json").read_text())["config"]["sweep_positions"] == 10
 
 
-def test_mismatched_checkpoint(tmp_path, capsys):
-    assert run_main(tmp_path, "--max_iters=2") == 0
-    capsys.readouterr()
+def test_mismatched_checkpoint(tmp_path, capsys, lab_runs):
+    lab_runs.copy_to(TWO_STEPS, tmp_path)  # its checkpoint, trained 2 steps; this test breaks the copy
     assert run_main(tmp_path, "--init_from=resume", "--n_layer=3") == 2
     assert "n_layer=2" in capsys.readouterr().err
     other = tmp_path / "other.txt"
@@ -150,9 +152,8 @@ def test_mismatched_checkpoint(tmp_path, capsys):
     assert "does not fit" in capsys.readouterr().err
 
 
-def test_report_has_the_strategies_and_calibration(tmp_path):
-    assert run_main(tmp_path, "--n_layer=3", "--max_iters=2") == 0
-    r = json.loads((tmp_path / "report.json").read_text())
+def test_report_has_the_strategies_and_calibration(lab_runs):
+    r = json.loads((lab_runs(THREE_LAYERS)[2] / "report.json").read_text())
     names = ["full", "backfill", "deferred", "state_copy", "holes", "skipdecode", "self_speculative", "draft_model",
              "1-layer GPT"]
     assert [(row["mode"], row["name"]) for row in r["strategies"]] == [(mode, n) for mode in ("greedy", "sampled")
@@ -169,7 +170,7 @@ def test_report_has_the_strategies_and_calibration(tmp_path):
     spec = [row for row in r["strategies"] if row["name"] == "self_speculative"]
     assert all({"acceptance_rate", "draft_exit", "num_draft", "identical_to_full"} <= set(s) for s in spec)
     assert spec[0]["identical_to_full"] is True and spec[1]["identical_to_full"] is None
-    assert r["notes"]["strategies"][0] == "2 test prompts of 8 characters, 20 more each, batch 1, median of 1 interleaved runs"
+    assert r["notes"]["strategies"][0] == "2 test prompts of 8 characters, 12 more each, batch 1, median of 1 interleaved runs"
     cal = r["calibration"]
     assert {"measure", "epsilon", "delta", "threshold", "val", "test"} <= set(cal)
     assert {"disagreement", "loss", "full_loss", "accuracy", "compute_saved"} <= set(cal["test"])
@@ -190,9 +191,8 @@ def test_report_has_the_strategies_and_calibration(tmp_path):
     assert shift["held"] == (shift["disagreement"] <= r["calibration"]["epsilon"]) and len(r["exit_calibration"]) == 3
 
 
-def test_default_run_tells_the_story_in_order(tmp_path, capsys):
-    assert run_main(tmp_path, "--n_layer=3", "--max_iters=2") == 0
-    out = capsys.readouterr().out
+def test_default_run_tells_the_story_in_order(lab_runs):
+    out = lab_runs(THREE_LAYERS)[0]
     order = ["parameters:", "--- full-depth sample", "--- early-exit sample", "per-layer exit statistics", "Layer 0:",
              "=== Which threshold?", "=== Which exit rule, with a guarantee", "=== How patient?",
              "=== Does one confidence mean the same", "=== Does the guarantee hold on text of another kind?",

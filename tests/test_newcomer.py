@@ -9,25 +9,17 @@ import types
 import pytest
 import torch
 
-from conftest import ROOT, m
+from conftest import BATCH_TABLE_RUN, ROOT, m
 
-ARGS = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--eval_iters=1",
-        "--max_iters=4", "--eval_interval=2", "--max_new_tokens=40", "--device=cpu", "--quality_positions=48",
-        "--bench_tokens=12", "--bench_repeats=1", "--bench_prompts=4", "--bench_prompt_len=8",
-        "--sweep_positions=500", "--bench_batch=1"]
+ARGS = BATCH_TABLE_RUN  # the tiny default run with the batch table, shared with test_batches
 
 
-@pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
-    """A tiny default run with the batch table: (its stdout, report.json, out_dir)."""
-    out = tmp_path_factory.mktemp("run")
-    import contextlib
-    import io
-
-    buffer = io.StringIO()
-    with torch.enable_grad(), contextlib.redirect_stdout(buffer):
-        assert m.main(ARGS + [f"--out_dir={out}"]) == 0
-    return buffer.getvalue(), json.loads((out / "report.json").read_text()), out
+@pytest.fixture
+def default_run(lab_runs):
+    """A tiny default run with the batch table: (its stdout, report.json, out_dir), made once a session
+    (lab_runs); each test reads its own copy of report.json."""
+    out, _, out_dir = lab_runs(ARGS)
+    return out, json.loads((out_dir / "report.json").read_text()), out_dir
 
 
 def tables(stdout):

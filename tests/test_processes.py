@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import ROOT, m, tiny_config
+from test_robustness import TWO_STEPS
 
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=16", "--block_size=16", "--eval_iters=1", "--max_new_tokens=20",
         "--device=cpu", "--draft_exit=0", "--quality_positions=48", "--bench_tokens=12", "--bench_repeats=1",
@@ -120,9 +121,9 @@ def no_process_group(monkeypatch):
     return monkeypatch
 
 
-def test_sample_only_under_torchrun_runs_in_rank_0_alone(tmp_path, capsys, no_process_group):
-    assert m.main(TINY + ["--max_iters=2", f"--out_dir={tmp_path}"]) == 0
-    capsys.readouterr()
+def test_sample_only_under_torchrun_runs_in_rank_0_alone(tmp_path, capsys, no_process_group, lab_runs):
+    # a checkpoint to sample from: test_robustness's tiny run trained 2 steps (made once a session), copied
+    lab_runs.copy_to(TWO_STEPS, tmp_path)
     no_process_group.setenv("RANK", "1")
     assert m.main(TINY + ["--init_from=resume", "--sample_only=1", f"--out_dir={tmp_path}"]) == 0
     assert capsys.readouterr() == ("", "") and not (tmp_path / "samples.json").exists()

@@ -10,13 +10,10 @@ import subprocess
 from html.parser import HTMLParser
 
 import pytest
-import torch
 
-from conftest import m
+from conftest import THREE_LAYER_RUN, m
 
-ARGS = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--eval_iters=1",
-        "--max_iters=2", "--max_new_tokens=40", "--device=cpu", "--quality_positions=48", "--bench_tokens=12",
-        "--bench_repeats=1", "--bench_prompts=2", "--bench_prompt_len=8", "--sweep_positions=500"]
+ARGS = THREE_LAYER_RUN  # the tiny 3-layer run, shared with test_cli
 
 
 class Numbers(HTMLParser):
@@ -41,11 +38,10 @@ def lookup(report, key):
     return report
 
 
-@pytest.fixture(scope="module")
-def page(tmp_path_factory):
-    out = tmp_path_factory.mktemp("report")
-    with torch.enable_grad():
-        assert m.main(ARGS + [f"--out_dir={out}"]) == 0
+@pytest.fixture
+def page(lab_runs):
+    """The run's page and its own copy of report.json (the run is made once a session: lab_runs)."""
+    out = lab_runs(ARGS)[2]
     return out / "report.html", json.loads((out / "report.json").read_text())
 
 

@@ -84,9 +84,13 @@ def test_the_commands_of_the_issue_end_in_one_line(tmp_path, capsys):
         one_line_error(capsys, 2, run_main(tmp_path, *args))
 
 
-def trained_checkpoint(tmp_path):
-    assert run_main(tmp_path, "--max_iters=2") == 0
-    return tmp_path / "ckpt.pt"
+TWO_STEPS = TINY + ["--max_iters=2"]
+
+
+def trained_checkpoint(lab_runs, tmp_path):
+    """TINY's run trained 2 steps (made once a session: conftest's lab_runs), its ckpt.pt, report.json and
+    report.html copied into tmp_path for the test to resume, break or read: the path of the checkpoint."""
+    return lab_runs.copy_to(TWO_STEPS, tmp_path) / "ckpt.pt"
 
 
 @pytest.mark.parametrize("args,ok", [
@@ -116,9 +120,9 @@ def test_the_text_holds_a_quality_piece_for_every_row_of_the_largest_batch(tmp_p
         m.parse_args(TINY + [f"--out_dir={tmp_path}", f"--quality_positions={smallest - need + 1}"])
 
 
-def test_a_resume_checks_the_rules_again_with_the_checkpoints_architecture(tmp_path, capsys):
+def test_a_resume_checks_the_rules_again_with_the_checkpoints_architecture(tmp_path, capsys, lab_runs):
     """--draft_exit=1 fits the default 6 layers, not the checkpoint's 2: said in one line, before training."""
-    trained_checkpoint(tmp_path)
+    trained_checkpoint(lab_runs, tmp_path)
     argv = [a for a in TINY if not a.startswith(("--n_layer", "--draft_exit"))]
     rc = m.main(argv + [f"--out_dir={tmp_path}", "--init_from=resume", "--draft_exit=1", "--max_iters=4"])
     assert "draft_exit=1" in one_line_error(capsys, 2, rc)
@@ -139,10 +143,10 @@ def test_a_resume_checks_its_rules_against_the_checkpoints_depth_not_the_default
         m.new_or_resumed(config, m.load_data(config)[0], "cpu", overridden)
 
 
-def test_a_resume_trains_with_the_recipes_weight_decay_and_betas(tmp_path):
+def test_a_resume_trains_with_the_recipes_weight_decay_and_betas(tmp_path, lab_runs):
     """Loading the optimizer's state brings back the hyperparameters it was saved with: the recipe's,
     given anew or not, must be the ones it steps with."""
-    trained_checkpoint(tmp_path)
+    trained_checkpoint(lab_runs, tmp_path)
     config, overridden = m.parse_args(TINY + [f"--out_dir={tmp_path}", "--init_from=resume", "--weight_decay=0.5",
                                               "--beta2=0.9"])
     tokenizer, _ = m.load_data(config)
@@ -151,8 +155,8 @@ def test_a_resume_trains_with_the_recipes_weight_decay_and_betas(tmp_path):
     assert all(g["betas"] == (config.beta1, 0.9) for g in optimizer.param_groups)
 
 
-def test_broken_checkpoints_end_in_one_line(tmp_path, capsys):
-    ckpt = trained_checkpoint(tmp_path)
+def test_broken_checkpoints_end_in_one_line(tmp_path, capsys, lab_runs):
+    ckpt = trained_checkpoint(lab_runs, tmp_path)
     good = ckpt.read_bytes()
     cases = {"truncated": good[: len(good) // 2], "corrupt": b"\x00garbage" * 200, "text": b"hello world" * 100}
     for name, data in cases.items():
@@ -169,8 +173,8 @@ def test_broken_checkpoints_end_in_one_line(tmp_path, capsys):
     assert "not a checkpoint of this script" in one_line_error(capsys, 2, run_main(tmp_path, "--init_from=resume"))
 
 
-def test_checkpoint_loads_with_weights_only(tmp_path):
-    ckpt = torch.load(trained_checkpoint(tmp_path), weights_only=True)
+def test_checkpoint_loads_with_weights_only(tmp_path, lab_runs):
+    ckpt = torch.load(trained_checkpoint(lab_runs, tmp_path), weights_only=True)
     assert m.CHECKPOINT_KEYS <= set(ckpt) and ckpt["rng"]["cuda"] == []  # no GPU state on the CPU
     assert ckpt["rng"]["torch"].dtype == torch.uint8 and ckpt["iter_num"] == 2
 
@@ -282,8 +286,8 @@ def test_a_resume_keeps_the_checkpoints_recipe_and_names_what_the_command_line_c
     assert config["learning_rate"] == 0.0005
 
 
-def test_sample_only_prints_the_samples_and_nothing_else(tmp_path, capsys):
-    trained_checkpoint(tmp_path)
+def test_sample_only_prints_the_samples_and_nothing_else(tmp_path, capsys, lab_runs):
+    trained_checkpoint(lab_runs, tmp_path)
     capsys.readouterr()
     before = (tmp_path / "report.json").read_text(), (tmp_path / "report.html").read_text()
     assert run_main(tmp_path, "--init_from=resume", "--sample_only=1", "--prompt=ab", "--max_new_tokens=30") == 0
@@ -309,7 +313,7 @@ def test_a_page_that_fails_to_render_writes_neither_file(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_write_that_fails_leaves_the_old_file_whole(tmp_path, monkeypatch):
+def test_a_write_that_fails_leaves_the_old_file_whole(tmp_path, monkeypatch, lab_runs):
     """Never a half-written file: a report, a page or a checkpoint whose write fails midway leaves the
     previous one as it was."""
     path = tmp_path / "report.json"
@@ -324,7 +328,7 @@ def test_a_write_that_fails_leaves_the_old_file_whole(tmp_path, monkeypatch):
         m.write_text(json.dumps({"new": 2}), str(path))
     assert json.loads(path.read_text()) == {"old": 1}
     monkeypatch.undo()
-    ckpt = trained_checkpoint(tmp_path / "run")
+    ckpt = trained_checkpoint(lab_runs, tmp_path / "run")
     good = ckpt.read_bytes()
 
     def broken_save(obj, f):
