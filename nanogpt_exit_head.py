@@ -685,9 +685,8 @@ def distillation(logits, teacher_log_probs, temperature):
     """T^2 * KL(teacher || student) per position, the usual scaling so gradients match across T."""
     student = (logits.float() / temperature).log_softmax(-1)
     # batchmean over positions, not sequences: (B, T, V) -> (B * T, V)
-    kl = F.kl_div(student.flatten(0, -2), teacher_log_probs.flatten(0, -2), log_target=True,
-                  reduction="batchmean")
-    return temperature**2 * kl
+    return temperature**2 * F.kl_div(student.flatten(0, -2), teacher_log_probs.flatten(0, -2),
+                                     log_target=True, reduction="batchmean")
 
 class RecipeGPT(GPT):
     """The lesson's GPT trained with a recipe of LabConfig: self-distillation toward the final head
@@ -712,25 +711,23 @@ class RecipeGPT(GPT):
         """Part I's joint loss, plus KL toward the detached final head when distilling. Exits with
         nothing to learn (alpha = 0, no distillation) are not computed."""
         cfg = self.config
+        if cfg.distill_weight == 0:  # the joint loss alone: Part I's
+            return super().joint_loss(states, logits, targets)
         loss = cross_entropy(logits, targets)
-        teacher = None
-        if cfg.distill_weight > 0:  # the final head's distribution, detached: the exits chase it
-            teacher = (logits.detach().float() / cfg.distill_temperature).log_softmax(-1)
+        # the final head's distribution, detached: the exits chase it
+        teacher = (logits.detach().float() / cfg.distill_temperature).log_softmax(-1)
         for l in range(cfg.n_layer - 1):
-            if cfg.alpha == 0 and teacher is None:
-                continue
             exit_logits = self.exit_logits(states[l], l)
             loss = loss + cfg.alpha * cross_entropy(exit_logits, targets)
-            if teacher is not None:
-                loss = loss + cfg.distill_weight * distillation(exit_logits, teacher,
-                                                                cfg.distill_temperature)
+            loss = loss + cfg.distill_weight * distillation(exit_logits, teacher,
+                                                            cfg.distill_temperature)
         return loss
 
 def count_params(model):
     """(base model, exit heads) parameter counts; unlike nanoGPT's, position embeddings are
     counted."""
-    heads = sum(p.numel() for p in model.exit_heads.parameters())
-    return sum(p.numel() for p in model.parameters()) - heads, heads
+    heads = sum(map(torch.numel, model.exit_heads.parameters()))
+    return sum(map(torch.numel, model.parameters())) - heads, heads
 
 # -----------------------------------------------------------------------------
 # Deferred recompute: fill the holes later, in one chunk with the next token that needs them
@@ -1131,12 +1128,12 @@ EXIT_RULES = {**CONFIDENCE_MEASURES, "margin": margin, "entropy": normalised_ent
 def exit_features(probs, state):
     """The learned rule's features (..., F): four rules' confidences, agreement with the exit
     below, a bias, and which character this exit predicts (one-hot)."""
-    pred = probs.argmax(-1)
-    agree = (pred == state.get("pred", -1)).float()
-    state["pred"] = pred
+    # agreement with the exit below: a patience run of two or more (it keeps the top-1 in state)
+    agree = patience(probs, state) > 0.5
     cheap = [EXIT_RULES[m](probs, state) for m in ("top1", "margin", "entropy", "saturation")]
-    one_hot = F.one_hot(pred, probs.size(-1)).to(probs.dtype)
-    return torch.cat([torch.stack([*cheap, agree, torch.ones_like(agree)], -1), one_hot], -1)
+    # stack and cat make the bools and the one-hot integers float
+    return torch.cat([torch.stack([*cheap, agree, torch.ones_like(agree)], -1),
+                      F.one_hot(state["pred"], probs.size(-1))], -1)
 
 def learned(weights, probs, state):
     """The learned rule: per exit, a logistic model's P(this exit's top-1 is full depth's)."""
@@ -1170,18 +1167,20 @@ def decoder_windows(n_positions, block_size):
         i = end
 
 def read_exits(model, x, rules):
-    """Every exit's logits on x (b, W): (L, b, W, V), and each rule's confidences, rule -> (L, b,
-    W), each rule reading the exits bottom up with a state of its own, as decode_step does when it
-    checks every exit (patience and the learned rule read the exit below: they need them all)."""
+    """Every exit's logits on x (b, W): (L, b, W, V), then each rule's confidences (L, b, W) in the
+    order of rules, each rule reading the exits bottom up with a state of its own, as decode_step
+    does when it checks every exit (patience and the learned rule read the exit below: they need
+    them all)."""
     states = [model.embed(x), *model.hidden_states(x)]  # L + 1 x (b, W, C)
     logits = torch.stack([model.exit_logits(h, l) for l, h in enumerate(states[1:])]).float()
-    probs, read = logits.softmax(-1), {}  # what confidence() gives a rule, once for them all
-    for name, rule in rules.items():
-        state, read[name] = {}, []
-        for l in range(len(logits)):
+    probs, read = logits.softmax(-1), [logits]  # what confidence() gives a rule, once for them all
+    for rule in rules.values():
+        state, confidences = {}, []
+        for l, layer_probs in enumerate(probs):
             state.update(layer=l, below=states[l], h=states[l + 1])
-            read[name].append(rule(probs[l], state))
-    return logits, {name: torch.stack(c) for name, c in read.items()}
+            confidences.append(rule(layer_probs, state))
+        read.append(torch.stack(confidences))
+    return read
 
 @torch.inference_mode()
 def record_exits(model, data, n_positions, rules, batch_size=64):
@@ -1199,9 +1198,8 @@ def record_exits(model, data, n_positions, rules, batch_size=64):
     parts = []
     for group in groups:
         x = torch.stack([data[s:e] for s, e, _ in group])  # (b, W)
-        read = read_exits(model, x, rules)  # logits (L, b, W, V) and rule -> (L, b, W)
-        parts += [[t[:, r, first - s :] for t in (read[0], *read[1].values())]
-                  for r, (s, _, first) in enumerate(group)]
+        read = read_exits(model, x, rules)  # logits (L, b, W, V), then (L, b, W) per rule
+        parts += [[t[:, r, first - s :] for t in read] for r, (s, _, first) in enumerate(group)]
     logits, *confidences = [torch.cat(p, dim=1) for p in zip(*parts)]  # (L, N, V), (L, N) each
     targets = data[1 : n_positions + 1]  # on the model's device, as the windows were
     nll = -logits.log_softmax(-1).take_along_dim(targets[None, :, None], -1)[..., 0]  # (L, N)
@@ -1213,14 +1211,16 @@ def fit_exit_predictor(model, data, n_positions):
     exit's row is 0: it always exits."""
     records = record_exits(model, data, n_positions, {"features": exit_features})
     X = records.confidences["features"][:-1].cpu().double()  # (L - 1, N, F); MPS has no float64
-    y = (records.pred[:-1] == records.pred[-1]).cpu().double()  # (L - 1, N): agrees with full
-    w = X.new_zeros(X.size(0), X.size(2), 1)
-    ridge = 0.01 * torch.eye(X.size(2), dtype=X.dtype)  # a weak L2 penalty, 0.01 |w|^2 / 2
+    # (L - 1, N, 1): whether each exit's top-1 is full depth's
+    y = (records.pred[:-1] == records.pred[-1]).cpu().double()[..., None]
+    n_exits, _, n_features = X.shape
+    w = X.new_zeros(n_exits, n_features, 1)  # (L - 1, F, 1)
+    ridge = 0.01 * torch.eye(n_features, dtype=X.dtype)  # a weak L2 penalty, 0.01 |w|^2 / 2
     for _ in range(20):  # Newton's steps; a logistic fit settles in fewer
-        p = torch.sigmoid(X @ w)[..., 0]  # (L - 1, N)
-        grad = X.transpose(1, 2) @ (p - y)[..., None] + ridge @ w  # (L - 1, F, 1)
-        hess = X.transpose(1, 2) @ (X * (p * (1 - p))[..., None]) + ridge  # (L - 1, F, F)
-        w = w - torch.linalg.solve(hess, grad)
+        p = torch.sigmoid(X @ w)  # (L - 1, N, 1)
+        grad = X.mT @ (p - y) + ridge @ w  # (L - 1, F, 1)
+        hess = X.mT @ (X * (p * (1 - p))) + ridge  # (L - 1, F, F)
+        w -= torch.linalg.solve(hess, grad)
     return F.pad(w[..., 0], (0, 0, 0, 1)).float().to(records.pred.device)
 
 def fit_on_pieces(model, train, n_positions, pieces=10):
@@ -1230,31 +1230,36 @@ def fit_on_pieces(model, train, n_positions, pieces=10):
     n = min(n_positions // pieces, step - 1)
     return fit_exit_predictor(model, train.unfold(0, n + 1, step)[:pieces].flatten(), pieces * n)
 
-def exits_at_threshold(records, measure, threshold, checked_exits):
-    """(N,): the layer each position exits at: the first checked exit above threshold, else the
-    last. A confidence never exceeds 1, so at a threshold of 1 every position goes full depth."""
-    conf = records.confidences[measure]
-    layers = torch.tensor([*checked_exits, len(conf) - 1], device=conf.device)
-    hit = conf[layers] > threshold  # (E + 1, N)
+def first_exit(leaves, checked_exits):
+    """(N,): the layer each position exits at: the first checked exit where leaves (L, N) is true,
+    else the last."""
+    layers = torch.tensor([*checked_exits, len(leaves) - 1], device=leaves.device)
+    hit = leaves[layers]  # (E + 1, N)
     hit[-1] = True  # the last layer always exits
-    return layers[hit.float().argmax(0)]  # the first exit that is confident enough
+    return layers[hit.float().argmax(0)]  # the first exit that may leave
+
+def exits_at_threshold(records, measure, threshold, checked_exits):
+    """(N,): the first checked exit above threshold, else the last. A confidence never exceeds 1,
+    so at a threshold of 1 every position goes full depth."""
+    return first_exit(records.confidences[measure] > threshold, checked_exits)
 
 def exit_summary(records, exits):
     """Quality and compute of emitting each position from its exit layer."""
     L, N = records.pred.shape
     cols = torch.arange(N, device=exits.device)
-    pred = records.pred[exits, cols]
+    pred, nll = records.pred[exits, cols], records.nll[exits, cols]  # (N,) each, at each exit
+    full_pred, full_nll = records.pred[-1], records.nll[-1]  # (N,) each, at full depth
     mean_layers = average(exits + 1)
     return {
-        "exit_fractions": (torch.bincount(exits, minlength=L).float() / N).tolist(),
+        "exit_fractions": (torch.bincount(exits, minlength=L) / N).tolist(),
         "mean_layers": mean_layers,
         "compute_saved": 1.0 - mean_layers / L,
-        "loss": average(records.nll[exits, cols]),
-        "full_loss": average(records.nll[-1]),
-        "excess_loss": average(records.nll[exits, cols] - records.nll[-1]),
+        "loss": average(nll),
+        "full_loss": average(full_nll),
+        "excess_loss": average(nll - full_nll),
         "accuracy": average(pred == records.targets),
-        "full_accuracy": average(records.pred[-1] == records.targets),
-        "disagreement": average(pred != records.pred[-1]),
+        "full_accuracy": average(full_pred == records.targets),
+        "disagreement": average(pred != full_pred),
     }
 
 def sweep(records, measure, checked_exits):
@@ -1292,21 +1297,20 @@ def calibrate(records, measure, checked_exits, epsilon, delta):
     """The threshold fixed-sequence testing certifies: walking THRESHOLDS from cautious (1.0)
     down, the last one before the first whose disagreement with full depth is not certified below
     epsilon; 1.0 if none is."""
-    disagree = records.pred != records.pred[-1]  # (L, N): each exit against full depth
-    exits = [exits_at_threshold(records, measure, t, checked_exits) for t in THRESHOLDS]  # (N,)s
-    failures = [int(disagree.gather(0, e[None]).sum()) for e in exits]
-    chosen = fixed_sequence_test(failures, disagree.size(1), epsilon, delta)
-    return THRESHOLDS[max(chosen, 0)]  # THRESHOLDS[0] is 1.0: full depth when none is certified
+    n = len(records.targets)
+    # the sweep's share disagreeing with full depth, as a count (exact for n under 2^23)
+    failures = [round(e["disagreement"] * n) for e in sweep(records, measure, checked_exits)]
+    # THRESHOLDS[0] is 1.0: full depth when none is certified (the test returns -1)
+    return THRESHOLDS[max(fixed_sequence_test(failures, n, epsilon, delta), 0)]
 
 def oracle(records, checked_exits, epsilon):
     """The most any rule could skip at disagreement <= epsilon: each position leaves at the first
     checked exit whose top-1 is full depth's, and the epsilon * N that would run deepest leave at
     the first checked exit anyway, wrong but cheapest."""
-    layers = torch.tensor([*checked_exits, len(records.pred) - 1], device=records.pred.device)
-    agree = records.pred[layers] == records.pred[-1]  # (E + 1, N): the last row is all True
-    exits = layers[agree.float().argmax(0)]  # (N,)
-    deepest = exits.float().topk(int(epsilon * exits.numel())).indices
-    return exit_summary(records, exits.index_fill(0, deepest, layers[0]))
+    agree = records.pred == records.pred[-1]  # (L, N): the last row is all True
+    deepest = first_exit(agree, checked_exits).float().topk(int(epsilon * agree.size(1))).indices
+    agree[:, deepest] = True  # so they leave at the first checked exit
+    return exit_summary(records, first_exit(agree, checked_exits))
 
 def calibration_report(records, measure, checked_exits, epsilon, delta):
     """Calibrate on records["val"], then report the threshold's figures on every text recorded
@@ -1334,9 +1338,8 @@ def choose_rule(records, rules, checked_exits, epsilon, delta):
     """The rule chosen on val: each of `rules` calibrated at delta / len(rules) (Bonferroni), so the
     chance that any of them, and so the chosen one, breaks epsilon stays under delta; the one that
     saves the most on val wins. Its test figures are reported, never used to choose."""
-    reports = [calibration_report(records, m, checked_exits, epsilon, delta / len(rules))
-               for m in rules]
-    return max(reports, key=lambda r: r["val"]["compute_saved"])
+    return max((calibration_report(records, m, checked_exits, epsilon, delta / len(rules))
+                for m in rules), key=lambda r: r["val"]["compute_saved"])
 
 # -----------------------------------------------------------------------------
 # Reading the exits: each exit's calibration, the logit lens, and what "easy" means here
@@ -1347,17 +1350,18 @@ def exit_calibration(records, bins=10):
     confidence bin, the mean confidence, accuracy, agreement with full depth and positions."""
     conf = records.confidences["top1"]  # (L, N)
     which = F.one_hot((conf * bins).long().clamp(max=bins - 1), bins).float()  # (L, N, bins)
-    right = [records.pred == records.targets, records.pred == records.pred[-1]]  # 2 x (L, N)
+    # (3, L, N): each position's confidence, and whether its top-1 is right and is full depth's
+    scores = torch.stack([conf, records.pred == records.targets, records.pred == records.pred[-1]])
     count = which.sum(1)  # (L, bins)
     # (3, L, bins): each bin's mean confidence, accuracy and agreement
-    mean = torch.einsum("vln,lnb->vlb", torch.stack([conf, *right]).float(), which) / count.clamp(1)
+    mean = torch.einsum("vln,lnb->vlb", scores, which) / count.clamp(1)
     ece = ((mean[1:] - mean[0]).abs() * count).sum(-1) / conf.size(1)  # (2, L)
-    rows = [{"layer": l, "ece_data": ece[0, l].item(), "ece_full": ece[1, l].item(),
+    rows = [{"layer": l, "ece_data": data, "ece_full": full,
              "bins": dict(zip(("confidence", "accuracy", "agreement", "positions"),
                               [*mean[:, l].tolist(), count[l].tolist()])),
              "reliability": " ".join(f"{a:.2f}" if n else "-"
                                      for a, n in zip(mean[1, l], count[l]))}
-            for l in range(len(conf))]
+            for l, (data, full) in enumerate(ece.T.tolist())]
     rows[-1]["ece_full"] = None  # full depth always agrees with itself
     return rows
 
@@ -1368,10 +1372,9 @@ def calibration_note(rows, threshold):
     top = [r["bins"]["agreement"][b] for r in rows[:-1] if r["bins"]["positions"][b]]
     if not top:
         return "No exit is that sure at any test position."
-    differ = "one threshold means about the same at every exit."
-    if max(top) - min(top) > 0.02:
-        differ = ("the exits differ (by over 2 points), so one threshold does not mean the same "
-                  "at every exit.")
+    differ = ("the exits differ (by over 2 points), so one threshold does not mean the same "
+              "at every exit." if max(top) - min(top) > 0.02
+              else "one threshold means about the same at every exit.")
     return (f"Where an exit is {10 * b}-{10 * b + 10}% sure (the calibrated threshold's bin), "
             f"its top-1 is full depth's {min(top):.1%} to {max(top):.1%} of the time: {differ}")
 
@@ -1407,9 +1410,8 @@ def exit_slices(records, exits, tokenizer):
     for kind in KINDS:
         here = torch.tensor([k == kind for k in kinds], device=exits.device)
         if here.any():
-            part = ExitRecords({}, records.pred[:, here], records.nll[:, here],
-                               records.targets[here])
-            figures = exit_summary(part, exits[here])
+            figures = exit_summary(ExitRecords({}, records.pred[:, here], records.nll[:, here],
+                                               records.targets[here]), exits[here])
             rows.append({"kind": kind, "positions": int(here.sum()), **figures,
                          "accuracy_lost": figures["full_accuracy"] - figures["accuracy"]})
     return rows
