@@ -1461,8 +1461,8 @@ def decode_costs(model, prompts, n_tokens, rules, repeats=200, attempts=3):
         for prompt in prompts:
             generate(model, prompt[None], n_tokens, temperature=0.0)  # greedy: no sampling cost
         synchronize(device)
-        costs.update(token=(time.perf_counter() - t0) / prompts.size(0) / n_tokens, attempts=attempt,
-                     cache_length=typical)
+        costs.update(token=(time.perf_counter() - t0) / prompts.size(0) / n_tokens,
+                     attempts=attempt, cache_length=typical)
         if costs["token"] >= cfg.n_layer * costs["block"]:
             break
     return costs
@@ -1507,8 +1507,9 @@ def best_plan(records, name, measure, threshold, costs, subsets, block_size):
         subsets = [[]]
     plans = [{"measure": measure, "threshold": threshold, "checked_exits": subset,
               "label": ",".join(map(str, subset)) or "-"} for subset in subsets]
-    return max(({**plan, "predicted_speedup": predict_speedup(records, name, plan, costs, block_size)}
-                for plan in plans), key=lambda plan: plan["predicted_speedup"])
+    priced = [{**plan, "predicted_speedup": predict_speedup(records, name, plan, costs, block_size)}
+              for plan in plans]
+    return max(priced, key=lambda plan: plan["predicted_speedup"])
 
 def strategy_plans(records, costs, config, threshold, checked=None):
     """Every KV strategy's plan, chosen on val with the predicted speed-up: checked exits (None:
