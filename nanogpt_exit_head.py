@@ -1458,13 +1458,13 @@ def decode_costs(model, prompts, n_tokens, rules, repeats=200, attempts=3):
                 stage()
                 synchronize(device)  # each timer reads finished work
                 t[key].append(time.perf_counter() - t0)
+        costs = {key: float(np.median(v)) for key, v in t.items()}
         t0 = time.perf_counter()
         for prompt in prompts:
             generate(model, prompt[None], n_tokens, temperature=0.0)  # greedy: no sampling cost
         synchronize(device)
-        token = (time.perf_counter() - t0) / prompts.size(0) / n_tokens
-        costs = {key: float(np.median(v)) for key, v in t.items()}
-        costs.update(token=token, attempts=attempt, cache_length=typical)
+        costs.update(token=(time.perf_counter() - t0) / prompts.size(0) / n_tokens,
+                     attempts=attempt, cache_length=typical)
         if costs["token"] >= cfg.n_layer * costs["block"]:
             break
     return costs
@@ -1473,16 +1473,14 @@ def planned_exits(records, name, plan, block_size):
     """Where each recorded position leaves under KV strategy `name`'s exit plan, and the exit checks
     it runs on the way: (N,) layers, (N,) checks. SkipDecode leaves at its schedule's layer for the
     window position, after one check; at threshold 1 no exit is checked."""
-    L = len(records.pred)
     if name == "skipdecode":
-        wpos = window_positions(records.targets.numel(), block_size).to(records.pred.device)
-        exits = torch.tensor(plan["checked_exits"], device=wpos.device)[wpos]  # (N,)
-        return exits, (exits < L - 1).long()
+        wpos = window_positions(records.targets.numel(), block_size)  # (N,)
+        exits = torch.tensor(plan["checked_exits"])[wpos].to(records.pred.device)  # (N,)
+        return exits, (exits < len(records.pred) - 1).long()
     exits = exits_at_threshold(records, plan["measure"], plan["threshold"], plan["checked_exits"])
-    checks = sum((exits >= l).long() for l in plan["checked_exits"])  # every exit passed on the way
     if plan["threshold"] >= 1:
-        checks = torch.zeros_like(exits)
-    return exits, checks
+        return exits, torch.zeros_like(exits)
+    return exits, sum((exits >= l).long() for l in plan["checked_exits"])  # every exit passed
 
 def predict_speedup(records, name, plan, costs, block_size):
     """Full depth's measured time per token over the predicted time of a KV strategy's plan.
@@ -1492,11 +1490,11 @@ def predict_speedup(records, name, plan, costs, block_size):
     host sync, and state_copy a write when it leaves early. Deferred's catch-up rides in the next
     token's block call, so it is counted as no extra call."""
     exits, checks = planned_exits(records, name, plan, block_size)
-    L = len(records.pred)
-    early = average(exits < L - 1)
+    last = len(records.pred) - 1
+    early = average(exits < last)
     saved = early * costs["final_head"]
     if name != "backfill":
-        saved += average(L - 1 - exits) * costs["block"]
+        saved += average(last - exits) * costs["block"]
     extra = average(checks) * costs[f"check {plan['measure']}"]
     if name == "state_copy":
         extra += early * costs["state_copy"]
@@ -1507,15 +1505,13 @@ def best_plan(records, name, measure, threshold, costs, subsets, block_size):
     the cost model predicts fastest. The threshold's guarantee is for every exit checked: a subset
     can leave later, at an exit that disagrees, so it is not covered. At threshold 1 nothing
     leaves: no exit is checked."""
-    plans = []
     if threshold >= 1:
         subsets = [[]]
-    for subset in subsets:
-        plan = {"measure": measure, "threshold": threshold, "checked_exits": subset,
-                "label": ",".join(map(str, subset)) or "-"}
-        plans.append({**plan, "predicted_speedup": predict_speedup(records, name, plan, costs,
-                                                                    block_size)})
-    return max(plans, key=lambda p: p["predicted_speedup"])
+    plans = [{"measure": measure, "threshold": threshold, "checked_exits": subset,
+              "label": ",".join(map(str, subset)) or "-"} for subset in subsets]
+    priced = [{**plan, "predicted_speedup": predict_speedup(records, name, plan, costs, block_size)}
+              for plan in plans]
+    return max(priced, key=lambda plan: plan["predicted_speedup"])
 
 def strategy_plans(records, costs, config, threshold, checked=None):
     """Every KV strategy's plan, chosen on val with the predicted speed-up: checked exits (None:
@@ -1524,15 +1520,11 @@ def strategy_plans(records, costs, config, threshold, checked=None):
     subsets = [checked]
     if checked is None:
         subsets = [list(s) for r in range(1, L) for s in itertools.combinations(range(L - 1), r)]
-    plans = {}
-    for name in KV_STRATEGIES:
-        if name == "skipdecode":
-            plan = choose_schedule(records, L, T, config.schedule_disagreement)
-            plans[name] = {**plan, "predicted_speedup": predict_speedup(records, name, plan,
-                                                                        costs, T)}
-        else:
-            plans[name] = best_plan(records, name, config.confidence_measure, threshold, costs,
-                                    subsets, T)
+    plans = {name: best_plan(records, name, config.confidence_measure, threshold, costs, subsets, T)
+             for name in KV_STRATEGIES if name != "skipdecode"}
+    skip = choose_schedule(records, L, T, config.schedule_disagreement)
+    plans["skipdecode"] = {**skip, "predicted_speedup": predict_speedup(records, "skipdecode",
+                                                                        skip, costs, T)}
     return plans
 
 def prediction(row, plans, spec, costs, depth, n_layer):
@@ -1596,10 +1588,10 @@ def tail(outputs):
     first, gaps, whole, tokens = [], [], [], 0
     for out in outputs:
         t0, arrivals = out.clock[0][0], []
-        for (_, m), (t, n) in zip(out.clock, out.clock[1:]):  # a step's tokens arrive as it ends
+        for (_, m), (t, n) in itertools.pairwise(out.clock):  # a step's tokens arrive as it ends
             arrivals += [1e3 * (t - t0)] * (n - m)
         first.append(arrivals[0])
-        gaps += [b - a for a, b in zip(arrivals, arrivals[1:])]
+        gaps += np.diff(arrivals).tolist()
         whole.append(arrivals[-1])
         tokens += len(arrivals)
     p50, p95, p99 = np.percentile(gaps, [50, 95, 99]).tolist()
@@ -1623,12 +1615,8 @@ def train_plain_gpt(config, splits, n_layer, world=1):
 def plain_depths(text, draft_layers, n_layer):
     """--depths: the plain GPTs a run trains besides the draft model: none (''), all below n_layer,
     or a comma list (n_layer itself: a plain GPT of the exit model's depth, the recipe's cost)."""
-    depths = {draft_layers}
-    if text == "all":
-        depths.update(range(1, n_layer))
-    elif text:
-        depths.update(int(d) for d in text.split(","))
-    return sorted(depths)
+    depths = range(1, n_layer) if text == "all" else [int(d) for d in text.split(",") if d]
+    return sorted({draft_layers, *depths})
 
 # -----------------------------------------------------------------------------
 # Depth pruning: the blocks that change the residual stream least, removed for every input
@@ -1640,14 +1628,14 @@ def block_distances(model, x):
     (Gromov et al. 2024, arXiv:2403.17887, for one block)."""
     states = [model.embed(x), *model.hidden_states(x)]
     return [average(torch.arccos(F.cosine_similarity(a, b, dim=-1).clamp(-1, 1)) / math.pi)
-            for a, b in zip(states, states[1:])]
+            for a, b in itertools.pairwise(states)]
 
 def pruned(model, distances, k):
     """A copy of the model without its k blocks of least angular distance, no retraining: decoded
     at full depth over the blocks left (its exit heads unused)."""
     keep = sorted(sorted(range(len(distances)), key=distances.__getitem__)[k:])
     small = copy.deepcopy(model)
-    small.transformer.h = nn.ModuleList([small.transformer.h[i] for i in keep])
+    small.transformer.h = nn.ModuleList(small.transformer.h[i] for i in keep)
     small.config = replace(model.config, n_layer=len(keep))
     return small
 
@@ -1676,10 +1664,9 @@ def decoder(model, name, plan=None, rules=EXIT_RULES, spec=(0, 8), draft=None):
     rule read from rules), or self_speculative and draft_model (drafting with the model draft)
     with spec = (draft_exit, num_draft). Full depth is one decoder on every device: the
     predictions and the speed-ups divide by the same baseline."""
-    if name == "self_speculative":
-        return partial(generate_speculative, model, draft_exit=spec[0], num_draft=spec[1])
-    if name == "draft_model":
-        return partial(generate_speculative, model, num_draft=spec[1], draft_model=draft)
+    if name in ("self_speculative", "draft_model"):  # draft_model ignores draft_exit
+        return partial(generate_speculative, model, draft_exit=spec[0], num_draft=spec[1],
+                       draft_model=draft if name == "draft_model" else None)
     if name == "full":
         return partial(generate, model)
     if name not in KV_STRATEGIES:
@@ -1692,12 +1679,11 @@ def dominated_by(rows, mode):
     speed-up and better in one; None where there is none, on the frontier."""
     def point(r):
         return r["test_loss"], r[f"speedup_{mode}"]
-    marks = []
-    for r in rows:
-        better = [o for o in rows if o["test_loss"] <= r["test_loss"]
-                  and o[f"speedup_{mode}"] >= r[f"speedup_{mode}"] and point(o) != point(r)]
-        marks.append(max(better, key=lambda o: o[f"speedup_{mode}"])["name"] if better else None)
-    return marks
+    # a stable sort: of equal speed-ups the earlier row comes first, as max would pick it
+    fastest_first = sorted(rows, key=lambda o: o[f"speedup_{mode}"], reverse=True)
+    return [next((o["name"] for o in fastest_first if o["test_loss"] <= r["test_loss"]
+                  and o[f"speedup_{mode}"] >= r[f"speedup_{mode}"] and point(o) != point(r)), None)
+            for r in rows]
 
 def frontier_points(rows):
     """Decoder-table rows of both modes, one point a name: its first row's figures, its speed-up
@@ -1706,7 +1692,7 @@ def frontier_points(rows):
     for r in rows:
         point = points.setdefault(r["name"], dict(r))
         point[f"speedup_{r['mode']}"] = r["speedup"]
-        if r.get("peak_bytes") is not None:  # the larger of the two modes' peaks
+        if r.get("peak_bytes"):  # the larger of the two modes' peaks
             point["peak_bytes"] = max(point["peak_bytes"], r["peak_bytes"])
     points = list(points.values())
     for mode in MODES:

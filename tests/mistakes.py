@@ -63,17 +63,15 @@ MISTAKES = [
      "        x, first = model.transformer.wte(fed) + model.transformer.wpe(slots), draft_exit + 1",
      ["test_frontier.py::test_a_draft_model_drafts_what_layer_zero_would_and_verifies_at_full_depth"]),
     ("one_drafter_for_both", "self_speculative drafting with the draft model",
-     "        return partial(generate_speculative, model, draft_exit=spec[0], num_draft=spec[1])\n",
-     "        return partial(generate_speculative, model, draft_exit=spec[0], num_draft=spec[1],\n"
-     "                       draft_model=draft)\n",
+     'draft_model=draft if name == "draft_model" else None)', "draft_model=draft)",
      ["test_frontier.py::test_each_drafter_is_the_one_its_name_says"]),
     ("prune_the_most_distant", "pruning the blocks that change the residual stream most",
      "keep = sorted(sorted(range(len(distances)), key=distances.__getitem__)[k:])",
      "keep = sorted(sorted(range(len(distances)), key=distances.__getitem__)[: len(distances) - k])",
      ["test_frontier.py::test_pruning_removes_the_blocks_that_change_the_residual_stream_least"]),
     ("ties_dominate", "a point beaten by its equal",
-     "and o[f\"speedup_{mode}\"] >= r[f\"speedup_{mode}\"] and point(o) != point(r)]",
-     "and o[f\"speedup_{mode}\"] >= r[f\"speedup_{mode}\"] and o is not r]",
+     "and o[f\"speedup_{mode}\"] >= r[f\"speedup_{mode}\"] and point(o) != point(r))",
+     "and o[f\"speedup_{mode}\"] >= r[f\"speedup_{mode}\"] and o is not r)",
      ["test_worth_it.py::test_a_point_is_beaten_only_by_one_no_worse_on_both_axes"]),
     ("kv_bytes_of_a_full_batch", "the cache of a whole batch counted for one sequence",
      "checks, (cache.k.nbytes + cache.v.nbytes) / B)", "checks, (cache.k.nbytes + cache.v.nbytes))",
@@ -86,9 +84,9 @@ MISTAKES = [
      "        if n_exited == B:\n", "        if n_exited == B and type(strategy) is not Backfill:\n",
      ["test_foundation.py::test_backfill_checks_no_exit_after_a_token_has_left"]),
     ("round_spread_over_tokens", "2: a speculation round's time spread over its tokens",
-     "        for (_, m), (t, n) in zip(out.clock, out.clock[1:]):  # a step's tokens arrive as it ends\n"
+     "        for (_, m), (t, n) in itertools.pairwise(out.clock):  # a step's tokens arrive as it ends\n"
      "            arrivals += [1e3 * (t - t0)] * (n - m)\n",
-     "        for (s, m), (t, n) in zip(out.clock, out.clock[1:]):\n"
+     "        for (s, m), (t, n) in itertools.pairwise(out.clock):\n"
      "            arrivals += [1e3 * (s - t0 + (t - s) * (j + 1) / (n - m)) for j in range(n - m)]\n",
      ["test_worth_it.py::test_tail_latency_as_a_streaming_reader_sees_it"]),
     ("best_rule_on_test", "3: the rule chosen by its test figures",
