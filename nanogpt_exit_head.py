@@ -1714,13 +1714,15 @@ def workload(data, n_prompts, prompt_len):
     if len(data) < prompt_len + 2:
         raise ValueError(f"a {len(data)}-character split is too short for prompts of {prompt_len}")
     starts = torch.linspace(0, len(data) - prompt_len - 1, n_prompts).long()  # (n_prompts,)
-    return data.unfold(0, prompt_len, 1)[starts]  # (n_prompts, prompt_len)
+    return data[starts[:, None] + torch.arange(prompt_len, device=data.device)]
 
 def repetition(tokens, n=4):
     """1 - distinct n-grams / n-grams of one generated sequence: 0 never repeats itself, near 1 a
     loop."""
     grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
-    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
+    if not grams:
+        return 0.0
+    return 1.0 - len(set(grams)) / len(grams)
 
 def quality_pass(decode, data, n_positions, batch_size=1, prompt_len=1):
     """Teacher-forced decoding of batch_size contiguous pieces of data at once, n_positions in
@@ -1729,13 +1731,11 @@ def quality_pass(decode, data, n_positions, batch_size=1, prompt_len=1):
     at every batch size."""
     per_row = n_positions // batch_size
     pieces = data[: batch_size * (prompt_len + per_row)].view(batch_size, -1)  # (B, P + per_row)
-    prompt, forced = pieces.split([prompt_len, per_row], dim=1)  # (B, P), (B, per_row)
-    out = decode(prompt, per_row, forced=forced)
-    logits, targets = out.logits.flatten(0, 1), forced.flatten()  # (N, V), (N,)
-    pred = logits.argmax(-1)  # (N,)
-    return {"pred": pred, "mean_layers": out.layers_run / per_row,
+    out = decode(pieces[:, :prompt_len], per_row, forced=pieces[:, prompt_len:])
+    logits, targets = out.logits.flatten(0, 1), pieces[:, prompt_len:].flatten()  # (N, V), (N,)
+    return {"pred": logits.argmax(-1), "mean_layers": out.layers_run / per_row,
             "test_loss": F.cross_entropy(logits, targets).item(),
-            "test_accuracy": average(pred == targets)}
+            "test_accuracy": average(logits.argmax(-1) == targets)}
 
 def timed(decode, batch, n_tokens, generator):
     """One decode call: (its Generation, seconds, the most device memory it added above what was
@@ -1758,7 +1758,7 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
     while decoding (catch-up included) and re-prefilling, the keys and values it holds a row, the
     device memory it adds at its peak (CUDA's; else None), how repetitive the text is, and the last
     pass's Generations."""
-    batches = prompts.split(batch_size)  # n_batches of (B, T0)
+    batches = prompts.view(-1, batch_size, prompts.size(1))  # (n_batches, B, T0)
     seconds, peak = {key: [0.0] * repeats for key in decoders}, dict.fromkeys(decoders)
     gc.disable()  # no garbage collection while timing: it would land on whichever decoder runs
     try:
@@ -1771,8 +1771,7 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
                     out, took, added = timed(decode, batch, n_tokens, generator)
                     outputs[key].append(out)
                     seconds[key][r] += took
-                    if added is not None:
-                        peak[key] = max(peak[key] or 0, added)
+                    peak[key] = peak[key] if added is None else max(peak[key] or 0, added)
     finally:
         gc.enable()
     steps = len(batches) * n_tokens  # layers_run and prefill_runs count per row
@@ -1784,6 +1783,13 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
                                                for o in outs for r in o.tokens])),
                   "outputs": outs} for key, outs in outputs.items()}
 
+def in_mode(decoders, config):
+    """(name, mode) -> decode for both modes of name -> {mode: decode}: greedy at temperature 0,
+    sampled at the config's temperature and top_k."""
+    temperature = {"greedy": 0.0, "sampled": config.temperature}
+    return {(name, mode): partial(d[mode], temperature=temperature[mode], top_k=config.top_k)
+            for mode in MODES for name, d in decoders.items()}
+
 def table_row(name, mode, speed, quality, config, batch_size):
     """One row of a decoder table: speed over full depth at the same batch size and mode, and
     quality beside it, teacher-forced (a speculative decoder's is full depth's by construction;
@@ -1792,16 +1798,16 @@ def table_row(name, mode, speed, quality, config, batch_size):
     row = {"batch_size": batch_size, "name": name, "mode": mode, **s,
            "speedup": s["tokens_per_second"] / full["tokens_per_second"],
            "cache": {"state_copy": "approx.", "holes": "holes"}.get(name, "exact")}
-    outputs = row.pop("outputs")  # the last pass's Generations
+    del row["outputs"]
     if batch_size == 1:
-        row.update(tail(outputs))
+        row.update(tail(s["outputs"]))
     if quality:
         q = quality.get(name, quality["full"])
         row.update(test_loss=q["test_loss"], test_accuracy=q["test_accuracy"],
                    agreement=average(q["pred"] == quality["full"]["pred"]))
         row["output"] = f"agree {row['agreement']:.3f}"
     if name not in quality:  # speculation: acceptance, and the output it equals
-        row.update(spec_stats(outputs, full["outputs"], mode),  # the draft's last layer
+        row.update(spec_stats(s["outputs"], full["outputs"], mode),  # the draft's last layer
                    draft_exit={"draft_model": config.draft_layers - 1}.get(name, config.draft_exit))
     if name in ("full", *SPECULATIVE):  # full depth's output (sampled: tested; greedy: compared)
         same = row.get("identical_to_full", mode == "greedy" or None)
@@ -1812,15 +1818,13 @@ def measure_decoders(decoders, test, prompts, config, batch_size=1):
     """The rows of a decoder table at one batch size, both modes: speed on the workload,
     interleaved, and quality teacher-forced on test (test None: none). decoders: name -> {mode:
     decode}."""
-    quality = {name: quality_pass(d["greedy"], test, config.quality_positions, batch_size,
-                                  config.bench_prompt_len)
-               for name, d in decoders.items() if test is not None and name not in SPECULATIVE}
-    # (name, mode) -> decode: greedy at temperature 0, sampled at the config's temperature and top_k
-    runs = {(name, mode): partial(d[mode], top_k=config.top_k,
-                                  temperature=config.temperature if mode == "sampled" else 0.0)
-            for mode in MODES for name, d in decoders.items()}
-    speed = speed_pass(runs, prompts, batch_size, config.bench_tokens, config.bench_repeats,
-                       config.seed)
+    quality = {}
+    if test is not None:
+        quality = {name: quality_pass(d["greedy"], test, config.quality_positions, batch_size,
+                                      config.bench_prompt_len)
+                   for name, d in decoders.items() if name not in SPECULATIVE}
+    speed = speed_pass(in_mode(decoders, config), prompts, batch_size, config.bench_tokens,
+                       config.bench_repeats, config.seed)
     return [table_row(name, mode, speed, quality, config, batch_size) for name, mode in speed]
 
 def speculation_costs(model, prompts, config, batch_size, cells, draft):
@@ -1831,9 +1835,8 @@ def speculation_costs(model, prompts, config, batch_size, cells, draft):
     decoders = {(name, k): dict.fromkeys(MODES, decoder(model, name, spec=(config.draft_exit, k),
                                                         draft=draft)) for name, k in cells}
     decoders["full"] = dict.fromkeys(MODES, decoder(model, "full"))
-    return [dict(row, name=row["name"][0])
-            for row in measure_decoders(decoders, None, prompts, config, batch_size)
-            if row["name"] != "full"]
+    rows = measure_decoders(decoders, None, prompts, config, batch_size)
+    return [dict(row, name=row["name"][0]) for row in rows if row["name"] != "full"]
 
 # -----------------------------------------------------------------------------
 # Tables: each defined once, printed on the console and drawn on the page from that definition
@@ -1845,7 +1848,7 @@ def table(text):
     header | format | help'. print_table prints it, html_table renders it, and both write its
     legend from the help."""
     question, *columns = text.strip().split("\n")
-    return question, [list(map(str.strip, column.split("|"))) for column in columns]
+    return question, [[part.strip() for part in column.split("|")] for column in columns]
 
 SWEEP_TABLE = table("""Which threshold?
 threshold      | threshold         | {:.2f}  | a position leaves at the first exit this sure
@@ -1974,7 +1977,7 @@ def print_table(table, rows, conditions="", notes=()):
     # the question as the title, '=== ... ===', wrapped to WIDTH
     print("\n=== " + "\n    ".join(textwrap.wrap(f"{question} {conditions}", WIDTH - 8)) + " ===")
     for line in lines:
-        print("  ".join(map(str.rjust, line, widths)))
+        print("  ".join(v.rjust(w) for v, w in zip(line, widths)))
     for note in (legend(columns), *notes):
         print(textwrap.fill(note, WIDTH, subsequent_indent="  ", break_on_hyphens=False))
 
@@ -2021,8 +2024,8 @@ class Lab:
     def batch_depth(self):
         """A step runs as deep as its deepest row: the expected layers a step at each batch size,
         from val's exits under state_copy's plan."""
-        exits = planned_exits(self.records["val"], "state_copy", self.plans[1]["state_copy"],
-                              self.config.block_size)[0]
+        plan = self.plans[1]["state_copy"]
+        exits = planned_exits(self.records["val"], "state_copy", plan, self.config.block_size)[0]
         return expected_batch_depth(exits, BATCH_SIZES, self.config.n_layer)
 
     def plain(self, d):
@@ -2041,9 +2044,11 @@ class Lab:
         strategies at their plans, and self_speculative and draft_model drafting drafts[name][mode]
         tokens a round."""
         cfg, plans, model = self.config, self.plans[1], self.model
-        made = {name: (dict.fromkeys(MODES, decoder(model, name, plans.get(name), self.rules)),
-                       weight_bytes(model, plans[name]["checked_exits"] if name in plans else ()))
-                for name in names}
+        made = {}
+        for name in names:
+            heads = set(plans[name]["checked_exits"]) if name in plans else ()
+            made[name] = (dict.fromkeys(MODES, decoder(model, name, plans.get(name), self.rules)),
+                          weight_bytes(model, heads))
         draft = self.plain(cfg.draft_layers)
         for name, size in (("self_speculative", weight_bytes(model, [cfg.draft_exit])),
                            ("draft_model", weight_bytes(model) + weight_bytes(draft))):
@@ -2051,12 +2056,16 @@ class Lab:
                            for mode, k in drafts[name].items()}, size)
         return made
 
-    def measure(self, decoders, B, on_val):
+    def measure(self, decoders, B=1, on_val=None):
         """The rows of a decoder table at batch size B on the test workload, both modes, quality
         teacher-forced on test, each beside its prediction and the bytes of weights it reads.
         decoders: name -> ({mode: decode}, weight bytes); on_val: speculation's rows on val, the
-        prediction for it."""
+        prediction for it (timed once here when not given)."""
         cfg, (costs, plans) = self.config, self.plans
+        if on_val is None:  # one timed pass on val: a prediction, not a reported figure
+            on_val = speculation_costs(self.model, self.workloads[0], replace(cfg, bench_repeats=1),
+                                       B, [(name, cfg.num_draft) for name in SPECULATIVE[:2]],
+                                       self.plain(cfg.draft_layers))
         rows = measure_decoders({name: d for name, (d, _) in decoders.items()},
                                 self.splits["test"], self.workloads[1], cfg, B)
         spec = {(e["name"], e["mode"], e["num_draft"]): e for e in on_val}
@@ -2071,17 +2080,12 @@ class Lab:
         cfg = self.config
         k = dict.fromkeys(MODES, cfg.num_draft)
         decoders = self.decoders(("full", *KV_STRATEGIES), dict.fromkeys(SPECULATIVE[:2], k))
-        gpts = {f"{d}-layer GPT": self.plain(d)
-                for d in plain_depths(cfg.depths, cfg.draft_layers, cfg.n_layer)}
-        pruned = pruned_models(self.model, self.splits["val"])
-        for name, model in [*gpts.items(),
-                            *((f"pruned {k}", small) for k, small in pruned.items())]:
+        gpts = {d: self.plain(d) for d in plain_depths(cfg.depths, cfg.draft_layers, cfg.n_layer)}
+        for name, model in [*((f"{d}-layer GPT", gpt) for d, gpt in gpts.items()),
+                            *((f"pruned {k}", small) for k, small in
+                              pruned_models(self.model, self.splits["val"]).items())]:
             decoders[name] = dict.fromkeys(MODES, decoder(model, "full")), weight_bytes(model)
-        # one timed pass on val: a prediction, not a reported figure
-        on_val = speculation_costs(self.model, self.workloads[0], replace(cfg, bench_repeats=1), 1,
-                                   [(name, cfg.num_draft) for name in SPECULATIVE[:2]],
-                                   self.plain(cfg.draft_layers))
-        return self.measure(decoders, 1, on_val)
+        return self.measure(decoders)
 
 def threshold_sweep(lab):
     """Every threshold on val (for the chart), and the table's every tenth."""
@@ -2097,18 +2101,21 @@ def recorded(lab, split):
     """How many positions of a split were recorded: sweep_positions, or all the split holds."""
     return f"{lab.records[split].targets.numel():,}"
 
+def guarantee(cal, positions):
+    return (f"Learn then Test: disagreement <= {100 * cal['epsilon']:g}% with probability >= "
+            f"{100 * (1 - cal['delta']):g}%, chosen on val, reported on "
+            f"{positions} test positions")
+
 def rule_calibrations(lab):
     """Every rule calibrated on val and reported on test, the rule chosen on val, the oracle."""
-    cfg, n, R = lab.config, recorded(lab, "test"), len(lab.rules)
+    cfg, test, R = lab.config, lab.records["test"], len(lab.rules)
     cal = lab.calibrations[cfg.confidence_measure]
     chosen = choose_rule(lab.records, lab.rules, lab.checked, cfg.epsilon, cfg.delta)
-    best = {**oracle(lab.records["test"], lab.checked, cfg.epsilon), "oracle_share": 1.0}
+    best = {**oracle(test, lab.checked, cfg.epsilon), "oracle_share": 1.0}
     rows = [*lab.calibrations.values(), {**chosen, "measure": f"{chosen['measure']}, chosen"},
             {"measure": "oracle", "test": best}]
     return {"calibration_by_measure": rows, "calibration": cal, "chosen_rule": chosen, "notes": [
-        f"Learn then Test: disagreement <= {100 * cal['epsilon']:g}% with probability >= "
-        f"{100 * (1 - cal['delta']):g}%, chosen on val, reported on {n} test positions",
-        "Teacher-forced, with an exact cache, every exit "
+        guarantee(cal, recorded(lab, "test")), "Teacher-forced, with an exact cache, every exit "
         "checked. The oracle leaves at the first exit whose top-1 is full depth's, and spends "
         "epsilon where that saves most: no rule saves more at the same disagreement.",
         f"The chosen rule, {chosen['measure']}: of the {R}, the one that saves the most on val "
@@ -2116,8 +2123,8 @@ def rule_calibrations(lab):
         "guarantee; a rule picked by its test figures would not."]}
 
 def patience_sweep(lab):
-    return {"patience": patience_rows(lab.records["val"], lab.checked),
-            "notes": [f"{recorded(lab, 'val')} val positions"]}
+    rows = patience_rows(lab.records["val"], lab.checked)
+    return {"patience": rows, "notes": [f"{recorded(lab, 'val')} val positions"]}
 
 def exit_calibrations(lab):
     rows = exit_calibration(lab.records["test"])
@@ -2211,11 +2218,12 @@ def frontier(lab):
     """When does early exit pay? Every point by test loss, teacher-forced on the same test
     positions, against its speed-up in each mode, marked with the point that beats it on both;
     and what each holds in memory."""
-    cfg, points = lab.config, frontier_points(lab.measured)
-    for p in points:  # peak_kb: None where the device reports none
-        p.update(weights_mb=p["weight_bytes"] / 2**20, kv_kb=p["cache_bytes"] / 2**10,
-                 peak_kb=p["peak_bytes"] and p["peak_bytes"] / 2**10)
-    rows = [{key: p[key] for key, *_ in FRONTIER_TABLE[1]} for p in points]
+    cfg, keys = lab.config, [key for key, *_ in FRONTIER_TABLE[1]]
+    rows = []
+    for p in frontier_points(lab.measured):
+        peak = p["peak_bytes"] and p["peak_bytes"] / 2**10  # None where the device reports none
+        p.update(weights_mb=p["weight_bytes"] / 2**20, kv_kb=p["cache_bytes"] / 2**10, peak_kb=peak)
+        rows.append({key: p[key] for key in keys})
     on = {mode: ", ".join(r["name"] for r in rows if r[f"dominated_{mode}"] is None)
           for mode in MODES}
     seconds = ", ".join(f"{d}-layer GPT {t:.0f} s" for d, (_, t) in sorted(lab.plain_gpts.items()))
@@ -2235,26 +2243,27 @@ BATCH_DESIGNS = ("full", "state_copy", "skipdecode")  # then both drafters and a
 # num_draft tried in batches (11 fills 33 new tokens: half of block 64, plus 1)
 BATCH_DRAFTS = (4, 8, 11, 16)
 
+def batch_rows(lab, B, cells):
+    """The batch table's rows at batch size B: each drafter at the k fastest on val in each mode,
+    and auto running self_speculative's k or, where none beat full depth on val, full depth."""
+    on_val = speculation_costs(lab.model, lab.workloads[0], lab.config, B, cells,
+                               lab.plain(lab.config.draft_layers))
+    drafts, auto = choose_drafts(on_val)
+    decoders = lab.decoders(BATCH_DESIGNS, drafts)
+    (runs, size), full = decoders["self_speculative"], decoders["full"][0]
+    decoders["auto"] = {mode: runs[mode] if k else full[mode] for mode, k in auto.items()}, size
+    return lab.measure(decoders, B, on_val)
+
 def batches(lab):
     """The batch table: every design at every batch size, greedy and sampled, quality beside
-    speed, and the cost model's predictions (--bench_batch only). At each batch size, each drafter
-    runs the k fastest on val in each mode, and auto self_speculative's k or, where none beat full
-    depth on val, full depth."""
-    cfg, plans = lab.config, lab.plans[1]
+    speed, and the cost model's predictions (--bench_batch only)."""
+    cfg, (_, plans) = lab.config, lab.plans
     if not cfg.bench_batch:
         return {}
     drafts = sorted({*BATCH_DRAFTS, cfg.num_draft})
-    cells = list(itertools.product(SPECULATIVE[:2], drafts))  # (drafter, k)
+    cells = [(name, k) for name in SPECULATIVE[:2] for k in drafts]
     sizes = [B for B in BATCH_SIZES if cfg.bench_prompts % B == 0]
-    rows = []
-    for B in sizes:
-        on_val = speculation_costs(lab.model, lab.workloads[0], cfg, B, cells,
-                                   lab.plain(cfg.draft_layers))
-        fastest, auto = choose_drafts(on_val)
-        decoders = lab.decoders(BATCH_DESIGNS, fastest)
-        (runs, size), full = decoders["self_speculative"], decoders["full"][0]
-        decoders["auto"] = {mode: runs[mode] if k else full[mode] for mode, k in auto.items()}, size
-        rows += lab.measure(decoders, B, on_val)
+    rows = [row for B in sizes for row in batch_rows(lab, B, cells)]
     chose = [f"B={r['batch_size']} {r['mode']} {r['choice']}" for r in rows if r["name"] == "auto"]
     skip = plans["skipdecode"]
     return {"batched": rows, "notes": [
