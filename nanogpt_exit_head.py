@@ -1714,15 +1714,13 @@ def workload(data, n_prompts, prompt_len):
     if len(data) < prompt_len + 2:
         raise ValueError(f"a {len(data)}-character split is too short for prompts of {prompt_len}")
     starts = torch.linspace(0, len(data) - prompt_len - 1, n_prompts).long()  # (n_prompts,)
-    return data[starts[:, None] + torch.arange(prompt_len, device=data.device)]
+    return data[:-1].unfold(0, prompt_len, 1)[starts]  # windows followed by one more character
 
 def repetition(tokens, n=4):
     """1 - distinct n-grams / n-grams of one generated sequence: 0 never repeats itself, near 1 a
     loop."""
-    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
-    if not grams:
-        return 0.0
-    return 1.0 - len(set(grams)) / len(grams)
+    grams = list(zip(*(tokens[i:] for i in range(n))))
+    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
 
 def quality_pass(decode, data, n_positions, batch_size=1, prompt_len=1):
     """Teacher-forced decoding of batch_size contiguous pieces of data at once, n_positions in
@@ -1731,25 +1729,13 @@ def quality_pass(decode, data, n_positions, batch_size=1, prompt_len=1):
     at every batch size."""
     per_row = n_positions // batch_size
     pieces = data[: batch_size * (prompt_len + per_row)].view(batch_size, -1)  # (B, P + per_row)
-    out = decode(pieces[:, :prompt_len], per_row, forced=pieces[:, prompt_len:])
-    logits, targets = out.logits.flatten(0, 1), pieces[:, prompt_len:].flatten()  # (N, V), (N,)
-    return {"pred": logits.argmax(-1), "mean_layers": out.layers_run / per_row,
+    prompt, targets = pieces.split([prompt_len, per_row], 1)
+    out = decode(prompt, per_row, forced=targets)
+    logits, targets = out.logits.flatten(0, 1), targets.flatten()  # (N, V), (N,)
+    pred = logits.argmax(-1)
+    return {"pred": pred, "mean_layers": out.layers_run / per_row,
             "test_loss": F.cross_entropy(logits, targets).item(),
-            "test_accuracy": average(logits.argmax(-1) == targets)}
-
-def timed(decode, batch, n_tokens, generator):
-    """One decode call: (its Generation, seconds, the most device memory it added above what was
-    allocated before it: CUDA's, else None)."""
-    cuda, device = batch.is_cuda, batch.device
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-    synchronize(device)
-    t0 = time.perf_counter()
-    out = decode(batch, n_tokens, generator=generator)
-    synchronize(device)
-    seconds = time.perf_counter() - t0
-    return out, seconds, torch.cuda.max_memory_allocated(device) - before if cuda else None
+            "test_accuracy": average(pred == targets)}
 
 def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
     """Every decoder continues the workload, batch_size prompts a call, repeats times, interleaved
@@ -1758,7 +1744,7 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
     while decoding (catch-up included) and re-prefilling, the keys and values it holds a row, the
     device memory it adds at its peak (CUDA's; else None), how repetitive the text is, and the last
     pass's Generations."""
-    batches = prompts.view(-1, batch_size, prompts.size(1))  # (n_batches, B, T0)
+    batches, device = prompts.split(batch_size), prompts.device  # each (B, T0)
     seconds, peak = {key: [0.0] * repeats for key in decoders}, dict.fromkeys(decoders)
     gc.disable()  # no garbage collection while timing: it would land on whichever decoder runs
     try:
@@ -1767,11 +1753,18 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
             for i, batch in enumerate(batches):
                 for key, decode in decoders.items():
                     # batch i samples from seed + i, whichever decoder and pass runs it
-                    generator = torch.Generator(prompts.device).manual_seed(seed + i)
-                    out, took, added = timed(decode, batch, n_tokens, generator)
-                    outputs[key].append(out)
-                    seconds[key][r] += took
-                    peak[key] = peak[key] if added is None else max(peak[key] or 0, added)
+                    generator = torch.Generator(device).manual_seed(seed + i)
+                    if prompts.is_cuda:  # the peak a call adds above what was allocated before it
+                        torch.cuda.reset_peak_memory_stats(device)
+                        before = torch.cuda.memory_allocated(device)
+                    synchronize(device)
+                    t0 = time.perf_counter()
+                    outputs[key].append(decode(batch, n_tokens, generator=generator))
+                    synchronize(device)
+                    seconds[key][r] += time.perf_counter() - t0
+                    if prompts.is_cuda:
+                        peak[key] = max(peak[key] or 0,
+                                        torch.cuda.max_memory_allocated(device) - before)
     finally:
         gc.enable()
     steps = len(batches) * n_tokens  # layers_run and prefill_runs count per row
@@ -1783,13 +1776,6 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
                                                for o in outs for r in o.tokens])),
                   "outputs": outs} for key, outs in outputs.items()}
 
-def in_mode(decoders, config):
-    """(name, mode) -> decode for both modes of name -> {mode: decode}: greedy at temperature 0,
-    sampled at the config's temperature and top_k."""
-    temperature = {"greedy": 0.0, "sampled": config.temperature}
-    return {(name, mode): partial(d[mode], temperature=temperature[mode], top_k=config.top_k)
-            for mode in MODES for name, d in decoders.items()}
-
 def table_row(name, mode, speed, quality, config, batch_size):
     """One row of a decoder table: speed over full depth at the same batch size and mode, and
     quality beside it, teacher-forced (a speculative decoder's is full depth's by construction;
@@ -1798,16 +1784,16 @@ def table_row(name, mode, speed, quality, config, batch_size):
     row = {"batch_size": batch_size, "name": name, "mode": mode, **s,
            "speedup": s["tokens_per_second"] / full["tokens_per_second"],
            "cache": {"state_copy": "approx.", "holes": "holes"}.get(name, "exact")}
-    del row["outputs"]
+    outputs = row.pop("outputs")
     if batch_size == 1:
-        row.update(tail(s["outputs"]))
+        row.update(tail(outputs))
     if quality:
         q = quality.get(name, quality["full"])
         row.update(test_loss=q["test_loss"], test_accuracy=q["test_accuracy"],
                    agreement=average(q["pred"] == quality["full"]["pred"]))
         row["output"] = f"agree {row['agreement']:.3f}"
     if name not in quality:  # speculation: acceptance, and the output it equals
-        row.update(spec_stats(s["outputs"], full["outputs"], mode),  # the draft's last layer
+        row.update(spec_stats(outputs, full["outputs"], mode),  # the draft's last layer
                    draft_exit={"draft_model": config.draft_layers - 1}.get(name, config.draft_exit))
     if name in ("full", *SPECULATIVE):  # full depth's output (sampled: tested; greedy: compared)
         same = row.get("identical_to_full", mode == "greedy" or None)
@@ -1818,13 +1804,14 @@ def measure_decoders(decoders, test, prompts, config, batch_size=1):
     """The rows of a decoder table at one batch size, both modes: speed on the workload,
     interleaved, and quality teacher-forced on test (test None: none). decoders: name -> {mode:
     decode}."""
-    quality = {}
-    if test is not None:
-        quality = {name: quality_pass(d["greedy"], test, config.quality_positions, batch_size,
-                                      config.bench_prompt_len)
-                   for name, d in decoders.items() if name not in SPECULATIVE}
-    speed = speed_pass(in_mode(decoders, config), prompts, batch_size, config.bench_tokens,
-                       config.bench_repeats, config.seed)
+    quality = {name: quality_pass(d["greedy"], test, config.quality_positions, batch_size,
+                                  config.bench_prompt_len)
+               for name, d in decoders.items() if test is not None and name not in SPECULATIVE}
+    runs = {(name, mode): partial(d[mode], top_k=config.top_k,  # greedy: temperature 0
+                                  temperature=config.temperature if mode == "sampled" else 0.0)
+            for mode in MODES for name, d in decoders.items()}
+    speed = speed_pass(runs, prompts, batch_size, config.bench_tokens, config.bench_repeats,
+                       config.seed)
     return [table_row(name, mode, speed, quality, config, batch_size) for name, mode in speed]
 
 def speculation_costs(model, prompts, config, batch_size, cells, draft):
@@ -1962,22 +1949,20 @@ def field(row, key):
 
 def format_cell(value, fmt):
     """A table cell as text: '-' where a row has no such figure; a list, each item formatted."""
-    if value is None:
-        return "-"
     if isinstance(value, list):
         return " ".join(map(fmt.format, value))
-    return fmt.format(value)
+    return "-" if value is None else fmt.format(value)
 
 def print_table(table, rows, conditions="", notes=()):
     """A table under its question and the conditions it was measured in, then legend and notes."""
     question, columns = table
-    lines = [[header for _, header, _, _ in columns]]
-    lines += [[format_cell(field(row, key), fmt) for key, _, fmt, _ in columns] for row in rows]
-    widths = [max(map(len, column)) for column in zip(*lines)]
+    cells = [[header, *(format_cell(field(row, key), fmt) for row in rows)]  # a column each
+             for key, header, fmt, _ in columns]
+    widths = [max(map(len, column)) for column in cells]
     # the question as the title, '=== ... ===', wrapped to WIDTH
     print("\n=== " + "\n    ".join(textwrap.wrap(f"{question} {conditions}", WIDTH - 8)) + " ===")
-    for line in lines:
-        print("  ".join(v.rjust(w) for v, w in zip(line, widths)))
+    for line in zip(*cells):
+        print("  ".join(f"{v:>{w}}" for v, w in zip(line, widths)))
     for note in (legend(columns), *notes):
         print(textwrap.fill(note, WIDTH, subsequent_indent="  ", break_on_hyphens=False))
 
@@ -1998,12 +1983,11 @@ class Lab:
         self.workloads = [workload(self.splits[s], config.bench_prompts, config.bench_prompt_len)
                           for s in ("val", "test")]
         self.rules = exit_rules(fit_on_pieces(model, self.splits["train"], config.sweep_positions))
-        texts = {s: self.splits[s] for s in ("val", "test")}
-        if config.shift_path:
+        if config.shift_path:  # text of another kind, beside the splits
             shift = tokenizer.encode(read_text(config, "shift_path"))
-            texts["shift"] = torch.tensor(shift, device=device)
-        self.records = {s: record_exits(model, t, config.sweep_positions, self.rules)
-                        for s, t in texts.items()}
+            self.splits["shift"] = torch.tensor(shift, device=device)
+        self.records = {s: record_exits(model, text, config.sweep_positions, self.rules)
+                        for s, text in self.splits.items() if s != "train"}
         self.calibrations = {m: calibration_report(self.records, m, self.checked, config.epsilon,
                                                    config.delta) for m in self.rules}
         self.plain_gpts = {}  # depth -> (a plain GPT trained alike, its training seconds)
@@ -2039,53 +2023,52 @@ class Lab:
             self.plain_gpts[d] = model, seconds
         return self.plain_gpts[d][0]
 
-    def decoders(self, names, drafts):
-        """name -> ({mode: decode}, the bytes of weights it reads): full depth and these KV
-        strategies at their plans, and self_speculative and draft_model drafting drafts[name][mode]
-        tokens a round."""
-        cfg, plans, model = self.config, self.plans[1], self.model
-        made = {}
-        for name in names:
-            heads = set(plans[name]["checked_exits"]) if name in plans else ()
-            made[name] = (dict.fromkeys(MODES, decoder(model, name, plans.get(name), self.rules)),
-                          weight_bytes(model, heads))
-        draft = self.plain(cfg.draft_layers)
-        for name, size in (("self_speculative", weight_bytes(model, [cfg.draft_exit])),
-                           ("draft_model", weight_bytes(model) + weight_bytes(draft))):
-            made[name] = ({mode: decoder(model, name, spec=(cfg.draft_exit, k), draft=draft)
-                           for mode, k in drafts[name].items()}, size)
-        return made
-
-    def measure(self, decoders, B=1, on_val=None):
+    def measure(self, B, names, ks, config, more=None, auto=False):
         """The rows of a decoder table at batch size B on the test workload, both modes, quality
-        teacher-forced on test, each beside its prediction and the bytes of weights it reads.
-        decoders: name -> ({mode: decode}, weight bytes); on_val: speculation's rows on val, the
-        prediction for it (timed once here when not given)."""
-        cfg, (costs, plans) = self.config, self.plans
-        if on_val is None:  # one timed pass on val: a prediction, not a reported figure
-            on_val = speculation_costs(self.model, self.workloads[0], replace(cfg, bench_repeats=1),
-                                       B, [(name, cfg.num_draft) for name in SPECULATIVE[:2]],
-                                       self.plain(cfg.draft_layers))
-        rows = measure_decoders({name: d for name, (d, _) in decoders.items()},
-                                self.splits["test"], self.workloads[1], cfg, B)
+        teacher-forced on test, each beside its prediction: full depth and the KV strategies of
+        names at their plans; each drafter at the k of ks that ran fastest on val in its mode
+        (timed under config: the prediction for speculation); with auto, auto running
+        self_speculative's k or, where none beat full depth on val, full depth; and the models of
+        more (name -> model) at full depth."""
+        cfg, (costs, plans), model = self.config, self.plans, self.model
+        draft = self.plain(cfg.draft_layers)
+        on_val = speculation_costs(model, self.workloads[0], config, B,
+                                   [(name, k) for name in SPECULATIVE[:2] for k in ks], draft)
+        drafts, best = choose_drafts(on_val)
+        decoders = {name: dict.fromkeys(MODES, decoder(model, name, plans.get(name), self.rules))
+                    for name in names}
+        for name in SPECULATIVE[:2]:
+            decoders[name] = {mode: decoder(model, name, spec=(cfg.draft_exit, k), draft=draft)
+                              for mode, k in drafts[name].items()}
+        if auto:
+            decoders["auto"] = {mode: decoders["self_speculative" if k else "full"][mode]
+                                for mode, k in best.items()}
+        for name, small in (more or {}).items():
+            decoders[name] = dict.fromkeys(MODES, decoder(small, "full"))
+        rows = measure_decoders(decoders, self.splits["test"], self.workloads[1], cfg, B)
         spec = {(e["name"], e["mode"], e["num_draft"]): e for e in on_val}
-        return [dict(r, weight_bytes=decoders[r["name"]][1],
-                     **prediction(r, plans, spec, costs, self.batch_depth(), cfg.n_layer))
+        return [dict(r, **prediction(r, plans, spec, costs, self.batch_depth(), cfg.n_layer))
                 for r in rows]
 
     @cached_property
     def measured(self):
-        """Every decoder at batch 1, both modes: full depth, the KV strategies, both drafters, the
-        pruned models and every plain GPT the run trains."""
-        cfg = self.config
-        k = dict.fromkeys(MODES, cfg.num_draft)
-        decoders = self.decoders(("full", *KV_STRATEGIES), dict.fromkeys(SPECULATIVE[:2], k))
-        gpts = {d: self.plain(d) for d in plain_depths(cfg.depths, cfg.draft_layers, cfg.n_layer)}
-        for name, model in [*((f"{d}-layer GPT", gpt) for d, gpt in gpts.items()),
-                            *((f"pruned {k}", small) for k, small in
-                              pruned_models(self.model, self.splits["val"]).items())]:
-            decoders[name] = dict.fromkeys(MODES, decoder(model, "full")), weight_bytes(model)
-        return self.measure(decoders)
+        """Every decoder at batch 1, both modes: full depth, the KV strategies, both drafters (at
+        num_draft, timed on val once: a prediction, not a reported figure), the pruned models and
+        every plain GPT the run trains; each with the bytes of weights it reads (the exit heads it
+        checks; a draft model's too)."""
+        cfg, model = self.config, self.model
+        more = {f"{d}-layer GPT": self.plain(d)
+                for d in plain_depths(cfg.depths, cfg.draft_layers, cfg.n_layer)}
+        more.update((f"pruned {k}", p) for k, p in pruned_models(model, self.splits["val"]).items())
+        rows = self.measure(1, ("full", *KV_STRATEGIES), [cfg.num_draft],
+                            replace(cfg, bench_repeats=1), more)
+        heads = {name: plan["checked_exits"] for name, plan in self.plans[1].items()}
+        heads["self_speculative"] = [cfg.draft_exit]
+        for r in rows:
+            r["weight_bytes"] = weight_bytes(more.get(r["name"], model), heads.get(r["name"], ()))
+            if r["name"] == "draft_model":
+                r["weight_bytes"] += weight_bytes(self.plain(cfg.draft_layers))
+        return rows
 
 def threshold_sweep(lab):
     """Every threshold on val (for the chart), and the table's every tenth."""
@@ -2101,30 +2084,27 @@ def recorded(lab, split):
     """How many positions of a split were recorded: sweep_positions, or all the split holds."""
     return f"{lab.records[split].targets.numel():,}"
 
-def guarantee(cal, positions):
-    return (f"Learn then Test: disagreement <= {100 * cal['epsilon']:g}% with probability >= "
-            f"{100 * (1 - cal['delta']):g}%, chosen on val, reported on "
-            f"{positions} test positions")
-
 def rule_calibrations(lab):
     """Every rule calibrated on val and reported on test, the rule chosen on val, the oracle."""
-    cfg, test, R = lab.config, lab.records["test"], len(lab.rules)
+    cfg = lab.config
     cal = lab.calibrations[cfg.confidence_measure]
     chosen = choose_rule(lab.records, lab.rules, lab.checked, cfg.epsilon, cfg.delta)
-    best = {**oracle(test, lab.checked, cfg.epsilon), "oracle_share": 1.0}
+    best = {**oracle(lab.records["test"], lab.checked, cfg.epsilon), "oracle_share": 1.0}
     rows = [*lab.calibrations.values(), {**chosen, "measure": f"{chosen['measure']}, chosen"},
             {"measure": "oracle", "test": best}]
     return {"calibration_by_measure": rows, "calibration": cal, "chosen_rule": chosen, "notes": [
-        guarantee(cal, recorded(lab, "test")), "Teacher-forced, with an exact cache, every exit "
-        "checked. The oracle leaves at the first exit whose top-1 is full depth's, and spends "
-        "epsilon where that saves most: no rule saves more at the same disagreement.",
-        f"The chosen rule, {chosen['measure']}: of the {R}, the one that saves the most on val "
-        f"when each is calibrated at delta / {R} (Bonferroni), so that the choice keeps the "
-        "guarantee; a rule picked by its test figures would not."]}
+        f"Learn then Test: disagreement <= {100 * cal['epsilon']:g}% with probability >= "
+        f"{100 * (1 - cal['delta']):g}%, chosen on val, reported on {recorded(lab, 'test')} "
+        "test positions", "Teacher-forced, with an exact cache, every exit checked. The oracle "
+        "leaves at the first exit whose top-1 is full depth's, and spends epsilon where that "
+        "saves most: no rule saves more at the same disagreement.",
+        f"The chosen rule, {chosen['measure']}: of the {len(lab.rules)}, the one that saves the "
+        f"most on val when each is calibrated at delta / {len(lab.rules)} (Bonferroni), so that "
+        "the choice keeps the guarantee; a rule picked by its test figures would not."]}
 
 def patience_sweep(lab):
-    rows = patience_rows(lab.records["val"], lab.checked)
-    return {"patience": rows, "notes": [f"{recorded(lab, 'val')} val positions"]}
+    return {"patience": patience_rows(lab.records["val"], lab.checked),
+            "notes": [f"{recorded(lab, 'val')} val positions"]}
 
 def exit_calibrations(lab):
     rows = exit_calibration(lab.records["test"])
@@ -2137,11 +2117,11 @@ def shifted_text(lab):
     if "shift" not in lab.records:
         return {}
     path, cal = lab.config.shift_path, lab.calibrations[lab.config.confidence_measure]
-    t, sh = cal["test"], cal["shift"]
+    sh = cal["shift"]
     return {"shift": list(lab.calibrations.values()), "notes": [
         f"{path}, {recorded(lab, 'shift')} positions",
-        f"share leaving at layer 0 ({cal['measure']}): test {t['exit_fractions'][0]:.1%}, "
-        f"shifted {sh['exit_fractions'][0]:.1%}",
+        f"share leaving at layer 0 ({cal['measure']}): test {cal['test']['exit_fractions'][0]:.1%}"
+        f", shifted {sh['exit_fractions'][0]:.1%}",
         f"On {path}, epsilon {'held' if sh['held'] else 'was BROKEN'} for {cal['measure']}: "
         f"{sh['disagreement']:.2%} disagreement against {100 * cal['epsilon']:g}%. The "
         "guarantee covers text like val, and nothing else."]}
@@ -2166,21 +2146,19 @@ def strategies(lab):
     cfg, (costs, plans) = lab.config, lab.plans
     rows = [r for r in lab.measured if not r["name"].startswith("pruned")]
     L, b, check = cfg.n_layer, costs["block"], cfg.confidence_measure
-    depth = lab.batch_depth()
     exact = {True: "identical to full depth on every prompt", False: "NOT identical to full depth",
              None: "exact in distribution (tested)"}
     drafter = {"self_speculative": f"draft_exit={cfg.draft_exit}",
                "draft_model": f"a {cfg.draft_layers}-layer GPT drafting"}
     notes = [f"{e['name']} {e['mode']}: {drafter[e['name']]}, num_draft={e['num_draft']}, "
              f"acceptance {e['acceptance_rate']:.3f} (drafts kept over drafts a row could keep), "
-             f"{e['tokens_per_verify']:.2f} tokens a verify pass, " + exact[e["identical_to_full"]]
+             f"{e['tokens_per_verify']:.2f} tokens a verify pass, {exact[e['identical_to_full']]}"
              for e in rows if e["name"] in drafter]
     # the full model's decoders: a smaller GPT re-prefills fewer layers
     prefill = sorted({round(e["prefill_layers"], 2) for e in rows
                       if not e["name"].endswith(("GPT", "draft_model"))})  # the exit model's alone
-    impossible = ""
-    if costs["token"] < L * b:
-        impossible = f", IMPOSSIBLE ({L} blocks): so after {costs['attempts']} measurements"
+    impossible = (f", IMPOSSIBLE ({L} blocks): so after {costs['attempts']} measurements"
+                  if costs["token"] < L * b else "")
     return {"strategies": rows, "decode_costs": costs, "plans": plans, "notes": [
         f"{cfg.bench_prompts} test prompts of {cfg.bench_prompt_len} characters, "
         f"{cfg.bench_tokens} more each, batch 1, median of {cfg.bench_repeats} interleaved runs",
@@ -2199,7 +2177,7 @@ def strategies(lab):
         f"{costs['final_head'] / b:.2f}, a full-depth token {costs['token'] / b:.1f}{impossible}.",
         "A batch runs as deep as its deepest row; expected layers a step (of "
         f"{L}, val's exits under state_copy's plan): "
-        f"{', '.join(f'B={B}: {d:.2f}' for B, d in depth.items())}."]}
+        f"{', '.join(f'B={B}: {d:.2f}' for B, d in lab.batch_depth().items())}."]}
 
 def tails(lab):
     """Average or tail: the strategies rows' latency, and which decoders have a worse tail."""
@@ -2218,12 +2196,11 @@ def frontier(lab):
     """When does early exit pay? Every point by test loss, teacher-forced on the same test
     positions, against its speed-up in each mode, marked with the point that beats it on both;
     and what each holds in memory."""
-    cfg, keys = lab.config, [key for key, *_ in FRONTIER_TABLE[1]]
-    rows = []
-    for p in frontier_points(lab.measured):
-        peak = p["peak_bytes"] and p["peak_bytes"] / 2**10  # None where the device reports none
-        p.update(weights_mb=p["weight_bytes"] / 2**20, kv_kb=p["cache_bytes"] / 2**10, peak_kb=peak)
-        rows.append({key: p[key] for key in keys})
+    cfg, rows = lab.config, []
+    for p in frontier_points(lab.measured):  # peak: None where the device reports none
+        p.update(weights_mb=p["weight_bytes"] / 2**20, kv_kb=p["cache_bytes"] / 2**10,
+                 peak_kb=p["peak_bytes"] and p["peak_bytes"] / 2**10)
+        rows.append({key: p[key] for key, *_ in FRONTIER_TABLE[1]})
     on = {mode: ", ".join(r["name"] for r in rows if r[f"dominated_{mode}"] is None)
           for mode in MODES}
     seconds = ", ".join(f"{d}-layer GPT {t:.0f} s" for d, (_, t) in sorted(lab.plain_gpts.items()))
@@ -2243,27 +2220,15 @@ BATCH_DESIGNS = ("full", "state_copy", "skipdecode")  # then both drafters and a
 # num_draft tried in batches (11 fills 33 new tokens: half of block 64, plus 1)
 BATCH_DRAFTS = (4, 8, 11, 16)
 
-def batch_rows(lab, B, cells):
-    """The batch table's rows at batch size B: each drafter at the k fastest on val in each mode,
-    and auto running self_speculative's k or, where none beat full depth on val, full depth."""
-    on_val = speculation_costs(lab.model, lab.workloads[0], lab.config, B, cells,
-                               lab.plain(lab.config.draft_layers))
-    drafts, auto = choose_drafts(on_val)
-    decoders = lab.decoders(BATCH_DESIGNS, drafts)
-    (runs, size), full = decoders["self_speculative"], decoders["full"][0]
-    decoders["auto"] = {mode: runs[mode] if k else full[mode] for mode, k in auto.items()}, size
-    return lab.measure(decoders, B, on_val)
-
 def batches(lab):
     """The batch table: every design at every batch size, greedy and sampled, quality beside
     speed, and the cost model's predictions (--bench_batch only)."""
-    cfg, (_, plans) = lab.config, lab.plans
+    cfg, plans = lab.config, lab.plans[1]
     if not cfg.bench_batch:
         return {}
-    drafts = sorted({*BATCH_DRAFTS, cfg.num_draft})
-    cells = [(name, k) for name in SPECULATIVE[:2] for k in drafts]
+    ks = sorted({*BATCH_DRAFTS, cfg.num_draft})
     sizes = [B for B in BATCH_SIZES if cfg.bench_prompts % B == 0]
-    rows = [row for B in sizes for row in batch_rows(lab, B, cells)]
+    rows = [row for B in sizes for row in lab.measure(B, BATCH_DESIGNS, ks, cfg, auto=True)]
     chose = [f"B={r['batch_size']} {r['mode']} {r['choice']}" for r in rows if r["name"] == "auto"]
     skip = plans["skipdecode"]
     return {"batched": rows, "notes": [
@@ -2274,7 +2239,7 @@ def batches(lab):
         f"waiting for the deepest. skipdecode: every row exits at layer {skip['label']} (window "
         f"position; val: {skip['compute_saved']:.1%} saved, {skip['disagreement']:.2%} "
         f"disagreement). self_speculative (draft_exit={cfg.draft_exit}) and draft_model (a "
-        f"{cfg.draft_layers}-layer GPT): k the fastest on val of {drafts}."]}
+        f"{cfg.draft_layers}-layer GPT): k the fastest on val of {ks}."]}
 
 # -----------------------------------------------------------------------------
 # The page: out_dir/report.html, one self-contained page (inline CSS and SVG, no script)

@@ -172,7 +172,7 @@ MISTAKES = [
      '    if name.startswith("cuda:"):\n        torch.cuda.set_device(name)\n', "",
      ["test_processes.py::test_a_named_gpu_becomes_the_current_one"]),
     ("quality_from_position_0", "the tables' quality read from window position 0, not after the workload's prompt",
-     "batch_size,\n                                      config.bench_prompt_len)", "batch_size)",
+     "batch_size,\n                                  config.bench_prompt_len)", "batch_size)",
      ["test_figures.py::test_the_decoder_tables_read_quality_after_the_workloads_prompt"]),
     ("threshold_two_decimals", "a calibrated 0.996 printed as 1.00", "| thr       | {:.3g}  |", "| thr       | {:.2f}  |",
      ["test_figures.py::test_the_strategies_table_prints_the_calibrated_threshold_as_calibrated"]),
