@@ -2023,13 +2023,14 @@ class Lab:
             self.plain_gpts[d] = model, seconds
         return self.plain_gpts[d][0]
 
-    def measure(self, B, names, ks, config, more=None, auto=False):
+    def measure(self, B, names, ks, config, more, auto=False):
         """The rows of a decoder table at batch size B on the test workload, both modes, quality
-        teacher-forced on test, each beside its prediction: full depth and the KV strategies of
-        names at their plans; each drafter at the k of ks that ran fastest on val in its mode
-        (timed under config: the prediction for speculation); with auto, auto running
-        self_speculative's k or, where none beat full depth on val, full depth; and the models of
-        more (name -> model) at full depth."""
+        teacher-forced on test, each beside its prediction and the bytes of weights it reads (the
+        exit heads it checks; a draft model's too): full depth and the KV strategies of names at
+        their plans; each drafter at the k of ks that ran fastest on val in its mode (timed under
+        config: the prediction for speculation); with auto, auto running self_speculative's k or,
+        where none beat full depth on val, full depth; and the models of more (name -> model) at
+        full depth."""
         cfg, (costs, plans), model = self.config, self.plans, self.model
         draft = self.plain(cfg.draft_layers)
         on_val = speculation_costs(model, self.workloads[0], config, B,
@@ -2043,32 +2044,30 @@ class Lab:
         if auto:
             decoders["auto"] = {mode: decoders["self_speculative" if k else "full"][mode]
                                 for mode, k in best.items()}
-        for name, small in (more or {}).items():
+        for name, small in more.items():
             decoders[name] = dict.fromkeys(MODES, decoder(small, "full"))
         rows = measure_decoders(decoders, self.splits["test"], self.workloads[1], cfg, B)
         spec = {(e["name"], e["mode"], e["num_draft"]): e for e in on_val}
-        return [dict(r, **prediction(r, plans, spec, costs, self.batch_depth(), cfg.n_layer))
-                for r in rows]
+        heads = {name: plan["checked_exits"] for name, plan in plans.items()}
+        heads["self_speculative"] = heads["auto"] = [cfg.draft_exit]  # the draft's exit head
+        for r in rows:
+            r["weight_bytes"] = weight_bytes(more.get(r["name"], model), heads.get(r["name"], ()))
+            if r["name"] == "draft_model":
+                r["weight_bytes"] += weight_bytes(draft)
+            r.update(prediction(r, plans, spec, costs, self.batch_depth(), cfg.n_layer))
+        return rows
 
     @cached_property
     def measured(self):
         """Every decoder at batch 1, both modes: full depth, the KV strategies, both drafters (at
         num_draft, timed on val once: a prediction, not a reported figure), the pruned models and
-        every plain GPT the run trains; each with the bytes of weights it reads (the exit heads it
-        checks; a draft model's too)."""
+        every plain GPT the run trains."""
         cfg, model = self.config, self.model
         more = {f"{d}-layer GPT": self.plain(d)
                 for d in plain_depths(cfg.depths, cfg.draft_layers, cfg.n_layer)}
         more.update((f"pruned {k}", p) for k, p in pruned_models(model, self.splits["val"]).items())
-        rows = self.measure(1, ("full", *KV_STRATEGIES), [cfg.num_draft],
+        return self.measure(1, ("full", *KV_STRATEGIES), [cfg.num_draft],
                             replace(cfg, bench_repeats=1), more)
-        heads = {name: plan["checked_exits"] for name, plan in self.plans[1].items()}
-        heads["self_speculative"] = [cfg.draft_exit]
-        for r in rows:
-            r["weight_bytes"] = weight_bytes(more.get(r["name"], model), heads.get(r["name"], ()))
-            if r["name"] == "draft_model":
-                r["weight_bytes"] += weight_bytes(self.plain(cfg.draft_layers))
-        return rows
 
 def threshold_sweep(lab):
     """Every threshold on val (for the chart), and the table's every tenth."""
@@ -2228,7 +2227,7 @@ def batches(lab):
         return {}
     ks = sorted({*BATCH_DRAFTS, cfg.num_draft})
     sizes = [B for B in BATCH_SIZES if cfg.bench_prompts % B == 0]
-    rows = [row for B in sizes for row in lab.measure(B, BATCH_DESIGNS, ks, cfg, auto=True)]
+    rows = [row for B in sizes for row in lab.measure(B, BATCH_DESIGNS, ks, cfg, {}, auto=True)]
     chose = [f"B={r['batch_size']} {r['mode']} {r['choice']}" for r in rows if r["name"] == "auto"]
     skip = plans["skipdecode"]
     return {"batched": rows, "notes": [
