@@ -1086,8 +1086,9 @@ def spec_stats(outputs, full_outputs, mode):
     that ran, and (greedy) whether every row's output equals full depth's. Outputs of full depth
     (auto's choice where speculation does not pay) count no drafts."""
     runs = [o.stats for o in outputs if isinstance(o, SpeculativeGeneration)]
-    same = None if mode != "greedy" else all(torch.equal(a.tokens, b.tokens)
-                                             for a, b in zip(outputs, full_outputs))
+    same = None  # sampled: tested, not compared
+    if mode == "greedy":
+        same = all(torch.equal(a.tokens, b.tokens) for a, b in zip(outputs, full_outputs))
     if not runs:
         return {"identical_to_full": same}
     rounds, drafted, accepted = (sum(s[k] for s in runs) for k in ("rounds", "drafted", "accepted"))
@@ -1297,9 +1298,10 @@ def calibrate(records, measure, checked_exits, epsilon, delta):
     """The threshold fixed-sequence testing certifies: walking THRESHOLDS from cautious (1.0)
     down, the last one before the first whose disagreement with full depth is not certified below
     epsilon; 1.0 if none is."""
-    n = len(records.targets)
-    # the sweep's share disagreeing with full depth, as a count (exact for n under 2^23)
-    failures = [round(e["disagreement"] * n) for e in sweep(records, measure, checked_exits)]
+    disagree = records.pred != records.pred[-1]  # (L, N): each exit against full depth
+    exits = [exits_at_threshold(records, measure, t, checked_exits) for t in THRESHOLDS]  # (N,)s
+    failures = [int(disagree.gather(0, e[None]).sum()) for e in exits]  # counted exactly
+    n = disagree.size(1)
     # THRESHOLDS[0] is 1.0: full depth when none is certified (the test returns -1)
     return THRESHOLDS[max(fixed_sequence_test(failures, n, epsilon, delta), 0)]
 
@@ -1330,9 +1332,11 @@ def calibration_report(records, measure, checked_exits, epsilon, delta):
 
 def patience_rows(records, checked_exits):
     """Patience with k swept: how much k exits agreeing in a row save, and what they cost."""
-    return [{"k": k, **exit_summary(records, exits_at_threshold(
-                records, "patience", 1 - 0.5 ** (k - 1), checked_exits))}
-            for k in range(1, len(records.pred) + 1)]  # k = n_layer: never leaves early
+    rows = []
+    for k in range(1, len(records.pred) + 1):  # k = n_layer: never leaves early
+        exits = exits_at_threshold(records, "patience", 1 - 0.5 ** (k - 1), checked_exits)
+        rows.append({"k": k, **exit_summary(records, exits)})
+    return rows
 
 def choose_rule(records, rules, checked_exits, epsilon, delta):
     """The rule chosen on val: each of `rules` calibrated at delta / len(rules) (Bonferroni), so the
@@ -1522,6 +1526,7 @@ def strategy_plans(records, costs, config, threshold, checked=None):
         subsets = [list(s) for r in range(1, L) for s in itertools.combinations(range(L - 1), r)]
     plans = {name: best_plan(records, name, config.confidence_measure, threshold, costs, subsets, T)
              for name in KV_STRATEGIES if name != "skipdecode"}
+    # skipdecode, last of KV_STRATEGIES (report.json keeps their order): its plan is a schedule
     skip = choose_schedule(records, L, T, config.schedule_disagreement)
     plans["skipdecode"] = {**skip, "predicted_speedup": predict_speedup(records, "skipdecode",
                                                                         skip, costs, T)}
@@ -2023,17 +2028,17 @@ class Lab:
             self.plain_gpts[d] = model, seconds
         return self.plain_gpts[d][0]
 
-    def measure(self, B, names, ks, config, more, auto=False):
+    def measure(self, B, names, ks, val_config, more, auto=False):
         """The rows of a decoder table at batch size B on the test workload, both modes, quality
         teacher-forced on test, each beside its prediction and the bytes of weights it reads (the
         exit heads it checks; a draft model's too): full depth and the KV strategies of names at
         their plans; each drafter at the k of ks that ran fastest on val in its mode (timed under
-        config: the prediction for speculation); with auto, auto running self_speculative's k or,
-        where none beat full depth on val, full depth; and the models of more (name -> model) at
-        full depth."""
+        val_config: the prediction for speculation); with auto, auto running self_speculative's k
+        or, where none beat full depth on val, full depth; and the models of more (name -> model)
+        at full depth."""
         cfg, (costs, plans), model = self.config, self.plans, self.model
         draft = self.plain(cfg.draft_layers)
-        on_val = speculation_costs(model, self.workloads[0], config, B,
+        on_val = speculation_costs(model, self.workloads[0], val_config, B,
                                    [(name, k) for name in SPECULATIVE[:2] for k in ks], draft)
         drafts, best = choose_drafts(on_val)
         decoders = {name: dict.fromkeys(MODES, decoder(model, name, plans.get(name), self.rules))
