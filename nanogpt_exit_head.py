@@ -1129,12 +1129,12 @@ EXIT_RULES = {**CONFIDENCE_MEASURES, "margin": margin, "entropy": normalised_ent
 def exit_features(probs, state):
     """The learned rule's features (..., F): four rules' confidences, agreement with the exit
     below, a bias, and which character this exit predicts (one-hot)."""
-    # agreement with the exit below: a patience run of two or more (it keeps the top-1 in state)
-    agree = patience(probs, state) > 0.5
+    pred = probs.argmax(-1)
+    agree = (pred == state.get("pred", -1)).float()
+    state["pred"] = pred
     cheap = [EXIT_RULES[m](probs, state) for m in ("top1", "margin", "entropy", "saturation")]
-    # stack and cat make the bools and the one-hot integers float
-    return torch.cat([torch.stack([*cheap, agree, torch.ones_like(agree)], -1),
-                      F.one_hot(state["pred"], probs.size(-1))], -1)
+    one_hot = F.one_hot(pred, probs.size(-1)).to(probs.dtype)
+    return torch.cat([torch.stack([*cheap, agree, torch.ones_like(agree)], -1), one_hot], -1)
 
 def learned(weights, probs, state):
     """The learned rule: per exit, a logistic model's P(this exit's top-1 is full depth's)."""
