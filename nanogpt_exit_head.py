@@ -607,23 +607,9 @@ def run_lesson(config, device):
 # =============================================================================
 # Part II: the ideas, one a section, each returning plain data and printing nothing
 
-import argparse
 import copy
-import difflib
-import gc
-import html
-import inspect
 import itertools
-import json
-import os
-import pickle
-import re
-import signal
-import textwrap
-import zipfile
-from dataclasses import asdict, fields, replace
-from functools import cached_property
-from pathlib import Path
+from dataclasses import replace
 from typing import NamedTuple
 
 @dataclass
@@ -838,10 +824,6 @@ def choose_schedule(records, n_layer, block_size, budget):
                         "exit_layer": e, "compute_saved": figures["compute_saved"],
                         "disagreement": figures["disagreement"], "label": f"{e} from {a}"}
     return {**best, "measure": "top1", "threshold": 0.0}
-
-# every answer to the holes, by name: each makes a fresh strategy for one generation
-KV_STRATEGIES = {"backfill": Backfill, "deferred": Deferred, "state_copy": StateCopy,
-                 "holes": Holes, "skipdecode": SkipDecode}
 
 # -----------------------------------------------------------------------------
 # Speculative decoding: early layers draft (LayerSkip) or a small model; one decoder, any batch
@@ -1330,14 +1312,6 @@ def calibration_report(records, measure, checked_exits, epsilon, delta):
     report["test"]["oracle_share"] = report["test"]["compute_saved"] / max(best, 1e-9)
     return report
 
-def patience_rows(records, checked_exits):
-    """Patience with k swept: how much k exits agreeing in a row save, and what they cost."""
-    rows = []
-    for k in range(1, len(records.pred) + 1):  # k = n_layer: never leaves early
-        exits = exits_at_threshold(records, "patience", 1 - 0.5 ** (k - 1), checked_exits)
-        rows.append({"k": k, **exit_summary(records, exits)})
-    return rows
-
 def choose_rule(records, rules, checked_exits, epsilon, delta):
     """The rule chosen on val: each of `rules` calibrated at delta / len(rules) (Bonferroni), so the
     chance that any of them, and so the chosen one, breaks epsilon stays under delta; the one that
@@ -1346,41 +1320,7 @@ def choose_rule(records, rules, checked_exits, epsilon, delta):
                 for m in rules), key=lambda r: r["val"]["compute_saved"])
 
 # -----------------------------------------------------------------------------
-# Reading the exits: each exit's calibration, the logit lens, and what "easy" means here
-
-def exit_calibration(records, bins=10):
-    """Per exit: the expected calibration error (ECE) of its top-1 confidence against the data
-    and against full depth's top-1 (not for full depth itself), and its reliability table: per
-    confidence bin, the mean confidence, accuracy, agreement with full depth and positions."""
-    conf = records.confidences["top1"]  # (L, N)
-    which = F.one_hot((conf * bins).long().clamp(max=bins - 1), bins).float()  # (L, N, bins)
-    # (3, L, N): each position's confidence, and whether its top-1 is right and is full depth's
-    scores = torch.stack([conf, records.pred == records.targets, records.pred == records.pred[-1]])
-    count = which.sum(1)  # (L, bins)
-    # (3, L, bins): each bin's mean confidence, accuracy and agreement
-    mean = torch.einsum("vln,lnb->vlb", scores, which) / count.clamp(1)
-    ece = ((mean[1:] - mean[0]).abs() * count).sum(-1) / conf.size(1)  # (2, L)
-    rows = [{"layer": l, "ece_data": data, "ece_full": full,
-             "bins": dict(zip(("confidence", "accuracy", "agreement", "positions"),
-                              [*mean[:, l].tolist(), count[l].tolist()])),
-             "reliability": " ".join(f"{a:.2f}" if n else "-"
-                                     for a, n in zip(mean[1, l], count[l]))}
-            for l, (data, full) in enumerate(ece.T.tolist())]
-    rows[-1]["ece_full"] = None  # full depth always agrees with itself
-    return rows
-
-def calibration_note(rows, threshold):
-    """One sentence: do the exits mean the same thing by the same confidence, in the bin of the
-    calibrated threshold (of ten)? rows: exit_calibration's."""
-    b = min(int(10 * threshold), 9)
-    top = [r["bins"]["agreement"][b] for r in rows[:-1] if r["bins"]["positions"][b]]
-    if not top:
-        return "No exit is that sure at any test position."
-    differ = ("the exits differ (by over 2 points), so one threshold does not mean the same "
-              "at every exit." if max(top) - min(top) > 0.02
-              else "one threshold means about the same at every exit.")
-    return (f"Where an exit is {10 * b}-{10 * b + 10}% sure (the calibrated threshold's bin), "
-            f"its top-1 is full depth's {min(top):.1%} to {max(top):.1%} of the time: {differ}")
+# Reading the exits: the logit lens, and what "easy" means here
 
 @torch.inference_mode()
 def logit_lens(model, x):
@@ -1438,11 +1378,11 @@ def exit_check(model, x, rule):
     return int((confidence(model.exit_logits(x[:, 0], 0), rule, state) > 0.9).sum())
 
 @torch.inference_mode()
-def decode_costs(model, prompts, n_tokens, rules, repeats=200, attempts=3):
+def decode_costs(model, prompts, n_tokens, rules, sampling, repeats=200, attempts=3):
     """The unit costs, in seconds at batch 1 (medians): a block attending to a cache of the
     workload's typical length, an exit check by each rule, a state-copy write, the final head,
-    and a whole token of full depth's greedy decoder continuing these prompts (the time every
-    prediction divides; sampling adds a little to both sides of a sampled speed-up). A token
+    and a whole token of full depth's decoder continuing these prompts, greedy and sampled
+    (sampling: temperature, top_k), the time each mode's predictions divide. A token
     cheaper than n_layer blocks is impossible (a busy machine): measured again, up to `attempts`
     times."""
     cfg, device = model.config, prompts.device
@@ -1463,124 +1403,80 @@ def decode_costs(model, prompts, n_tokens, rules, repeats=200, attempts=3):
                 synchronize(device)  # each timer reads finished work
                 t[key].append(time.perf_counter() - t0)
         costs = {key: float(np.median(v)) for key, v in t.items()}
-        t0 = time.perf_counter()
-        for prompt in prompts:
-            generate(model, prompt[None], n_tokens, temperature=0.0)  # greedy: no sampling cost
-        synchronize(device)
-        costs.update(token=(time.perf_counter() - t0) / prompts.size(0) / n_tokens,
-                     attempts=attempt, cache_length=typical)
-        if costs["token"] >= cfg.n_layer * costs["block"]:
+        for mode, temperature in zip(MODES, (0.0, sampling[0])):
+            t0 = time.perf_counter()
+            for prompt in prompts:
+                generate(model, prompt[None], n_tokens, temperature=temperature, top_k=sampling[1],
+                         generator=torch.Generator(device).manual_seed(0))
+            synchronize(device)
+            costs[f"token {mode}"] = (time.perf_counter() - t0) / prompts.size(0) / n_tokens
+        costs.update(attempts=attempt, cache_length=typical)
+        if costs["token greedy"] >= cfg.n_layer * costs["block"]:
             break
     return costs
 
-def planned_exits(records, name, plan, block_size):
-    """Where each recorded position leaves under KV strategy `name`'s exit plan, and the exit checks
-    it runs on the way: (N,) layers, (N,) checks. SkipDecode leaves at its schedule's layer for the
-    window position, after one check; at threshold 1 no exit is checked."""
-    if name == "skipdecode":
-        wpos = window_positions(records.targets.numel(), block_size)  # (N,)
-        exits = torch.tensor(plan["checked_exits"])[wpos].to(records.pred.device)  # (N,)
-        return exits, (exits < len(records.pred) - 1).long()
+def step_counts(exits, checks, last):
+    """What a plan's decode steps do, as the cost model prices them: the share that leave before
+    the last layer, the blocks a step skips, and its exit checks. exits (N,): where each step left
+    (a batch's step: its deepest row); checks: exit checks a step."""
+    return {"early": average(exits < last), "skipped": average(last - exits), "checks": checks}
+
+def plan_counts(records, plan):
+    """The step counts of an exit plan at a threshold on recorded positions (teacher-forced):
+    every exit a position passes is checked; at threshold 1 none is."""
     exits = exits_at_threshold(records, plan["measure"], plan["threshold"], plan["checked_exits"])
-    if plan["threshold"] >= 1:
-        return exits, torch.zeros_like(exits)
-    return exits, sum((exits >= l).long() for l in plan["checked_exits"])  # every exit passed
+    checks = sum(average(exits >= l) for l in plan["checked_exits"] if plan["threshold"] < 1)
+    return step_counts(exits, checks, len(records.pred) - 1)
 
-def predict_speedup(records, name, plan, costs, block_size):
-    """Full depth's measured time per token over the predicted time of a KV strategy's plan.
+def workload_counts(outputs, last):
+    """The step counts of a decoder's Generations on a workload: each step as deep as its deepest
+    row, and the exit checks it ran."""
+    exits = torch.cat([o.exited_at.amax(0) for o in outputs])  # (steps,)
+    return step_counts(exits, sum(o.exit_checks for o in outputs) / len(exits), last)
 
-    Leaving at layer e skips the final head and (but under backfill, which runs the blocks above
-    for the cache) the n_layer - 1 - e blocks above; every check costs a head, a confidence and a
-    host sync, and state_copy a write when it leaves early. Deferred's catch-up rides in the next
-    token's block call, so it is counted as no extra call."""
-    exits, checks = planned_exits(records, name, plan, block_size)
-    last = len(records.pred) - 1
-    early = average(exits < last)
-    saved = early * costs["final_head"]
-    if name != "backfill":
-        saved += average(last - exits) * costs["block"]
-    extra = average(checks) * costs[f"check {plan['measure']}"]
-    if name == "state_copy":
-        extra += early * costs["state_copy"]
-    return costs["token"] / max(costs["token"] - saved + extra, costs["block"])
+def predict_speedup(decoder, counts, measure, costs, token):
+    """Full depth's time a token (token, in the mode predicted) over a decoder's predicted time,
+    from its step counts and the unit costs. Leaving early skips the final head and (but under
+    backfill, which runs the blocks above for the cache) the blocks above; every check costs a
+    head, a confidence and a host sync, and state_copy a write when it leaves early. Deferred's
+    catch-up rides in the next token's block call, so it is counted as no extra call. A smaller
+    model at full depth skips the blocks it lacks."""
+    saved = counts["early"] * costs["final_head"] + decoder.skips * counts["skipped"] * costs["block"]
+    extra = (counts["checks"] * costs[f"check {measure}"]
+             + counts["early"] * costs.get(decoder.exit_cost, 0.0))
+    return token / max(token - saved + extra, costs["block"])
 
-def best_plan(records, name, measure, threshold, costs, subsets, block_size):
-    """The exits a KV strategy checks, chosen on val: of these subsets at the threshold, the one
-    the cost model predicts fastest. The threshold's guarantee is for every exit checked: a subset
-    can leave later, at an exit that disagrees, so it is not covered. At threshold 1 nothing
-    leaves: no exit is checked."""
-    if threshold >= 1:
-        subsets = [[]]
-    plans = [{"measure": measure, "threshold": threshold, "checked_exits": subset,
-              "label": ",".join(map(str, subset)) or "-"} for subset in subsets]
-    priced = [{**plan, "predicted_speedup": predict_speedup(records, name, plan, costs, block_size)}
-              for plan in plans]
-    return max(priced, key=lambda plan: plan["predicted_speedup"])
+def best_plan(records, decoder, measure, threshold, costs, checked=None):
+    """The exits an exit decoder checks, chosen on val at the threshold: `checked`, or else the
+    plan the cost model prices fastest of those met adding one exit at a time, each time the one
+    that prices fastest (n_layer^2 / 2 plans; every subset would be 2^n_layer). The threshold's
+    guarantee is for every exit checked: a subset can leave later, at an exit that disagrees, so
+    it is not covered. At threshold 1 nothing leaves: no exit is checked."""
+    def priced(exits):
+        plan = {"measure": measure, "threshold": threshold, "checked_exits": exits,
+                "label": ",".join(map(str, exits)) or "-"}
+        counts = plan_counts(records, plan)
+        speedup = predict_speedup(decoder, counts, measure, costs, costs["token greedy"])
+        return {**plan, "predicted_speedup": speedup}
+    if threshold >= 1 or checked is not None:
+        return priced([] if threshold >= 1 else checked)
+    exits, path = [], []
+    for _ in range(len(records.pred) - 1):
+        path.append(max((priced(sorted({*exits, e})) for e in range(len(records.pred) - 1)
+                         if e not in exits), key=lambda plan: plan["predicted_speedup"]))
+        exits = path[-1]["checked_exits"]
+    return max(path, key=lambda plan: plan["predicted_speedup"])
 
-def strategy_plans(records, costs, config, threshold, checked=None):
-    """Every KV strategy's plan, chosen on val with the predicted speed-up: checked exits (None:
-    the fastest subset of all) at the threshold, SkipDecode's schedule."""
-    L, T = config.n_layer, config.block_size
-    subsets = [checked]
-    if checked is None:
-        subsets = [list(s) for r in range(1, L) for s in itertools.combinations(range(L - 1), r)]
-    plans = {name: best_plan(records, name, config.confidence_measure, threshold, costs, subsets, T)
-             for name in KV_STRATEGIES if name != "skipdecode"}
-    # skipdecode, last of KV_STRATEGIES (report.json keeps their order): its plan is a schedule
-    skip = choose_schedule(records, L, T, config.schedule_disagreement)
-    plans["skipdecode"] = {**skip, "predicted_speedup": predict_speedup(records, "skipdecode",
-                                                                        skip, costs, T)}
+def exit_plans(records, costs, config, threshold, schedule, checked=None):
+    """Every exit decoder's plan, chosen on val: its checked exits at the threshold (None: the
+    fastest the search finds), or the schedule SkipDecode's decoders follow."""
+    plans = {}
+    for name, d in DECODERS.items():
+        if d.schedule:
+            plans[name] = schedule
+        elif d.strategy:
+            plans[name] = best_plan(records, d, config.confidence_measure, threshold, costs, checked)
     return plans
-
-def prediction(row, plans, spec, costs, depth, n_layer):
-    """The cost model's speed-up beside a decoder-table row: a KV strategy's plan (skipdecode as a
-    row, since a batch saves what a row saves; state_copy scaled from batch 1 by the expected depth
-    of a batch, every row waiting for the deepest: a rough estimate, since checks run until the
-    last row leaves), speculation as its k ran on val (spec: (name, mode, k) -> its row), a smaller
-    or pruned model's missing blocks; 1 for full depth, the baseline, and for auto where it runs
-    full depth. depth: batch size -> the expected layers a step."""
-    name, k = row["name"], row.get("num_draft")
-    figures = {"predicted_speedup": 1.0}
-    if name in plans:
-        plan = plans[name]
-        figures = {"exit_at": plan["label"], "threshold": plan["threshold"],
-                   "predicted_speedup": plan["predicted_speedup"]}
-    if name == "state_copy":
-        B = row["batch_size"]
-        figures.update(expected_layers=depth[B],
-                       predicted_speedup=figures["predicted_speedup"] * depth[1] / depth[B])
-    if k is not None:  # auto runs self_speculative's k
-        figures["predicted_speedup"] = spec[name.replace("auto", "self_speculative"), row["mode"],
-                                            k]["speedup"]
-    if name.endswith("GPT") or name.startswith("pruned"):  # it skips missing blocks, checks none
-        skipped = (n_layer - row["mean_layers"]) * costs["block"]  # a block left, at least
-        figures["predicted_speedup"] = costs["token"] / max(costs["token"] - skipped,
-                                                            costs["block"])
-    if name == "auto":
-        figures["choice"] = f"k={k}" if k else "full depth"
-    return figures
-
-def expected_batch_depth(exited_at, batch_sizes, n_layer):
-    """Mean of the deepest exit among B independent draws from the recorded per-token exit layers:
-    the deepest of B is at most l with probability P(exit <= l)^B."""
-    counts = torch.bincount(exited_at.cpu(), minlength=n_layer).double()  # (L,)
-    cdf = counts.cumsum(0) / len(exited_at)  # (L,): P(exit <= l)
-    below = F.pad(cdf[:-1], (1, 0))  # (L,): P(exit < l)
-    depth = torch.arange(1, n_layer + 1)  # (L,): blocks run when the deepest row exits at l
-    return {B: float(((cdf**B - below**B) * depth).sum()) for B in batch_sizes}
-
-def choose_drafts(entries):
-    """From speculation's timings on val: per decoder and mode, the k that ran fastest, and what
-    auto runs: self_speculative's k, or None (full depth) where no k ran faster than full depth."""
-    drafts, auto = {}, {}
-    for name in dict.fromkeys(e["name"] for e in entries):
-        for mode in MODES:
-            best = max((e for e in entries if (e["name"], e["mode"]) == (name, mode)),
-                       key=lambda e: e["speedup"])
-            drafts.setdefault(name, {})[mode] = best["num_draft"]
-            if name == "self_speculative":
-                auto[mode] = best["num_draft"] if best["speedup"] > 1 else None
-    return drafts, auto
 
 # -----------------------------------------------------------------------------
 # The tail: latency as a streaming reader sees it, a speculation round's tokens at once
@@ -1617,12 +1513,6 @@ def train_plain_gpt(config, splits, n_layer, world=1):
     seconds = train(model, configure_optimizer(model, cfg), splits, cfg, device, evaluate=False)[0]
     return model.eval(), estimate_loss(model, splits, cfg, device)["val"][-1], seconds
 
-def plain_depths(text, draft_layers, n_layer):
-    """--depths: the plain GPTs a run trains besides the draft model: none (''), all below n_layer,
-    or a comma list (n_layer itself: a plain GPT of the exit model's depth, the recipe's cost)."""
-    depths = range(1, n_layer) if text == "all" else [int(d) for d in text.split(",") if d]
-    return sorted({draft_layers, *depths})
-
 # -----------------------------------------------------------------------------
 # Depth pruning: the blocks that change the residual stream least, removed for every input
 
@@ -1651,33 +1541,105 @@ def pruned_models(model, val):
     distances = block_distances(model, val[:-1].unfold(0, T, T)[:64])
     return {k: pruned(model, distances, k) for k in range(1, model.config.n_layer)}
 
-def weight_bytes(model, heads=()):
-    """The bytes of weights a decoder of model reads: every parameter but the exit heads (the
-    tied head once), and the exit heads of the layers it checks."""
-    every = sum(p.nbytes for p in model.parameters())
-    unread = [h for l, h in enumerate(model.exit_heads) if l not in heads]
-    return every - sum(p.nbytes for h in unread for p in h.parameters())
+# -----------------------------------------------------------------------------
+# The decoders: each declared once, and looked up by every table, prediction, sample and chart
+
+class Decoder(NamedTuple):
+    """A decoder, declared once. Full depth has no strategy and drafts nothing; an exit decoder
+    has a KV strategy, and its output is not full depth's; a speculative decoder drafts, and its
+    output is full depth's (the same tokens greedy, the same distribution sampled)."""
+    cache: str = "exact"  # the keys and values a later token reads: exact, approx. or holes
+    strategy: type = None  # an exit decoder's KV strategy: tokens leave at its plan's exits
+    schedule: bool = False  # its plan is an exit layer by window position (SkipDecode's)
+    skips: bool = True  # an exit skips the blocks above it (backfill runs them, for the cache)
+    exit_cost: str = None  # the unit cost an early exit adds (state_copy's write)
+    derived: object = None  # model -> the tensors it derives and reads (state_copy's projections)
+    drafter: str = None  # speculation: 'exit' (the model's own early layers) or 'model' drafts
+    follows: str = None  # that drafter's k where one beat full depth on val, else full depth
+    samples: bool = True  # may draw the early-exit sample from a checkpoint alone
+    batched: bool = True  # a design of the batch table (--bench_batch)
+
+# the decoders, in the tables' order: full depth, the answers to the holes, speculation
+DECODERS = {
+    "full": Decoder(samples=False),
+    "backfill": Decoder(strategy=Backfill, skips=False, batched=False),
+    "deferred": Decoder(strategy=Deferred, batched=False),
+    "state_copy": Decoder("approx.", StateCopy, exit_cost="state_copy",
+                          derived=state_copy_projections),
+    "holes": Decoder("holes", Holes, batched=False),
+    "skipdecode": Decoder(strategy=SkipDecode, schedule=True),
+    "self_speculative": Decoder(drafter="exit"),
+    "draft_model": Decoder(drafter="model", samples=False),
+    "auto": Decoder(drafter="exit", follows="self_speculative", samples=False),
+}
+
+def build(name, model, plan, rules=EXIT_RULES):
+    """The decoder `name` of a model at its plan, for any batch size: decode(idx (B, T0), n,
+    generator=, temperature=, top_k=, forced=) -> Generation. plan: an exit decoder's measure,
+    threshold and checked_exits (its rule read from rules); a drafter's draft_exit, num_draft
+    (None: full depth) and draft (a draft model; None: the model's own layers). Full depth is one
+    decoder on every device: the predictions and the speed-ups divide by the same baseline."""
+    d = DECODERS[name]
+    if d.strategy:
+        return partial(generate, model, strategy=d.strategy, exit_threshold=plan["threshold"],
+                       checked_exits=plan["checked_exits"], measure=rules[plan["measure"]])
+    if d.drafter and plan["num_draft"]:
+        return partial(generate_speculative, model, draft_exit=plan["draft_exit"],
+                       num_draft=plan["num_draft"], draft_model=plan["draft"])
+    return partial(generate, model)
+
+def draft_plan(name, config, k, draft):
+    """A drafter's plan at k drafts a round: the model's layers up to draft_exit (whose exit head
+    it reads), or the draft model."""
+    if DECODERS[name].drafter == "model":
+        return {"draft_exit": draft.config.n_layer - 1, "num_draft": k, "draft": draft,
+                "checked_exits": []}
+    return {"draft_exit": config.draft_exit, "num_draft": k, "draft": None,
+            "checked_exits": [config.draft_exit] if k else []}
+
+def weight_bytes(model, name="full", plan=None):
+    """The bytes of weights decoder `name` of model reads: every parameter but the exit heads (the
+    tied head once), the exit heads its plan checks, a draft model's, and what it derives."""
+    plan, d = plan or {}, DECODERS[name]
+    heads = plan.get("checked_exits", ())
+    unread = [p for l, h in enumerate(model.exit_heads) if l not in heads for p in h.parameters()]
+    read = [*model.parameters(), *(d.derived(model) if d.derived else ())]
+    draft = weight_bytes(plan["draft"]) if plan.get("draft") else 0
+    return sum(p.nbytes for p in read) - sum(p.nbytes for p in unread) + draft
+
+def choose_drafts(entries):
+    """From the drafters' timings on val, (name, mode) -> the k that ran fastest, and for a decoder
+    that follows a drafter its k, or None (full depth) where no k ran faster than full depth."""
+    drafts = {}
+    for key in dict.fromkeys((e["name"], e["mode"]) for e in entries):
+        best = max((e for e in entries if (e["name"], e["mode"]) == key), key=lambda e: e["speedup"])
+        drafts[key] = best["num_draft"]
+        for name, d in DECODERS.items():
+            if d.follows == key[0]:
+                drafts[name, key[1]] = best["num_draft"] if best["speedup"] > 1 else None
+    return drafts
+
+def prediction(row, plan, val, costs, n_layer, model):
+    """The cost model's figures beside a decoder-table row of model at its plan: a drafter's
+    speed-up as it ran on val at its k (1 where it runs full depth), an exit decoder's priced from
+    where it left on val's workload in the row's mode (val: (name, mode, k) -> figures), a model at
+    full depth's from the blocks it lacks; an exit decoder's plan and its layers a step on val."""
+    d, mode = DECODERS[row["decoder"]], row["mode"]
+    if d.drafter:
+        k = plan["num_draft"]
+        speedup = val[d.follows or row["name"], mode, k]["speedup"] if k else 1.0
+        return {"predicted_speedup": speedup, "draft_exit": plan["draft_exit"],
+                "choice": f"k={k}" if k else "full depth"}
+    counts, figures = {"early": 0.0, "skipped": n_layer - model.config.n_layer, "checks": 0.0}, {}
+    if d.strategy:
+        counts = val[row["name"], mode, None]["counts"]
+        figures = {"exit_at": plan["label"], "threshold": plan["threshold"],
+                   "expected_layers": n_layer - counts["skipped"]}
+    speedup = predict_speedup(d, counts, plan.get("measure", "top1"), costs, costs[f"token {mode}"])
+    return {**figures, "predicted_speedup": speedup}
 
 # -----------------------------------------------------------------------------
-# The frontier: every decoder by name, and the points nothing beats on both loss and speed
-
-SPECULATIVE = ("self_speculative", "draft_model", "auto")  # exact: no quality pass of their own
-
-def decoder(model, name, plan=None, rules=EXIT_RULES, spec=(0, 8), draft=None):
-    """The decoder of one table row, for any batch size: decode(idx (B, T0), n, generator=,
-    temperature=, top_k=, forced=) -> Generation. name: full, a KV strategy with its plan (its
-    rule read from rules), or self_speculative and draft_model (drafting with the model draft)
-    with spec = (draft_exit, num_draft). Full depth is one decoder on every device: the
-    predictions and the speed-ups divide by the same baseline."""
-    if name in ("self_speculative", "draft_model"):  # draft_model ignores draft_exit
-        return partial(generate_speculative, model, draft_exit=spec[0], num_draft=spec[1],
-                       draft_model=draft if name == "draft_model" else None)
-    if name == "full":
-        return partial(generate, model)
-    if name not in KV_STRATEGIES:
-        raise ValueError(f"unknown KV strategy {name!r}: one of {', '.join(KV_STRATEGIES)}")
-    return partial(generate, model, strategy=KV_STRATEGIES[name], exit_threshold=plan["threshold"],
-                   checked_exits=plan["checked_exits"], measure=rules[plan["measure"]])
+# The frontier: the points nothing beats on both loss and speed
 
 def dominated_by(rows, mode):
     """Each row's better point in one mode: the fastest of those no worse in test loss nor in
@@ -1707,6 +1669,21 @@ def frontier_points(rows):
 
 # =============================================================================
 # Part III: the harness; the workload and timing, the tables, the page, checkpoints, main
+
+import argparse
+import difflib
+import gc
+import html
+import inspect
+import json
+import os
+import pickle
+import re
+import signal
+import textwrap
+import zipfile
+from dataclasses import asdict, fields
+from pathlib import Path
 
 # -----------------------------------------------------------------------------
 # The workload and timing: every decoder on the same prompts, interleaved; quality teacher-forced
@@ -1781,54 +1758,46 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
                                                for o in outs for r in o.tokens])),
                   "outputs": outs} for key, outs in outputs.items()}
 
-def table_row(name, mode, speed, quality, config, batch_size):
+def table_row(name, decoder, mode, speed, quality, batch_size):
     """One row of a decoder table: speed over full depth at the same batch size and mode, and
-    quality beside it, teacher-forced (a speculative decoder's is full depth's by construction;
-    no quality: none measured)."""
-    s, full = speed[name, mode], speed["full", mode]
-    row = {"batch_size": batch_size, "name": name, "mode": mode, **s,
-           "speedup": s["tokens_per_second"] / full["tokens_per_second"],
-           "cache": {"state_copy": "approx.", "holes": "holes"}.get(name, "exact")}
+    quality beside it, teacher-forced (a drafter's is full depth's by construction; no quality:
+    none measured)."""
+    d, s, full = DECODERS[decoder], speed[name, mode], speed["full", mode]
+    row = {"batch_size": batch_size, "name": name, "decoder": decoder, "mode": mode, **s,
+           "speedup": s["tokens_per_second"] / full["tokens_per_second"], "cache": d.cache}
     outputs = row.pop("outputs")
     if batch_size == 1:
         row.update(tail(outputs))
-    if quality:
-        q = quality.get(name, quality["full"])
+    q = quality.get(name, quality.get("full"))
+    if q:
         row.update(test_loss=q["test_loss"], test_accuracy=q["test_accuracy"],
                    agreement=average(q["pred"] == quality["full"]["pred"]))
         row["output"] = f"agree {row['agreement']:.3f}"
-    if name not in quality:  # speculation: acceptance, and the output it equals
-        row.update(spec_stats(outputs, full["outputs"], mode),  # the draft's last layer
-                   draft_exit={"draft_model": config.draft_layers - 1}.get(name, config.draft_exit))
-    if name in ("full", *SPECULATIVE):  # full depth's output (sampled: tested; greedy: compared)
+    if d.drafter:  # speculation: acceptance, and the output it equals
+        row.update(spec_stats(outputs, full["outputs"], mode))
+    if not d.strategy and q is quality.get("full"):  # full depth's output (sampled: tested)
         same = row.get("identical_to_full", mode == "greedy" or None)
         row["output"] = {True: "same tokens", None: "same dist.", False: "NOT same"}[same]
     return row
 
+def in_mode(decode, config, mode):
+    """A decoder that draws in a mode: greedy (temperature 0), or with the config's sampling."""
+    return partial(decode, top_k=config.top_k,
+                   temperature=config.temperature if mode == "sampled" else 0.0)
+
 def measure_decoders(decoders, test, prompts, config, batch_size=1):
     """The rows of a decoder table at one batch size, both modes: speed on the workload,
-    interleaved, and quality teacher-forced on test (test None: none). decoders: name -> {mode:
-    decode}."""
-    quality = {name: quality_pass(d["greedy"], test, config.quality_positions, batch_size,
+    interleaved, and quality teacher-forced on test. decoders: name -> (its declared decoder,
+    {mode: decode}); "full" is the baseline."""
+    quality = {name: quality_pass(modes["greedy"], test, config.quality_positions, batch_size,
                                   config.bench_prompt_len)
-               for name, d in decoders.items() if test is not None and name not in SPECULATIVE}
-    runs = {(name, mode): partial(d[mode], top_k=config.top_k,  # greedy: temperature 0
-                                  temperature=config.temperature if mode == "sampled" else 0.0)
-            for mode in MODES for name, d in decoders.items()}
+               for name, (decoder, modes) in decoders.items() if not DECODERS[decoder].drafter}
+    runs = {(name, mode): in_mode(modes[mode], config, mode)
+            for mode in MODES for name, (_, modes) in decoders.items()}
     speed = speed_pass(runs, prompts, batch_size, config.bench_tokens, config.bench_repeats,
                        config.seed)
-    return [table_row(name, mode, speed, quality, config, batch_size) for name, mode in speed]
-
-def speculation_costs(model, prompts, config, batch_size, cells, draft):
-    """Speculation on a workload at batch_size, every (decoder, num_draft) cell (self_speculative,
-    or draft_model drafting with draft) beside full depth, both modes, interleaved: its rows (no
-    quality), each speed-up full depth's time a token over a round's time a token emitted. Timed
-    on val, it is the prediction beside test's speed-ups, and what auto chooses by."""
-    decoders = {(name, k): dict.fromkeys(MODES, decoder(model, name, spec=(config.draft_exit, k),
-                                                        draft=draft)) for name, k in cells}
-    decoders["full"] = dict.fromkeys(MODES, decoder(model, "full"))
-    rows = measure_decoders(decoders, None, prompts, config, batch_size)
-    return [dict(row, name=row["name"][0]) for row in rows if row["name"] != "full"]
+    return [table_row(name, decoders[name][0], mode, speed, quality, batch_size)
+            for name, mode in speed]
 
 # -----------------------------------------------------------------------------
 # Tables: each defined once, printed on the console and drawn on the page from that definition
@@ -1860,16 +1829,6 @@ test.disagreement  | disagree     | {:.2%} | the share whose top-1 is not full d
 test.loss          | test loss    | {:.4f} | the loss of the heads the positions leave at
 test.full_loss     | full loss    | {:.4f} | full depth's loss on the same positions
 test.accuracy      | accuracy     | {:.3f} | how often the exit's top-1 is the next character""")
-PATIENCE_TABLE = table("""How patient? (patience on val, k swept)
-k             | k         | {}     | the exits in a row that must agree on the top-1
-mean_layers   | layers    | {:.2f} | mean layers run per position
-compute_saved | val saved | {:.1%} | the share of layer runs skipped
-disagreement  | disagree  | {:.2%} | the share whose top-1 is not full depth's""")
-EXIT_CALIBRATION_TABLE = table("""Does one confidence mean the same at every exit?
-layer       | layer    | {:}    | the exit read (the last: full depth)
-ece_data    | ECE data | {:.3f} | expected calibration error of the top-1 confidence, on the data
-ece_full    | ECE full | {:.3f} | and against full depth's top-1
-reliability | accuracy in the confidence bins 0-0.1, ..., 0.9-1 | {} | '-': an empty bin""")
 SHIFT_TABLE = table("""Does the guarantee hold on text of another kind?
 measure             | rule        | {}     | the rule, at its threshold calibrated on val
 test.compute_saved  | test saved  | {:.1%} | the share of layer runs skipped on test
@@ -1975,47 +1934,63 @@ def print_table(table, rows, conditions="", notes=()):
 # The analyses: what the run computes for each question, with the notes under its table
 
 class Lab:
-    """What the analyses share. At once: the model, its data on its device, the workloads, every
-    exit rule, what every exit says, each rule's calibration and the threshold. When an analysis
-    first asks: the unit costs and the exit plans, the plain GPTs, every decoder's table."""
+    """What the analyses share. Built cheaply: the model, its data on its device, the workloads.
+    run_lab's steps add the rest where a reader sees them: calibrate (the learned rule, what every
+    exit says, each rule's calibration), use (a calibration's rules and threshold), plan (the unit
+    costs and the exit plans), measure (a decoder table)."""
     def __init__(self, model, tokenizer, splits, config, device, world=1, train_seconds=0.0):
         self.model, self.tokenizer, self.config, self.device, self.world = (
             model, tokenizer, config, device, world)
         self.train_seconds = train_seconds  # the exit model's
         self.splits = {name: text.to(device) for name, text in splits.items()}
+        if config.shift_path:  # text of another kind, beside the splits
+            shift = tokenizer.encode(read_text(config, "shift_path"))
+            self.splits["shift"] = torch.tensor(shift, device=device)
         self.checked = list(range(config.n_layer - 1))  # every exit: the rules read them all
         # the val workload (to choose by) and the test workload (to report)
         self.workloads = [workload(self.splits[s], config.bench_prompts, config.bench_prompt_len)
                           for s in ("val", "test")]
-        self.rules = exit_rules(fit_on_pieces(model, self.splits["train"], config.sweep_positions))
-        if config.shift_path:  # text of another kind, beside the splits
-            shift = tokenizer.encode(read_text(config, "shift_path"))
-            self.splits["shift"] = torch.tensor(shift, device=device)
-        self.records = {s: record_exits(model, text, config.sweep_positions, self.rules)
-                        for s, text in self.splits.items() if s != "train"}
-        self.calibrations = {m: calibration_report(self.records, m, self.checked, config.epsilon,
-                                                   config.delta) for m in self.rules}
         self.plain_gpts = {}  # depth -> (a plain GPT trained alike, its training seconds)
-        self.threshold = config.exit_threshold  # -1: the calibrated one
-        if self.threshold < 0:
-            self.threshold = self.calibrations[config.confidence_measure]["threshold"]
 
-    @cached_property
-    def plans(self):
-        """The unit costs, and every KV strategy's exit plan chosen on val with them (patience
-        and the learned rule read the exit below, so they check every exit): (costs, plans)."""
+    def calibrate(self):
+        """Fit the learned rule on train, read every exit of the other texts once, calibrate every
+        rule on val and choose SkipDecode's schedule there. Returns what sampling needs (the
+        checkpoint keeps it): the learned rule's weights, each rule's threshold, the schedule."""
+        cfg = self.config
+        weights = fit_on_pieces(self.model, self.splits["train"], cfg.sweep_positions)
+        rules = exit_rules(weights)
+        self.records = {s: record_exits(self.model, text, cfg.sweep_positions, rules)
+                        for s, text in self.splits.items() if s != "train"}
+        self.calibrations = {m: calibration_report(self.records, m, self.checked, cfg.epsilon,
+                                                   cfg.delta) for m in rules}
+        schedule = choose_schedule(self.records["val"], cfg.n_layer, cfg.block_size,
+                                   cfg.schedule_disagreement)
+        return {"weights": weights, "schedule": schedule,
+                "thresholds": {m: c["threshold"] for m, c in self.calibrations.items()}}
+
+    def use(self, sampling):
+        """The rules, threshold and schedule of a calibration (None: none; then Part I's
+        threshold, and neither the learned rule nor a schedule)."""
+        cfg = self.config
+        self.rules = exit_rules(sampling["weights"].to(self.device) if sampling else None)
+        self.schedule = sampling and sampling["schedule"]
+        self.threshold = cfg.exit_threshold  # -1: the calibrated one
+        if self.threshold < 0:
+            self.threshold = (sampling or {}).get("thresholds", {}).get(
+                cfg.confidence_measure, Config.exit_threshold)
+        if cfg.confidence_measure not in self.rules:
+            raise ValueError("the checkpoint holds no learned rule: run without --sample_only")
+
+    def plan(self):
+        """Time the unit costs, and choose every exit decoder's plan on val with them (patience
+        and the learned rule read the exit below, so they check every exit)."""
         cfg, checked = self.config, None
         if cfg.exit_layers != "auto" or cfg.confidence_measure in ("patience", "learned"):
             checked = parse_exit_layers(cfg.exit_layers, cfg.n_layer)
-        costs = decode_costs(self.model, self.workloads[0][:4], cfg.bench_tokens, self.rules)
-        return costs, strategy_plans(self.records["val"], costs, cfg, self.threshold, checked)
-
-    def batch_depth(self):
-        """A step runs as deep as its deepest row: the expected layers a step at each batch size,
-        from val's exits under state_copy's plan."""
-        plan = self.plans[1]["state_copy"]
-        exits = planned_exits(self.records["val"], "state_copy", plan, self.config.block_size)[0]
-        return expected_batch_depth(exits, BATCH_SIZES, self.config.n_layer)
+        self.costs = decode_costs(self.model, self.workloads[0][:4], cfg.bench_tokens, self.rules,
+                                  (cfg.temperature, cfg.top_k))
+        self.plans = exit_plans(self.records["val"], self.costs, cfg, self.threshold,
+                                self.schedule, checked)
 
     def plain(self, d):
         """A plain GPT of d layers trained alike (once: the smaller models and the draft model
@@ -2028,51 +2003,61 @@ class Lab:
             self.plain_gpts[d] = model, seconds
         return self.plain_gpts[d][0]
 
-    def measure(self, B, names, ks, val_config, more, auto=False):
-        """The rows of a decoder table at batch size B on the test workload, both modes, quality
-        teacher-forced on test, each beside its prediction and the bytes of weights it reads (the
-        exit heads it checks; a draft model's too): full depth and the KV strategies of names at
-        their plans; each drafter at the k of ks that ran fastest on val in its mode (timed under
-        val_config: the prediction for speculation); with auto, auto running self_speculative's k
-        or, where none beat full depth on val, full depth; and the models of more (name -> model)
-        at full depth."""
-        cfg, (costs, plans), model = self.config, self.plans, self.model
-        draft = self.plain(cfg.draft_layers)
-        on_val = speculation_costs(model, self.workloads[0], val_config, B,
-                                   [(name, k) for name in SPECULATIVE[:2] for k in ks], draft)
-        drafts, best = choose_drafts(on_val)
-        decoders = {name: dict.fromkeys(MODES, decoder(model, name, plans.get(name), self.rules))
-                    for name in names}
-        for name in SPECULATIVE[:2]:
-            decoders[name] = {mode: decoder(model, name, spec=(cfg.draft_exit, k), draft=draft)
-                              for mode, k in drafts[name].items()}
-        if auto:
-            decoders["auto"] = {mode: decoders["self_speculative" if k else "full"][mode]
-                                for mode, k in best.items()}
-        for name, small in more.items():
-            decoders[name] = dict.fromkeys(MODES, decoder(small, "full"))
-        rows = measure_decoders(decoders, self.splits["test"], self.workloads[1], cfg, B)
-        spec = {(e["name"], e["mode"], e["num_draft"]): e for e in on_val}
-        heads = {name: plan["checked_exits"] for name, plan in plans.items()}
-        heads["self_speculative"] = heads["auto"] = [cfg.draft_exit]  # the draft's exit head
-        for r in rows:
-            r["weight_bytes"] = weight_bytes(more.get(r["name"], model), heads.get(r["name"], ()))
-            if r["name"] == "draft_model":
-                r["weight_bytes"] += weight_bytes(draft)
-            r.update(prediction(r, plans, spec, costs, self.batch_depth(), cfg.n_layer))
-        return rows
-
-    @cached_property
-    def measured(self):
-        """Every decoder at batch 1, both modes: full depth, the KV strategies, both drafters (at
-        num_draft, timed on val once: a prediction, not a reported figure), the pruned models and
-        every plain GPT the run trains."""
-        cfg, model = self.config, self.model
-        more = {f"{d}-layer GPT": self.plain(d)
+    def other_models(self):
+        """The models decoded at full depth beside the exit model: name -> (model, family), every
+        plain GPT the run trains (the draft model among them), then the pruned models."""
+        cfg = self.config
+        more = {f"{d}-layer GPT": (self.plain(d), "plain GPT")
                 for d in plain_depths(cfg.depths, cfg.draft_layers, cfg.n_layer)}
-        more.update((f"pruned {k}", p) for k, p in pruned_models(model, self.splits["val"]).items())
-        return self.measure(1, ("full", *KV_STRATEGIES), [cfg.num_draft],
-                            replace(cfg, bench_repeats=1), more)
+        pruned = pruned_models(self.model, self.splits["val"])
+        return more | {f"pruned {k}": (p, "pruned") for k, p in pruned.items()}
+
+    def on_val(self, B, names, ks, val_config):
+        """Val's workload at batch size B, timed under val_config: the exit decoders of names at
+        their plans and each drafter of names at each k of ks, beside full depth. Returns (name,
+        mode, k) -> the speed-up, the step counts and the layers a step (k None: an exit
+        decoder), and (name, mode) -> the plan each decoder of names runs on test."""
+        cfg, draft = self.config, self.plain(self.config.draft_layers)
+        cells = {("full", None): {}}
+        for name in names:
+            d = DECODERS[name]
+            if d.strategy:
+                cells[name, None] = self.plans[name]
+            elif d.drafter and not d.follows:
+                cells.update(((name, k), draft_plan(name, cfg, k, draft)) for k in ks)
+        runs = {(*cell, mode): in_mode(build(cell[0], self.model, plan, self.rules), cfg, mode)
+                for cell, plan in cells.items() for mode in MODES}
+        speed = speed_pass(runs, self.workloads[0], B, val_config.bench_tokens,
+                           val_config.bench_repeats, cfg.seed)
+        val = {(name, mode, k): {"speedup": s["tokens_per_second"]
+                                 / speed["full", None, mode]["tokens_per_second"],
+                                 "counts": workload_counts(s["outputs"], cfg.n_layer - 1),
+                                 "num_draft": k, "name": name, "mode": mode}
+               for (name, k, mode), s in speed.items()}
+        drafts = choose_drafts([e for e in val.values() if e["num_draft"]])
+        plans = {(name, mode): self.plans.get(name) or draft_plan(
+            DECODERS[name].follows or name, cfg, drafts.get((name, mode)), draft)
+            for name in names for mode in MODES if DECODERS[name].strategy or DECODERS[name].drafter}
+        return val, plans
+
+    def measure(self, B, names, ks, val_config, more=None):
+        """The rows of a decoder table at batch size B on the test workload, both modes, quality
+        teacher-forced on test, each beside the cost model's figures and the bytes of weights it
+        reads: the exit model's decoders of names at their plans (a drafter at the k of ks that
+        ran fastest on val in its mode), and the models of more (name -> (model, family)) at full
+        depth. Val's workload runs first (on_val): the predictions read it."""
+        val, plans = self.on_val(B, names, ks, val_config)
+        models = {name: (self.model, "exit model") for name in names} | (more or {})
+        decoders = {name: (name, {mode: build(name, self.model, plans.get((name, mode)),
+                                              self.rules) for mode in MODES}) for name in names}
+        decoders |= {name: ("full", dict.fromkeys(MODES, build("full", small, None)))
+                     for name, (small, _) in (more or {}).items()}
+        rows = measure_decoders(decoders, self.splits["test"], self.workloads[1], self.config, B)
+        for r in rows:
+            plan, (model, family) = plans.get((r["name"], r["mode"]), {}), models[r["name"]]
+            r.update(family=family, weight_bytes=weight_bytes(model, r["decoder"], plan),
+                     **prediction(r, plan, val, self.costs, self.config.n_layer, model))
+        return rows
 
 def threshold_sweep(lab):
     """Every threshold on val (for the chart), and the table's every tenth."""
@@ -2106,16 +2091,6 @@ def rule_calibrations(lab):
         f"most on val when each is calibrated at delta / {len(lab.rules)} (Bonferroni), so that "
         "the choice keeps the guarantee; a rule picked by its test figures would not."]}
 
-def patience_sweep(lab):
-    return {"patience": patience_rows(lab.records["val"], lab.checked),
-            "notes": [f"{recorded(lab, 'val')} val positions"]}
-
-def exit_calibrations(lab):
-    rows = exit_calibration(lab.records["test"])
-    return {"exit_calibration": rows, "notes": [
-        f"{recorded(lab, 'test')} test positions",
-        calibration_note(rows, lab.calibrations["top1"]["threshold"])]}
-
 def shifted_text(lab):
     """Did epsilon hold on the shifted text? Every rule at its threshold calibrated on val."""
     if "shift" not in lab.records:
@@ -2145,48 +2120,46 @@ def slices(lab):
         f"predict (calibrated threshold {cal['threshold']:g})"]}
 
 def strategies(lab):
-    """The strategies table, and under it what it rests on: the drafts, the measured costs, the
-    depth of a batch."""
-    cfg, (costs, plans) = lab.config, lab.plans
-    rows = [r for r in lab.measured if not r["name"].startswith("pruned")]
+    """The strategies table, and under it what it rests on: the drafts, the measured costs."""
+    cfg, costs = lab.config, lab.costs
+    rows = [r for r in lab.measured if r["family"] != "pruned"]
     L, b, check = cfg.n_layer, costs["block"], cfg.confidence_measure
     exact = {True: "identical to full depth on every prompt", False: "NOT identical to full depth",
              None: "exact in distribution (tested)"}
-    drafter = {"self_speculative": f"draft_exit={cfg.draft_exit}",
-               "draft_model": f"a {cfg.draft_layers}-layer GPT drafting"}
-    notes = [f"{e['name']} {e['mode']}: {drafter[e['name']]}, num_draft={e['num_draft']}, "
-             f"acceptance {e['acceptance_rate']:.3f} (drafts kept over drafts a row could keep), "
-             f"{e['tokens_per_verify']:.2f} tokens a verify pass, {exact[e['identical_to_full']]}"
-             for e in rows if e["name"] in drafter]
-    # the full model's decoders: a smaller GPT re-prefills fewer layers
-    prefill = sorted({round(e["prefill_layers"], 2) for e in rows
-                      if not e["name"].endswith(("GPT", "draft_model"))})  # the exit model's alone
+    drafter = {"exit": f"draft_exit={cfg.draft_exit}",
+               "model": f"a {cfg.draft_layers}-layer GPT drafting"}
+    notes = [f"{e['name']} {e['mode']}: {drafter[DECODERS[e['decoder']].drafter]}, num_draft="
+             f"{e['num_draft']}, acceptance {e['acceptance_rate']:.3f} (drafts kept over drafts a "
+             f"row could keep), {e['tokens_per_verify']:.2f} tokens a verify pass, "
+             f"{exact[e['identical_to_full']]}" for e in rows if DECODERS[e["decoder"]].drafter]
+    # the full model's decoders: a smaller GPT or a draft model re-prefills fewer layers
+    prefill = sorted({round(e["prefill_layers"], 2) for e in rows if e["family"] == "exit model"
+                      and DECODERS[e["decoder"]].drafter != "model"})
     impossible = (f", IMPOSSIBLE ({L} blocks): so after {costs['attempts']} measurements"
-                  if costs["token"] < L * b else "")
-    return {"strategies": rows, "decode_costs": costs, "plans": plans, "notes": [
+                  if costs["token greedy"] < L * b else "")
+    return {"strategies": rows, "decode_costs": costs, "plans": lab.plans, "notes": [
         f"{cfg.bench_prompts} test prompts of {cfg.bench_prompt_len} characters, "
         f"{cfg.bench_tokens} more each, batch 1, median of {cfg.bench_repeats} interleaved runs",
         *notes, f"Chosen on val: exits (exit_layers={cfg.exit_layers!r}) at the run's threshold "
-        f"({lab.threshold:g}), skipdecode's schedule, and self_speculative's prediction, its "
-        "speed-up timed on val (per round: a round's time over the tokens it emits). Prefilling "
+        f"({lab.threshold:g}), the schedule, and the drafters' predictions, their speed-ups "
+        "timed on val (per round: a round's time over the tokens it emits); the exit decoders' "
+        "predictions price where they left on val's workload in the same mode. Prefilling "
         "the prompt and re-prefilling the window every block_size/2 tokens adds "
         f"{' to '.join(f'{p:.2f}' for p in prefill)} per token for every decoder. Sampled: "
         f"temperature {cfg.temperature:g}, top_k {cfg.top_k}.",
         f"output's agreement: on {cfg.quality_positions:,} test positions, teacher-forced. The "
         "guarantee of a calibrated threshold covers every exit checked with an exact cache: not "
-        "a subset of exits, nor state_copy or holes.",
+        "a subset of exits, nor an approximate cache or holes.",
         f"Measured at batch 1, attending to {costs['cache_length']} cached positions: a block "
         f"{1e6 * b:.0f} us; in blocks, an exit check {costs['check ' + check] / b:.2f} ({check}), "
         f"a state-copy write {costs['state_copy'] / b:.2f}, the final head "
-        f"{costs['final_head'] / b:.2f}, a full-depth token {costs['token'] / b:.1f}{impossible}.",
-        "A batch runs as deep as its deepest row; expected layers a step (of "
-        f"{L}, val's exits under state_copy's plan): "
-        f"{', '.join(f'B={B}: {d:.2f}' for B, d in lab.batch_depth().items())}."]}
+        f"{costs['final_head'] / b:.2f}, a full-depth token {costs['token greedy'] / b:.1f} "
+        f"greedy and {costs['token sampled'] / b:.1f} sampled{impossible}."]}
 
 def tails(lab):
     """Average or tail: the strategies rows' latency, and which decoders have a worse tail."""
     rows = [{k: row[k] for k, *_ in TAIL_TABLE[1]} for row in lab.measured
-            if not row["name"].startswith("pruned")]
+            if row["family"] != "pruned"]
     full = {r["mode"]: r for r in rows if r["name"] == "full"}
     worse = [f"{r['name']} {r['mode']}" for r in rows
              if max(r[p] / full[r["mode"]][p] for p in ("gap_p95", "gap_p99")) > 1.1]
@@ -2220,30 +2193,30 @@ def frontier(lab):
         f"peak, where the device reports it. Training: the "
         f"exit model {lab.train_seconds:.0f} s, {seconds}; pruned models, none."]}
 
-BATCH_DESIGNS = ("full", "state_copy", "skipdecode")  # then both drafters and auto
 # num_draft tried in batches (11 fills 33 new tokens: half of block 64, plus 1)
 BATCH_DRAFTS = (4, 8, 11, 16)
 
 def batches(lab):
     """The batch table: every design at every batch size, greedy and sampled, quality beside
     speed, and the cost model's predictions (--bench_batch only)."""
-    cfg, plans = lab.config, lab.plans[1]
+    cfg = lab.config
     if not cfg.bench_batch:
         return {}
     ks = sorted({*BATCH_DRAFTS, cfg.num_draft})
     sizes = [B for B in BATCH_SIZES if cfg.bench_prompts % B == 0]
-    rows = [row for B in sizes for row in lab.measure(B, BATCH_DESIGNS, ks, cfg, {}, auto=True)]
-    chose = [f"B={r['batch_size']} {r['mode']} {r['choice']}" for r in rows if r["name"] == "auto"]
-    skip = plans["skipdecode"]
+    names = [name for name, d in DECODERS.items() if d.batched]
+    rows = [row for B in sizes for row in lab.measure(B, names, ks, cfg)]
+    chose = [f"B={r['batch_size']} {r['mode']} {r['name']} {r['choice']}" for r in rows
+             if DECODERS[r["decoder"]].follows]
+    plans = [f"{name}: exits {lab.plans[name]['label']}" for name in names if name in lab.plans]
     return {"batched": rows, "notes": [
         f"The test workload, one prompt per row, batch {', '.join(map(str, sizes))}, median of "
-        f"{cfg.bench_repeats} interleaved runs", f"auto chose: {', '.join(chose)} (the cost "
-        "model's first choice: k drafts a round, or full depth). state_copy: exits "
-        f"{plans['state_copy']['label']}, {cfg.confidence_measure} > {lab.threshold:g}, each row "
-        f"waiting for the deepest. skipdecode: every row exits at layer {skip['label']} (window "
-        f"position; val: {skip['compute_saved']:.1%} saved, {skip['disagreement']:.2%} "
-        f"disagreement). self_speculative (draft_exit={cfg.draft_exit}) and draft_model (a "
-        f"{cfg.draft_layers}-layer GPT): k the fastest on val of {ks}."]}
+        f"{cfg.bench_repeats} interleaved runs", f"Chose: {', '.join(chose)} (k drafts a round "
+        "where one ran faster than full depth on val, else full depth). "
+        f"{'; '.join(plans)} ({cfg.confidence_measure} > {lab.threshold:g}; a schedule: its "
+        "layer from a window position on), each step as deep as its deepest row. Drafters "
+        f"(draft_exit={cfg.draft_exit}; a {cfg.draft_layers}-layer GPT): k the fastest on val of "
+        f"{ks}."]}
 
 # -----------------------------------------------------------------------------
 # The page: out_dir/report.html, one self-contained page (inline CSS and SVG, no script)
@@ -2520,6 +2493,13 @@ def save_checkpoint(path, model, optimizer, config, progress):
                 "config": asdict(config), "rng": random_states()}, path + ".tmp")
     os.replace(path + ".tmp", path)
 
+def add_to_checkpoint(path, **entries):
+    """The checkpoint at path with entries added (the calibration that sampling reads), written
+    as save_checkpoint writes."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    torch.save({**ckpt, **entries}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
 def load_checkpoint(path, config, overridden, tokenizer):
     """Load ckpt.pt into (checkpoint, overrides). The architecture comes from it and must agree
     with the command line; so does the recipe, unless given anew: overrides names each field the
@@ -2698,7 +2678,7 @@ RANGES = {  # the numbers each field takes: [ or ] includes that end, ( or ) lea
     "[-1, 1]": "exit_threshold",  # -1 calibrates on val; not in (-1, 0)
 }
 CHOICES = {"init_from": ("scratch", "resume"),
-           "kv_strategy": (*KV_STRATEGIES, "self_speculative"),
+           "kv_strategy": tuple(name for name, d in DECODERS.items() if d.samples),
            "confidence_measure": (*EXIT_RULES, "learned")}
 
 def boolean(text):
@@ -2750,6 +2730,12 @@ def parse_args(argv):
     # a resume's depth is the checkpoint's: load_checkpoint checks its rules again, against it
     validate(config, math.inf if config.init_from == "resume" and "n_layer" not in given else None)
     return config, given
+
+def plain_depths(text, draft_layers, n_layer):
+    """--depths: the plain GPTs a run trains besides the draft model: none (''), all below n_layer,
+    or a comma list (n_layer itself: a plain GPT of the exit model's depth, the recipe's cost)."""
+    depths = range(1, n_layer) if text == "all" else [int(d) for d in text.split(",") if d]
+    return sorted({draft_layers, *depths})
 
 def field_rules(config, L):
     """The rules that tie fields together, for a model of L layers: (broken, its message) each."""
@@ -2879,8 +2865,6 @@ class Analysis(NamedTuple):
 ANALYSES = (
     Analysis("sweep", SWEEP_TABLE, threshold_sweep, sweep_charts),
     Analysis("calibration_by_measure", CALIBRATION_TABLE, rule_calibrations),
-    Analysis("patience", PATIENCE_TABLE, patience_sweep),
-    Analysis("exit_calibration", EXIT_CALIBRATION_TABLE, exit_calibrations),
     Analysis("shift", SHIFT_TABLE, shifted_text),
     Analysis("logit_lens", LENS_TABLE, lens),
     Analysis("slices", KINDS_TABLE, slices),
@@ -2891,21 +2875,23 @@ ANALYSES = (
 )
 
 def sample_decoder(lab):
-    """The early-exit sample's decoder (--kv_strategy), its label, and the threshold it runs at
-    (self_speculative: none)."""
-    cfg = lab.config
-    name = cfg.kv_strategy
-    if name == "self_speculative":
-        label = (f"{name}, layer {cfg.draft_exit} drafts up to {cfg.num_draft} a round, the rest "
-                 "verify")
-        return decoder(lab.model, name, spec=(cfg.draft_exit, cfg.num_draft)), label, None
+    """The early-exit sample's decoder (--kv_strategy): an exit decoder at the run's threshold or
+    its schedule, or a drafter at num_draft; its label, and the threshold it runs at (none for a
+    drafter, 0 for a schedule)."""
+    cfg, name = lab.config, lab.config.kv_strategy
+    d = DECODERS[name]
     plan = {"measure": cfg.confidence_measure, "threshold": lab.threshold,
             "checked_exits": parse_exit_layers(cfg.exit_layers, cfg.n_layer)}
     label = f"{name}, {plan['measure']} > {plan['threshold']:g}"
-    if name == "skipdecode":
-        plan = lab.plans[1][name]
-        label = f"{name}, layer {plan['label']}"
-    return decoder(lab.model, name, plan, lab.rules), label, plan["threshold"]
+    if d.drafter:
+        plan = draft_plan(name, cfg, cfg.num_draft, None)
+        label = (f"{name}, layer {cfg.draft_exit} drafts up to {cfg.num_draft} a round, the rest "
+                 "verify")
+    if d.schedule:
+        if not lab.schedule:
+            raise ValueError(f"--kv_strategy={name}: the checkpoint holds no schedule")
+        plan, label = lab.schedule, f"{name}, layer {lab.schedule['label']}"
+    return build(name, lab.model, plan, lab.rules), label, plan.get("threshold")
 
 def generation_report(lab):
     """Part I's samples from the lab's model, threshold and decoder; returns the report.json entry
@@ -2932,7 +2918,7 @@ def summary(report):
     cal = report["calibration"]
     chosen = report["chosen_rule"]
     exact = [e for e in report["strategies"]  # the exit model's decoders, no hole, no copy
-             if e["cache"] == "exact" and not e["name"].endswith("GPT")]
+             if e["cache"] == "exact" and e["family"] == "exit model"]
     # each mode's fastest: the last of its rows sorted by speed (full depth: none is faster)
     fastest = {e["mode"]: e for e in sorted(exact, key=lambda e: e["speedup"])}
     return [f"val loss {report['val_loss']['final']:.4f}: full depth, on random windows of val",
@@ -2962,12 +2948,26 @@ def write_report(report, config, name):
     write_text(page, path + ".html")
     print(f"page: {path}.html (its numbers: {name}.json beside it)")
 
-def run_lab(lab, report):
-    """Part I's samples from the lab's model, threshold and decoder, then every analysis of the
-    list in its order, the summary and the page (--sample_only: the samples alone)."""
-    report.update(config=asdict(lab.config), notes={}, generation=generation_report(lab))
-    if lab.config.sample_only:  # sampling leaves the trained run's report alone: samples.*
-        return write_report(report, lab.config, "samples")
+def run_lab(lab, report, sampling=None):
+    """The lab's steps, in order: the calibration on val (--sample_only: the checkpoint's,
+    sampling), Part I's samples from the lab's model, threshold and decoder, the unit costs and
+    the plans, the decoder table at batch 1, then every analysis of the list in its order, the
+    summary and the page (--sample_only: the samples alone)."""
+    cfg = lab.config
+    if not cfg.sample_only:
+        sampling = lab.calibrate()  # minutes at most: every exit read once, every rule calibrated
+        add_to_checkpoint(os.path.join(cfg.out_dir, "ckpt.pt"), sampling=sampling)
+    elif sampling is None:
+        print("the checkpoint holds no calibration (its run stopped before one): the early-exit "
+              f"sample uses Part I's threshold, {Config.exit_threshold:g}")
+    lab.use(sampling)
+    report.update(config=asdict(cfg), notes={}, generation=generation_report(lab))
+    if cfg.sample_only:  # sampling leaves the trained run's report alone: samples.*
+        return write_report(report, cfg, "samples")
+    lab.plan()  # the unit costs, timed; every exit decoder's plan, chosen on val
+    names = [name for name, d in DECODERS.items() if not d.follows]
+    lab.measured = lab.measure(1, names, [cfg.num_draft], replace(cfg, bench_repeats=1),
+                               lab.other_models())  # every decoder and model, timed
     for analysis in ANALYSES:
         found = analysis.compute(lab)
         if found:
@@ -2977,7 +2977,7 @@ def run_lab(lab, report):
             print_table(analysis.table, report[analysis.key], conditions, notes)
     report["summary"] = summary(report)
     print("\nsummary:\n  " + "\n  ".join(report["summary"]))
-    write_report(report, lab.config, "report")
+    write_report(report, cfg, "report")
 
 def run(config, overridden):
     """The default job: the lab's model (trained, resumed, or loaded by --sample_only), its
@@ -2989,16 +2989,18 @@ def run(config, overridden):
         return None
     rank, world, device = start_processes(config, config.sample_only)
     tokenizer, splits = load_data(config)
-    report = {}
-    if config.sample_only:
-        model = new_or_resumed(config, tokenizer, device, overridden)[0]  # no training
+    report, sampling = {}, None
+    if config.sample_only:  # no training, no calibration: the checkpoint's
+        model = new_or_resumed(config, tokenizer, device, overridden)[0]
+        path = os.path.join(config.out_dir, "ckpt.pt")
+        sampling = torch.load(path, map_location=device, weights_only=True).get("sampling")
     else:
         model = train_or_resume(config, tokenizer, splits, device, overridden, rank, world, report)
     if world > 1:
         torch.distributed.destroy_process_group()
     if rank == 0:
         run_lab(Lab(model.eval(), tokenizer, splits, config, device, world,
-                    report.get("train_seconds", 0.0)), report)
+                    report.get("train_seconds", 0.0)), report, sampling)
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
