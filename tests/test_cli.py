@@ -116,6 +116,33 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, message):
     assert not (tmp_path / "ckpt.pt").exists()
 
 
+@pytest.mark.parametrize("args,ok", [
+    (["--seed=4294967295"], True), (["--seed=4294967296"], False),  # numpy's seed range
+    (["--num_draft=16"], True), (["--num_draft=17"], False),  # TINY_ARGS' block_size is 16
+    (["--temperature=0"], True), (["--temperature=1e-6"], True), (["--temperature=1e-7"], False)])
+def test_a_bound_holds_one_step_either_side_and_is_said_before_any_work(tmp_path, capsys, args, ok):
+    """The largest seed, num_draft and the smallest temperature that run pass; one step past each is
+    one line naming the flag, status 2, and nothing written to out_dir."""
+    if ok:
+        m.parse_args(TINY_ARGS + [f"--out_dir={tmp_path}", *args])
+        return
+    assert run_main(tmp_path, *args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {args[0].split('=')[0]}=") and err.count("\n") == 1, err
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_resume_checks_num_draft_against_the_checkpoints_block_size(tmp_path, capsys, lab_runs):
+    """Before a resume the block size is the checkpoint's, not the default (64); after, it is
+    checked."""
+    argv = [a for a in TINY_ARGS if not a.startswith("--block_size")]
+    argv += [f"--out_dir={tmp_path}", "--init_from=resume"]
+    m.parse_args(argv + ["--num_draft=70"])
+    lab_runs.copy_to(TWO_STEPS, tmp_path)  # its block_size is 16
+    assert m.main(argv + ["--num_draft=17"]) == 2
+    assert "--num_draft=17: at most block_size=16" in capsys.readouterr().err
+
+
 def test_a_text_of_fewer_than_two_characters_is_refused_before_training(tmp_path, capsys):
     """A model chooses between characters: a text of none or one is one line and status 2; two run."""
     for text, distinct in (("", 0), ("a" * 5000, 1)):
