@@ -504,6 +504,10 @@ def estimate_loss(model, splits, config, device):
     return out
 
 def format_eval(it, losses):
+    """An evaluation's line; a val loss that is not finite stops the run: training diverged."""
+    if not math.isfinite(losses["val"][-1]):
+        raise ValueError(f"training diverged: val loss {losses['val'][-1]} at step {it}; lower "
+                         "--learning_rate")
     return (f"step {it}: train loss {losses['train'][-1]:.4f}, val loss {losses['val'][-1]:.4f} | "
             f"val loss per exit: {' '.join(f'{l:.3f}' for l in losses['val'][:-1])}")
 

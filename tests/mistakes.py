@@ -211,6 +211,10 @@ MISTAKES = [
     ("tiny_temperature_through", "a temperature so small that logits / it overflow let through",
      "(0 < config.temperature < 1e-6,", "(False,",
      ["test_cli.py::test_a_bound_holds_one_step_either_side_and_is_said_before_any_work"]),
+    ("no_divergence_check", "a diverged model's nan probabilities handed to the sampler",
+     '    if not math.isfinite(losses["val"][-1]):\n        raise ValueError(f"training diverged',
+     '    if False:\n        raise ValueError(f"training diverged',
+     ["test_cli.py::test_a_diverged_run_ends_in_one_line"]),
 ]
 
 

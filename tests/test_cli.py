@@ -143,6 +143,17 @@ def test_a_resume_checks_num_draft_against_the_checkpoints_block_size(tmp_path, 
     assert "--num_draft=17: at most block_size=16" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("lesson_only", ["false", "true"])
+def test_a_diverged_run_ends_in_one_line(tmp_path, capsys, lesson_only):
+    """A learning rate that turns the weights to nan stops at the evaluation that sees it, in one
+    line, before a sampler draws from nan probabilities."""
+    rc = run_main(tmp_path, "--learning_rate=1e30", "--min_lr=0", "--warmup_iters=1",
+                  "--max_iters=4", f"--lesson_only={lesson_only}")
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: training diverged: val loss nan at step ")
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
 def test_a_text_of_fewer_than_two_characters_is_refused_before_training(tmp_path, capsys):
     """A model chooses between characters: a text of none or one is one line and status 2; two run."""
     for text, distinct in (("", 0), ("a" * 5000, 1)):
