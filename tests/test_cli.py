@@ -154,6 +154,18 @@ def test_a_diverged_run_ends_in_one_line(tmp_path, capsys, lesson_only):
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
+def test_lesson_only_writes_no_file_as_the_readme_says(tmp_path, capsys):
+    """--lesson_only is Part I alone: it prints its samples and exit statistics; out_dir stays
+    empty."""
+    assert run_main(tmp_path, "--lesson_only=true", "--max_iters=2") == 0
+    assert "per-layer exit statistics" in capsys.readouterr().out
+    assert not any(tmp_path.iterdir())
+    readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    told = "--lesson_only=true # Part I alone: prints its samples and exit statistics, writes no file"
+    assert told in readme
+    assert "Every run writes" not in readme
+
+
 def test_a_text_of_fewer_than_two_characters_is_refused_before_training(tmp_path, capsys):
     """A model chooses between characters: a text of none or one is one line and status 2; two run."""
     for text, distinct in (("", 0), ("a" * 5000, 1)):
