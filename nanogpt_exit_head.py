@@ -504,6 +504,10 @@ def estimate_loss(model, splits, config, device):
     return out
 
 def format_eval(it, losses):
+    """An evaluation's line; a val loss that is not finite stops the run: training diverged."""
+    if not math.isfinite(losses["val"][-1]):
+        raise ValueError(f"training diverged: val loss {losses['val'][-1]} at step {it}; lower "
+                         "--learning_rate")
     return (f"step {it}: train loss {losses['train'][-1]:.4f}, val loss {losses['val'][-1]:.4f} | "
             f"val loss per exit: {' '.join(f'{l:.3f}' for l in losses['val'][:-1])}")
 
@@ -2665,8 +2669,9 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
 # Command line: every Config field as --name=value (argparse), and the rules it checks
 
 RANGES = {  # the numbers each field takes: [ or ] includes that end, ( or ) leaves it out
-    "[0, inf)": "seed max_iters warmup_iters top_k draft_exit alpha min_lr weight_decay grad_clip "
+    "[0, inf)": "max_iters warmup_iters top_k draft_exit alpha min_lr weight_decay grad_clip "
                 "temperature distill_weight",
+    "[0, 4294967295]": "seed",  # numpy's range; seed + 1_000_003 * rank + step fits 64 bits
     "[1, inf)": "n_head n_embd batch_size eval_interval eval_iters max_new_tokens num_draft "
                 "quality_positions bench_prompts bench_prompt_len bench_repeats draft_layers",
     "[10, inf)": "sweep_positions",  # the learned rule is fitted on ten pieces of train
@@ -2727,8 +2732,8 @@ def parse_args(argv):
                          f"mean {close[0]}?")
     config = LabConfig(**vars(known))
     given = set(vars(known))
-    # a resume's depth is the checkpoint's: load_checkpoint checks its rules again, against it
-    validate(config, math.inf if config.init_from == "resume" and "n_layer" not in given else None)
+    # a resume's architecture is the checkpoint's: load_checkpoint checks the rules again with it
+    validate(config, math.inf if config.init_from == "resume" else None)
     return config, given
 
 def plain_depths(text, draft_layers, n_layer):
@@ -2754,6 +2759,11 @@ def field_rules(config, L):
          f"--depths={config.depths!r}: '', 'all' or a comma list of layers"),
         (any(not 0 < int(d) <= L for d in re.findall(r"\d+", config.depths)),
          f"--depths={config.depths!r}: plain GPTs of 1..{L} layers (n_layer: the recipe's cost)"),
+        (config.num_draft > config.block_size and L < math.inf,
+         f"--num_draft={config.num_draft}: at most block_size={config.block_size}, as a round "
+         "drafts within the window"),
+        (0 < config.temperature < 1e-6,
+         f"--temperature={config.temperature}: 0 (greedy) or at least 1e-6 (logits / it overflow)"),
         (config.draft_layers >= L,
          f"--draft_layers={config.draft_layers}: a draft model smaller than the model, 1..{L - 1}"),
         (config.confidence_measure in ("patience", "learned") and (

@@ -195,6 +195,26 @@ MISTAKES = [
      '    if not top:\n        return "No exit is that sure at any test position."\n', "    top = top or [0.0]\n",
      ["test_figures.py::test_a_calibration_note_with_no_exit_that_sure_says_so",
       "test_worth_it.py::test_expected_calibration_error_by_hand"]),
+    # the command line's bounds and the divergence check, each put back
+    ("seed_at_torchs_bound", "a seed bounded at torch's 2**64 - 1, leaving no room for seed + 1",
+     '"[0, 4294967295]": "seed",', '"[0, 18446744073709551615]": "seed",',
+     ["test_cli.py::test_a_bound_holds_one_step_either_side_and_is_said_before_any_work"]),
+    ("num_draft_off_by_one", "num_draft allowed one past block_size",
+     "(config.num_draft > config.block_size and L < math.inf,",
+     "(config.num_draft > config.block_size + 1 and L < math.inf,",
+     ["test_cli.py::test_a_bound_holds_one_step_either_side_and_is_said_before_any_work"]),
+    ("num_draft_against_default_block", "a resume's num_draft checked against block_size's default",
+     'validate(config, math.inf if config.init_from == "resume" else None)',
+     'validate(config, math.inf if config.init_from == "resume" and "n_layer" not in given '
+     'else None)',
+     ["test_cli.py::test_a_resume_checks_num_draft_against_the_checkpoints_block_size"]),
+    ("tiny_temperature_through", "a temperature so small that logits / it overflow let through",
+     "(0 < config.temperature < 1e-6,", "(False,",
+     ["test_cli.py::test_a_bound_holds_one_step_either_side_and_is_said_before_any_work"]),
+    ("no_divergence_check", "a diverged model's nan probabilities handed to the sampler",
+     '    if not math.isfinite(losses["val"][-1]):\n        raise ValueError(f"training diverged',
+     '    if False:\n        raise ValueError(f"training diverged',
+     ["test_cli.py::test_a_diverged_run_ends_in_one_line"]),
 ]
 
 

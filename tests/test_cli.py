@@ -116,6 +116,56 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, message):
     assert not (tmp_path / "ckpt.pt").exists()
 
 
+@pytest.mark.parametrize("args,ok", [
+    (["--seed=4294967295"], True), (["--seed=4294967296"], False),  # numpy's seed range
+    (["--num_draft=16"], True), (["--num_draft=17"], False),  # TINY_ARGS' block_size is 16
+    (["--temperature=0"], True), (["--temperature=1e-6"], True), (["--temperature=1e-7"], False)])
+def test_a_bound_holds_one_step_either_side_and_is_said_before_any_work(tmp_path, capsys, args, ok):
+    """The largest seed, num_draft and the smallest temperature that run pass; one step past each is
+    one line naming the flag, status 2, and nothing written to out_dir."""
+    if ok:
+        m.parse_args(TINY_ARGS + [f"--out_dir={tmp_path}", *args])
+        return
+    assert run_main(tmp_path, *args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {args[0].split('=')[0]}=") and err.count("\n") == 1, err
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_resume_checks_num_draft_against_the_checkpoints_block_size(tmp_path, capsys, lab_runs):
+    """Before a resume the block size is the checkpoint's, not the default (64); after, it is
+    checked."""
+    argv = [a for a in TINY_ARGS if not a.startswith("--block_size")]
+    argv += [f"--out_dir={tmp_path}", "--init_from=resume"]
+    m.parse_args(argv + ["--num_draft=70"])
+    lab_runs.copy_to(TWO_STEPS, tmp_path)  # its block_size is 16
+    assert m.main(argv + ["--num_draft=17"]) == 2
+    assert "--num_draft=17: at most block_size=16" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lesson_only", ["false", "true"])
+def test_a_diverged_run_ends_in_one_line(tmp_path, capsys, lesson_only):
+    """A learning rate that turns the weights to nan stops at the evaluation that sees it, in one
+    line, before a sampler draws from nan probabilities."""
+    rc = run_main(tmp_path, "--learning_rate=1e30", "--min_lr=0", "--warmup_iters=1",
+                  "--max_iters=4", f"--lesson_only={lesson_only}")
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: training diverged: val loss nan at step ")
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_lesson_only_writes_no_file_as_the_readme_says(tmp_path, capsys):
+    """--lesson_only is Part I alone: it prints its samples and exit statistics; out_dir stays
+    empty."""
+    assert run_main(tmp_path, "--lesson_only=true", "--max_iters=2") == 0
+    assert "per-layer exit statistics" in capsys.readouterr().out
+    assert not any(tmp_path.iterdir())
+    readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    told = "--lesson_only=true # Part I alone: prints its samples and exit statistics, writes no file"
+    assert told in readme
+    assert "Every run writes" not in readme
+
+
 def test_a_text_of_fewer_than_two_characters_is_refused_before_training(tmp_path, capsys):
     """A model chooses between characters: a text of none or one is one line and status 2; two run."""
     for text, distinct in (("", 0), ("a" * 5000, 1)):
