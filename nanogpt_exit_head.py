@@ -1671,6 +1671,11 @@ def frontier_points(rows):
             point[f"dominated_{mode}"] = better
     return points
 
+def frontier_names(points):
+    """The points nothing beats in each mode, by name: {mode: "name, name"}."""
+    return {mode: ", ".join(p["name"] for p in points if p[f"dominated_{mode}"] is None)
+            for mode in MODES}
+
 # =============================================================================
 # Part III: the harness; the workload and timing, the tables, the page, checkpoints, main
 
@@ -2181,9 +2186,10 @@ def frontier(lab):
     for p in frontier_points(lab.measured):  # peak: None where the device reports none
         p.update(weights_mb=p["weight_bytes"] / 2**20, kv_kb=p["cache_bytes"] / 2**10,
                  peak_kb=p["peak_bytes"] and p["peak_bytes"] / 2**10)
-        rows.append({key: p[key] for key, *_ in FRONTIER_TABLE[1]})
-    on = {mode: ", ".join(r["name"] for r in rows if r[f"dominated_{mode}"] is None)
-          for mode in MODES}
+        family = "speculation" if DECODERS[p["decoder"]].drafter else p["family"]
+        rows.append({key: p[key] for key, *_ in FRONTIER_TABLE[1]} | {
+            "decoder": p["decoder"], "family": family})
+    on = frontier_names(rows)
     seconds = ", ".join(f"{d}-layer GPT {t:.0f} s" for d, (_, t) in sorted(lab.plain_gpts.items()))
     return {"frontier": rows, "notes": [
         f"Test loss on {cfg.quality_positions:,} test positions, teacher-forced through each "
@@ -2247,11 +2253,13 @@ def datum(key, value):
     """The attributes that tie a number on the page to its place in report.json (a test checks)."""
     return f'data-key="{esc(key)}" data-value="{value!r}"'
 
-# a chart series' class (its mode, or the sweep's figure) picks its colour
+# a chart series' class (its mode, the sweep's figure, a frontier point's family) picks its colour
 HTML_STYLE = """
-:root { --bg: #fff; --fg: #1d1d1f; --muted: #6e6e73; --grid: #d2d2d7; --a: #2a788e; --b: #e66101; }
+:root { --bg: #fff; --fg: #1d1d1f; --muted: #6e6e73; --grid: #d2d2d7; --a: #2a788e; --b: #e66101;
+  --c: #762a83; }
 @media (prefers-color-scheme: dark) { :root { --bg: #161618; --fg: #f2f2f7; --muted: #a1a1a6;
-  --grid: #3a3a3c; --a: #5ec9c9; --b: #fdb863; } }
+  --grid: #3a3a3c; --a: #5ec9c9; --b: #fdb863;
+  --c: #c2a5cf; } }
 body { background: var(--bg); color: var(--fg); font: 15px/1.5 system-ui, sans-serif;
   max-width: 1180px; margin: 0 auto; padding: 1em; }
 h2 { border-bottom: 1px solid var(--grid); padding-bottom: .2em; margin-top: 2em; }
@@ -2268,6 +2276,8 @@ th { color: var(--muted); font-weight: 500; }
 svg text { fill: var(--fg); font: 13px system-ui, sans-serif; } svg .grid { stroke: var(--grid); }
 svg .greedy, svg .compute_saved { fill: var(--a); stroke: var(--a); }
 svg .sampled, svg .disagreement { fill: var(--b); stroke: var(--b); }
+svg .decoder { fill: var(--a); } svg .speculation { fill: var(--b); } svg .gpt { fill: var(--c); }
+svg .pruned { fill: var(--bg); stroke: var(--fg); } svg .path { stroke: var(--fg); }
 svg .line { fill: none; stroke-width: 2; } svg .mark { stroke: var(--fg); stroke-dasharray: 4 3; }
 #summary { border: 1px solid var(--grid); border-radius: 6px; padding: 0 1em; }
 """
@@ -2306,15 +2316,30 @@ def svg_point(cls, point, ticks, width, shift):
                 f'height="{PLOT_HEIGHT - plot_y(y, ticks):.1f}" {data}</rect>')
     return f'<circle cx="{plot_x(x):.1f}" cy="{plot_y(y, ticks):.1f}" r="3" {data}</circle>'
 
+def svg_line(cls, points, ticks):
+    """A line through points (x in [0, 1], y, ...)."""
+    coords = " ".join(f"{plot_x(x):.1f},{plot_y(y, ticks):.1f}" for x, y, *_ in points)
+    return f'<polyline class="{cls} line" points="{coords}"/>'
+
+def svg_path(path, ticks):
+    """A line through points (x in [0, 1], y, name), each named under it on its right and at least
+    a line under the name on its right (a higher point, on a frontier), so that no two overlap."""
+    parts, base = [svg_line("path", sorted(path), ticks)], 0
+    for x, y, name in sorted(path, reverse=True):
+        base = max(plot_y(y, ticks) + 14, base + 14)  # 13-unit text
+        parts.append(f'<text x="{plot_x(x) + 5:.1f}" y="{base:.1f}">{esc(name)}</text>')
+    return "".join(parts)
+
 def svg_chart(series, x_ticks, titles, y_fmt, bars=False, mark=None, line=None, top=None,
-              bottom=0):
-    """Lines, dots alone (bottom above 0: an axis that need not reach 0), or bars side by side
-    (their x labels on two rows). series: (name, class, points), a point (x in [0, 1], y, report
-    key, hover text); x_ticks: {label: x}; titles: the axes'; mark: (x, report key, label), a
-    dashed line up the chart; line: (y, label), one across it (at most top); top: the axis's top,
-    if not the data's (bars: at least 1.0x, full depth's)."""
+              path=()):
+    """Lines or bars side by side from 0 (or under it), or dots with a path. series: (name, class,
+    points), a point (x in [0, 1], y, report key, hover text); x_ticks: {label: x}; titles: the
+    axes'; mark: (x, report key, label), a dashed line up; line: (y, label), one across (at most
+    top); top: the axis's top (bars: at least 1.0x); path: (x, y, name)s joined, each named."""
     ys = [p[1] for _, _, points in series for p in points]
-    ticks, H = nice_ticks(top or max(ys + [int(bars)]), min(ys + [bottom])), PLOT_HEIGHT
+    # dots with a path: an axis from a quarter of their span under the lowest point, to name it
+    bottom = min(ys) - (max(ys) - min(ys)) / 4 if path else min(ys + [0])
+    ticks, H = nice_ticks(top or max(ys + [int(bars)]), bottom), PLOT_HEIGHT
     parts = [f'<div class="scroll"><svg viewBox="0 0 640 {H + 64 + 18 * len(series)}" '
              f'width="100%" role="img"><text transform="translate(14 {H / 2}) rotate(-90)" '
              f'text-anchor="middle">{esc(titles[1])}</text><text x="345" y="{H + 52}" '
@@ -2330,10 +2355,11 @@ def svg_chart(series, x_ticks, titles, y_fmt, bars=False, mark=None, line=None, 
                      f'y1="0" y2="{H}" {datum(mark[1], mark[0])}/><text '
                      f'x="{plot_x(mark[0]) + (4 if mark[0] < 0.5 else -4):.1f}" y="12" '
                      f'text-anchor="{"start" if mark[0] < 0.5 else "end"}">{esc(mark[2])}</text>')
+    if path:
+        parts.append(svg_path(path, ticks))
     for s, (name, cls, points) in enumerate(series):
-        if not bars and bottom <= 0:
-            coords = " ".join(f"{plot_x(x):.1f},{plot_y(y, ticks):.1f}" for x, y, _, _ in points)
-            parts.append(f'<polyline class="{cls} line" points="{coords}"/>')
+        if not bars and not path:
+            parts.append(svg_line(cls, points, ticks))
         parts += [svg_point(cls, p, ticks, width, (s - len(series) / 2) * width) for p in points]
         parts.append(f'<rect class="{cls}" x="70" y="{H + 66 + 18 * s}" width="12" height="12"/>'
                      f'<text x="88" y="{H + 77 + 18 * s}">{esc(name)}</text>')
@@ -2436,18 +2462,30 @@ def batch_charts(report):
     return "".join(speedup_chart(report, "batched", B)
                    for B in dict.fromkeys(r["batch_size"] for r in report["batched"]))
 
+# a frontier point's family: its legend and its class on the chart
+FAMILIES = {"exit model": ("the exit model's decoders", "decoder"),
+            "speculation": ("speculation (exact)", "speculation"),
+            "plain GPT": ("plain GPTs", "gpt"), "pruned": ("pruned models", "pruned")}
+
 def frontier_chart(report):
-    """Every point's test loss against its speed-up, greedy and sampled: the frontier is the lower
-    right edge."""
-    rows = report["frontier"]
-    top = nice_ticks(max(r[f"speedup_{mode}"] for r in rows for mode in MODES))[-1]
-    series = [(mode, mode, [(r[f"speedup_{mode}"] / top, r["test_loss"], f"frontier.{i}.test_loss",
-                             f"{r['name']}, {mode}: {r[f'speedup_{mode}']:.2f}x, "
-                             f"{r['test_loss']:.4f}") for i, r in enumerate(rows)])
-              for mode in MODES]
-    return svg_chart(series, {f"{t:g}x": t / top for t in nice_ticks(top)},
-                     ("speed-up over full depth", "test loss"), "{:.3f}",
-                     bottom=min(r["test_loss"] for r in rows))
+    """A chart a mode: every point's test loss against its speed-up, coloured by its family; a line
+    joins the frontier, the lower right edge, and names its points."""
+    rows, charts = report["frontier"], ""
+    for mode in MODES:
+        # the fastest point at most 4/5 of the way across, so that its name fits on its right
+        top = nice_ticks(1.25 * max(r[f"speedup_{mode}"] for r in rows))[-1]
+        families = {}  # (legend, class): points, in the rows' order
+        for i, r in enumerate(rows):
+            families.setdefault(FAMILIES[r["family"]], []).append((
+                r[f"speedup_{mode}"] / top, r["test_loss"], f"frontier.{i}.test_loss",
+                f"{r['name']}, {mode}: {r[f'speedup_{mode}']:.2f}x, {r['test_loss']:.4f}"))
+        path = [(r[f"speedup_{mode}"] / top, r["test_loss"], r["name"])
+                for r in rows if r[f"dominated_{mode}"] is None]  # the points nothing beats
+        charts += svg_chart([(*kind, points) for kind, points in families.items()],
+                            {f"{t:g}x": t / top for t in nice_ticks(top)},
+                            (f"speed-up over full depth, {mode} (line: the frontier)", "test loss"),
+                            "{:.3f}", path=path)
+    return charts
 
 def html_report(report):
     """report.html: report.json's numbers on a page that reads on a phone: the summary, the
@@ -2923,24 +2961,32 @@ def generation_report(lab):
             "full_depth_sample": text(full.tokens[0, T0:].tolist())}
 
 def summary(report):
-    """The run's answers in four lines: the model's loss, what early exit skips with a guarantee,
-    the fastest decoder with an exact cache in each mode, and the points on the frontier."""
+    """The run's answers in four lines: the model's loss, what early exit skips with a guarantee
+    (or that the guarantee did not hold on test), the fastest decoder with an exact cache in each
+    mode, and the points on the frontier."""
     cal = report["calibration"]
     chosen = report["chosen_rule"]
     exact = [e for e in report["strategies"]  # the exit model's decoders, no hole, no copy
              if e["cache"] == "exact" and e["family"] == "exit model"]
     # each mode's fastest: the last of its rows sorted by speed (full depth: none is faster)
     fastest = {e["mode"]: e for e in sorted(exact, key=lambda e: e["speedup"])}
+    saved = (f"saved at the guarantee (disagreement <= {100 * cal['epsilon']:g}% with probability "
+             f"{100 * (1 - cal['delta']):g}%)")
+    if not cal["test"]["held"]:
+        saved = (f"saved, but the guarantee did not hold on test (disagreement "
+                 f"{cal['test']['disagreement']:.2%}, over epsilon {100 * cal['epsilon']:g}%)")
+    broken = {True: "", False: ", over epsilon: the guarantee did not hold"}
+    on = frontier_names(report["frontier"])
     return [f"val loss {report['val_loss']['final']:.4f}: full depth, on random windows of val",
-            f"saved at the guarantee (disagreement <= {100 * cal['epsilon']:g}% with probability "
-            f"{100 * (1 - cal['delta']):g}%): {cal['test']['compute_saved']:.1%} of layer runs on "
-            f"test ({cal['measure']} > {cal['threshold']:g}); the rule chosen on val, "
+            f"{saved}: {cal['test']['compute_saved']:.1%} of layer runs on test "
+            f"({cal['measure']} > {cal['threshold']:g}); the rule chosen on val, "
             f"{chosen['measure']} (each rule at delta / {len(report['calibration_by_measure']) - 2}"
             f"): {chosen['test']['compute_saved']:.1%} (test disagreement "
-            f"{chosen['test']['disagreement']:.2%})",
+            f"{chosen['test']['disagreement']:.2%}{broken[chosen['test']['held']]})",
             "fastest with an exact cache: " + ", ".join(
                 f"{fastest[m]['name']} {fastest[m]['speedup']:.2f}x {m}" for m in MODES),
-            f"when does early exit pay? {report['notes']['frontier'][1]}"]
+            f"when does early exit pay? On the frontier, greedy: {on['greedy']}; "
+            f"sampled: {on['sampled']}"]
 
 def lesson_config(config):
     """Part I's Config from the lab's fields, with Part I's own threshold where the lab's says

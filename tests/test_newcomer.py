@@ -120,14 +120,15 @@ def test_the_run_ends_with_its_summary_then_the_page(default_run):
     bests = [max((r for r in exact if r["mode"] == mode), key=lambda r: r["speedup"]) for mode in m.MODES]
     assert fastest == "fastest with an exact cache: " + ", ".join(
         f"{r['name']} {r['speedup']:.2f}x {r['mode']}" for r in bests), "greedy first, then sampled"
-    assert smaller == "when does early exit pay? " + report["notes"]["frontier"][1]
+    on = [", ".join(r["name"] for r in report["frontier"] if r[f"dominated_{mode}"] is None) for mode in m.MODES]
+    assert smaller == f"when does early exit pay? On the frontier, greedy: {on[0]}; sampled: {on[1]}"
 
 
 def test_summary_names_the_fastest_exact_decoder_of_the_exit_model_never_a_smaller_gpt():
     """A separate draft model and skipdecode are exact-cache decoders of the exit model; a plain GPT
     and state_copy are not, however fast."""
     cal = {"epsilon": 0.01, "delta": 0.05, "measure": "top1", "threshold": 0.9,
-           "test": {"compute_saved": 0.3, "disagreement": 0.005}}
+           "test": {"compute_saved": 0.3, "disagreement": 0.005, "held": True}}
     speeds = {"full": 1.0, "backfill": 0.9, "state_copy": 9.0, "holes": 9.0, "draft_model": 2.0,
               "skipdecode": 1.5, "1-layer GPT": 5.0, "self_speculative": 1.9}
     rows = [{"name": name, "mode": mode, "speedup": x + (mode == "sampled"),
@@ -135,8 +136,54 @@ def test_summary_names_the_fastest_exact_decoder_of_the_exit_model_never_a_small
             for name, x in speeds.items() for mode in m.MODES]
     next(r for r in rows if (r["name"], r["mode"]) == ("skipdecode", "sampled"))["speedup"] = 9.9
     report = {"val_loss": {"final": 1.5}, "calibration": cal, "chosen_rule": cal, "strategies": rows,
-              "calibration_by_measure": [{}] * 8, "notes": {"frontier": ["", "on it"]}}
+              "calibration_by_measure": [{}] * 8, "frontier": []}
     assert m.summary(report)[2] == "fastest with an exact cache: draft_model 2.00x greedy, skipdecode 9.90x sampled"
+
+
+def summary_report(cal, chosen, frontier=()):
+    """The least report summary() reads: no notes (it reads none), a strategies row a mode."""
+    rows = [{"name": "full", "mode": mode, "speedup": 1.0, "cache": "exact"} for mode in m.MODES]
+    return {"val_loss": {"final": 1.5}, "calibration": cal, "chosen_rule": chosen, "strategies": rows,
+            "calibration_by_measure": [{}] * 8, "frontier": list(frontier)}
+
+
+@pytest.mark.parametrize("n_bad", [100, 101])
+def test_the_summary_says_when_the_guarantee_did_not_hold_on_test(n_bad):
+    """epsilon 1% of 10,000 test positions: 100 disagreeing hold it (today's words), 101 break it; then the
+    summary says so, with test's disagreement beside the saving, and never 'at the guarantee'; the chosen
+    rule's clause likewise."""
+    from test_calibration import records_disagreeing
+    records = {"val": records_disagreeing(0), "test": records_disagreeing(n_bad), "shift": records_disagreeing(0)}
+    cal = m.calibration_report(records, "top1", [0], 0.01, 0.05)
+    assert cal["test"]["disagreement"] == pytest.approx(n_bad / 10000) and cal["test"]["held"] is (n_bad == 100)
+    saved = m.summary(summary_report(cal, cal))[1]
+    if n_bad == 100:
+        assert saved.startswith("saved at the guarantee (disagreement <= 1% with probability 95%): 50.0% of "
+                                "layer runs on test (top1 > 0)")
+        assert saved.endswith("(test disagreement 1.00%)") and "did not hold" not in saved
+    else:
+        assert saved.startswith("saved, but the guarantee did not hold on test (disagreement 1.01%, over "
+                                "epsilon 1%): 50.0% of layer runs on test (top1 > 0)")
+        assert saved.endswith("(test disagreement 1.01%, over epsilon: the guarantee did not hold)")
+        assert "at the guarantee" not in saved
+    # the chosen rule's clause alone broken, then the calibration's alone
+    held, broken = (m.calibration_report(dict(records, test=records_disagreeing(n)), "top1", [0], 0.01, 0.05)
+                    for n in (100, 101))
+    assert m.summary(summary_report(held, broken))[1].startswith("saved at the guarantee")
+    assert m.summary(summary_report(held, broken))[1].endswith("the guarantee did not hold)")
+    assert m.summary(summary_report(broken, held))[1].startswith("saved, but the guarantee did not hold")
+    assert m.summary(summary_report(broken, held))[1].endswith("(test disagreement 1.00%)")
+
+
+def test_the_summary_names_the_frontier_from_its_rows():
+    """The points nothing beats in each mode, in the rows' order, from report['frontier'] (no note read)."""
+    cal = {"epsilon": 0.01, "delta": 0.05, "measure": "top1", "threshold": 0.9,
+           "test": {"compute_saved": 0.3, "disagreement": 0.005, "held": True}}
+    rows = [{"name": "a", "dominated_greedy": None, "dominated_sampled": "b"},
+            {"name": "b", "dominated_greedy": None, "dominated_sampled": None},
+            {"name": "c", "dominated_greedy": "a", "dominated_sampled": None}]
+    assert m.summary(summary_report(cal, cal, rows))[3] == \
+        "when does early exit pay? On the frontier, greedy: a, b; sampled: b, c"
 
 
 def test_the_sample_reports_the_threshold_its_decoder_ran_at():

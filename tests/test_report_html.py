@@ -151,14 +151,14 @@ def test_the_summary_opens_the_page_and_links_every_section(page):
     assert f"{report['calibration']['test']['compute_saved']:.1%}" in summary
     assert "move with its load" in summary and "val loss" in summary
     assert all(f"<li>{m.esc(line)}</li>" in summary for line in report["summary"]), "the console's summary"
-    assert m.esc(report["notes"]["frontier"][1]) in summary, "the answer to 'when does it pay?' opens the page"
+    assert "when does early exit pay? On the frontier, greedy: " in summary, "the answer opens the page"
     assert len(report["summary"]) == 4
 
 
 def test_the_page_keeps_three_kinds_of_chart_and_each_has_axis_titles_ticks_and_a_legend(page):
     """The threshold trade-off, the decoders' speed-ups and the frontier are charts; the rest, tables."""
     charts = re.findall(r"<svg .*?</svg>", page[0].read_text(), flags=re.DOTALL)
-    assert len(charts) == 4  # the sweep's two, the strategies' speed-ups, the frontier (no batch table here)
+    assert len(charts) == 5  # the sweep's two, the strategies' speed-ups, the frontier's two (no batch table)
     for chart in charts:
         assert "rotate(-90)" in chart, "a y axis title"
         assert chart.count('class="grid"') >= 3, "round ticks"
@@ -179,10 +179,10 @@ def test_the_page_keeps_three_kinds_of_chart_and_each_has_axis_titles_ticks_and_
     assert 'text-anchor="end">calibrated: 0.95<' in m.sweep_charts(dict(page[1], calibration=dict(cal, threshold=0.95)))
     assert f">{2 * eps:.1%}</text>" in sweeps[1] and max(e["disagreement"] for e in page[1]["sweep_curve"]) > 2 * eps
     assert min(points(sweeps[1])) >= min(grid(sweeps[1])) - 1e-6, "over the axis: drawn at its top"
-    front = [c for c in charts if "speed-up over full depth</text>" in c]
-    assert len(front) == 1 and ">greedy</text>" in front[0] and ">sampled</text>" in front[0]
-    assert front[0].count("<circle ") == 2 * len(page[1]["frontier"]), "every point, in each mode"
-    assert "<polyline" not in front[0], "points, not a line through them"
+    front = [c for c in charts if "(line: the frontier)" in c]
+    assert [f"speed-up over full depth, {mode} (" in c for mode, c in zip(m.MODES, front)] == [True, True]
+    assert all(c.count("<circle ") == len(page[1]["frontier"]) for c in front), "every point, once a chart"
+    assert all(c.count("<polyline") == 1 for c in front), "one line, the frontier's; dots otherwise"
 
 
 def probe(browser, html, tmp_path, name, width=420):
@@ -280,3 +280,84 @@ def test_newlines_show(page):
     assert html.count("<pre class='sample'>") == html.count("<pre class='sample'>\n") >= 2
     newlines = report["generation"]["sample"].count("\n")
     assert html.count("&#8629;</span>\n") == newlines
+
+
+def frontier_rows():
+    """Points of every family whose frontiers differ by mode: pruned 1 (the best loss) and
+    self_speculative (full depth's loss, faster) on both; state_copy and pruned 2 in greedy, the 1-layer
+    GPT in sampled."""
+    rows = [{"name": name, "test_loss": loss, "speedup_greedy": greedy, "speedup_sampled": sampled}
+            for name, loss, greedy, sampled in (
+                ("full", 1.50, 1.0, 1.0), ("state_copy", 1.52, 2.2, 0.9), ("self_speculative", 1.50, 1.8, 1.1),
+                ("draft_model", 1.50, 1.4, 1.05), ("1-layer GPT", 1.90, 2.5, 2.4), ("pruned 1", 1.49, 0.9, 1.02),
+                ("pruned 2", 1.60, 3.0, 1.0))]
+    for mode in m.MODES:
+        for row, better in zip(rows, m.dominated_by(rows, mode)):
+            row[f"dominated_{mode}"] = better
+    return rows
+
+
+def path_and_names(chart):
+    """The frontier line's vertices as the report's rows (matched to the dots drawn at them), and every
+    text on the chart."""
+    dots = {xy: int(i) for xy, i in re.findall(r'<circle cx="([^"]+" cy="[^"]+)" r="3" [^>]*data-key="frontier\.(\d+)\.', chart)}
+    line = re.findall(r'<polyline class="path line" points="([^"]*)"', chart)
+    assert len(line) == 1, "one frontier line"
+    vertices = [dots['{}" cy="{}'.format(*v.split(","))] for v in line[0].split()]
+    return vertices, re.findall(r"<text[^>]*>([^<]+)</text>", chart)
+
+
+@pytest.mark.parametrize("source", ["made up", "the run's"])
+def test_the_frontier_line_joins_exactly_the_points_nothing_beats_and_names_them(source, page):
+    rows = frontier_rows() if source == "made up" else page[1]["frontier"]
+    charts = re.findall(r"<svg .*?</svg>", m.frontier_chart({"frontier": rows}), flags=re.DOTALL)
+    assert len(charts) == len(m.MODES)
+    for mode, chart in zip(m.MODES, charts):
+        on = [i for i, r in enumerate(rows) if r[f"dominated_{mode}"] is None]
+        vertices, texts = path_and_names(chart)
+        assert sorted(vertices) == on, (mode, "the line's vertices: the frontier, no more, no fewer")
+        assert vertices == sorted(on, key=lambda i: rows[i][f"speedup_{mode}"]), "slowest first"
+        names = [t for t in texts if t in {r["name"] for r in rows}]
+        assert sorted(names) == sorted(rows[i]["name"] for i in on), (mode, "each frontier point named")
+    if source == "made up":  # the two modes' frontiers differ, and each family is in it
+        assert [[rows[i]["name"] for i in path_and_names(c)[0]] for c in charts] == [
+            ["pruned 1", "self_speculative", "state_copy", "pruned 2"],
+            ["pruned 1", "self_speculative", "1-layer GPT"]]
+
+
+def test_the_frontier_chart_tells_the_families_apart():
+    """A point's class is its family's; the legend names each family once."""
+    rows = frontier_rows()
+    chart = re.findall(r"<svg .*?</svg>", m.frontier_chart({"frontier": rows}), flags=re.DOTALL)[0]
+    classes = re.findall(r'<circle [^>]*class="([^"]+)" data-key="frontier\.(\d+)\.', chart)
+    assert {rows[int(i)]["name"]: c for c, i in classes} == {
+        "full": "decoder", "state_copy": "decoder", "self_speculative": "speculation",
+        "draft_model": "speculation", "1-layer GPT": "gpt", "pruned 1": "pruned", "pruned 2": "pruned"}
+    legend = re.findall(r'<rect class="([^"]+)" x="70"[^>]*/><text x="88"[^>]*>([^<]+)</text>', chart)
+    assert legend == [("decoder", "the exit model&#x27;s decoders"), ("speculation", "speculation (exact)"),
+                      ("gpt", "plain GPTs"), ("pruned", "pruned models")]
+
+
+@pytest.mark.parametrize("source", ["made up", "the run's"])
+def test_frontier_names_sit_under_their_points_and_clear_of_each_other(source, page):
+    """Each name starts just right of its point, under it; no two names overlap (13-unit text, about 7
+    units a character), though the made-up sampled frontier has pruned 1 and self_speculative side by side
+    at about one loss."""
+    rows = frontier_rows() if source == "made up" else page[1]["frontier"]
+    for mode, chart in zip(m.MODES, re.findall(r"<svg .*?</svg>", m.frontier_chart({"frontier": rows}),
+                                               flags=re.DOTALL)):
+        dots = {int(i): (float(x), float(y)) for x, y, i in
+                re.findall(r'<circle cx="([^"]+)" cy="([^"]+)" r="3" [^>]*data-key="frontier\.(\d+)\.', chart)}
+        at = {name: (float(x), float(y)) for x, y, name in
+              re.findall(r'<text x="([^"]+)" y="([^"]+)">([^<]+)</text>', chart)}
+        named = [r["name"] for r in rows if r[f"dominated_{mode}"] is None]
+        for i, r in enumerate(rows):
+            if r["name"] in named:
+                x, y = dots[i]
+                assert at[r["name"]][0] == pytest.approx(x + 5, abs=0.11) and at[r["name"]][1] > y
+        for a in named:
+            for b in named:
+                (xa, ya), (xb, yb) = at[a], at[b]
+                assert a == b or abs(ya - yb) >= 13 or xa + 7 * len(a) <= xb or xb + 7 * len(b) <= xa, (a, b)
+        if source == "made up" and mode == "sampled":
+            assert abs(at["pruned 1"][1] - at["self_speculative"][1]) >= 13
