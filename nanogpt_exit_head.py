@@ -1323,6 +1323,24 @@ def choose_rule(records, rules, checked_exits, epsilon, delta):
     return max((calibration_report(records, m, checked_exits, epsilon, delta / len(rules))
                 for m in rules), key=lambda r: r["val"]["compute_saved"])
 
+def calibrate_exits(model, splits, config):
+    """Fit the learned rule on train, read every exit of the other texts once, calibrate every
+    rule on val (every exit checked) and choose SkipDecode's schedule there: (records,
+    calibrations, what sampling needs: the learned rule's weights, each rule's threshold, the
+    schedule)."""
+    weights = fit_on_pieces(model, splits["train"], config.sweep_positions)
+    rules = exit_rules(weights)
+    records = {s: record_exits(model, text, config.sweep_positions, rules)
+               for s, text in splits.items() if s != "train"}
+    checked = list(range(config.n_layer - 1))
+    calibrations = {m: calibration_report(records, m, checked, config.epsilon, config.delta)
+                    for m in rules}
+    schedule = choose_schedule(records["val"], config.n_layer, config.block_size,
+                               config.schedule_disagreement)
+    thresholds = {m: c["threshold"] for m, c in calibrations.items()}
+    return records, calibrations, {"weights": weights, "schedule": schedule,
+                                   "thresholds": thresholds}
+
 # -----------------------------------------------------------------------------
 # Reading the exits: the logit lens, and what "easy" means here
 
@@ -1415,7 +1433,7 @@ def decode_costs(model, prompts, n_tokens, rules, sampling, repeats=200, attempt
             synchronize(device)
             costs[f"token {mode}"] = (time.perf_counter() - t0) / prompts.size(0) / n_tokens
         costs.update(attempts=attempt, cache_length=typical)
-        if costs["token greedy"] >= cfg.n_layer * costs["block"]:
+        if min(costs["token greedy"], costs["token sampled"]) >= cfg.n_layer * costs["block"]:
             break
     return costs
 
@@ -1445,7 +1463,8 @@ def predict_speedup(decoder, counts, measure, costs, token):
     head, a confidence and a host sync, and state_copy a write when it leaves early. Deferred's
     catch-up rides in the next token's block call, so it is counted as no extra call. A smaller
     model at full depth skips the blocks it lacks."""
-    saved = counts["early"] * costs["final_head"] + decoder.skips * counts["skipped"] * costs["block"]
+    saved = (counts["early"] * costs["final_head"]
+             + decoder.skips * counts["skipped"] * costs["block"])
     extra = (counts["checks"] * costs[f"check {measure}"]
              + counts["early"] * costs.get(decoder.exit_cost, 0.0))
     return token / max(token - saved + extra, costs["block"])
@@ -1479,7 +1498,8 @@ def exit_plans(records, costs, config, threshold, schedule, checked=None):
         if d.schedule:
             plans[name] = schedule
         elif d.strategy:
-            plans[name] = best_plan(records, d, config.confidence_measure, threshold, costs, checked)
+            plans[name] = best_plan(records, d, config.confidence_measure, threshold, costs,
+                                    checked)
     return plans
 
 # -----------------------------------------------------------------------------
@@ -1616,12 +1636,32 @@ def choose_drafts(entries):
     that follows a drafter its k, or None (full depth) where no k ran faster than full depth."""
     drafts = {}
     for key in dict.fromkeys((e["name"], e["mode"]) for e in entries):
-        best = max((e for e in entries if (e["name"], e["mode"]) == key), key=lambda e: e["speedup"])
+        runs = [e for e in entries if (e["name"], e["mode"]) == key]
+        best = max(runs, key=lambda e: e["speedup"])
         drafts[key] = best["num_draft"]
         for name, d in DECODERS.items():
             if d.follows == key[0]:
                 drafts[name, key[1]] = best["num_draft"] if best["speedup"] > 1 else None
     return drafts
+
+def val_figures(speed, n_layer):
+    """A speed pass on val ((name, k, mode) -> figures, full depth's k None) as the predictions
+    read it: (name, mode, k) -> the speed-up over full depth and the step counts."""
+    return {(name, mode, k): {"speedup": s["tokens_per_second"]
+                              / speed["full", None, mode]["tokens_per_second"],
+                              "counts": workload_counts(s["outputs"], n_layer - 1),
+                              "num_draft": k, "name": name, "mode": mode}
+            for (name, k, mode), s in speed.items()}
+
+def run_plans(names, plans, val, config, draft):
+    """(name, mode) -> the plan each decoder of names runs: an exit decoder's, chosen on val; a
+    drafter at the k that ran fastest on val in that mode (a follower: its drafter's k, or full
+    depth)."""
+    drafts = choose_drafts([e for e in val.values() if e["num_draft"]])
+    return {(name, mode): plans.get(name) or draft_plan(DECODERS[name].follows or name, config,
+                                                        drafts.get((name, mode)), draft)
+            for name in names for mode in MODES
+            if DECODERS[name].strategy or DECODERS[name].drafter}
 
 def prediction(row, plan, val, costs, n_layer, model):
     """The cost model's figures beside a decoder-table row of model at its plan: a drafter's
@@ -1676,6 +1716,31 @@ def frontier_names(points):
     return {mode: ", ".join(p["name"] for p in points if p[f"dominated_{mode}"] is None)
             for mode in MODES}
 
+def quality_pass(decode, data, n_positions, batch_size=1, prompt_len=1):
+    """Teacher-forced decoding of batch_size contiguous pieces of data at once, n_positions in
+    all, each piece after a prompt of prompt_len: every decoder sees the same text, and its own
+    cache's effects. The workload's prompt length puts the positions where the workload's are,
+    at every batch size."""
+    per_row = n_positions // batch_size
+    pieces = data[: batch_size * (prompt_len + per_row)].view(batch_size, -1)  # (B, P + per_row)
+    prompt, targets = pieces.split([prompt_len, per_row], 1)
+    out = decode(prompt, per_row, forced=targets)
+    logits, targets = out.logits.flatten(0, 1), targets.flatten()  # (N, V), (N,)
+    pred = logits.argmax(-1)
+    return {"pred": pred, "mean_layers": out.layers_run / per_row,
+            "test_loss": F.cross_entropy(logits, targets).item(),
+            "test_accuracy": average(pred == targets)}
+
+def in_mode(decode, config, mode):
+    """A decoder that draws in a mode: greedy (temperature 0), or with the config's sampling."""
+    return partial(decode, top_k=config.top_k,
+                   temperature=config.temperature if mode == "sampled" else 0.0)
+
+# a frontier point's family: its legend and its class on the chart
+FAMILIES = {"exit model": ("the exit model's decoders", "decoder"),
+            "speculation": ("speculation (exact)", "speculation"),
+            "plain GPT": ("plain GPTs", "gpt"), "pruned": ("pruned models", "pruned")}
+
 # =============================================================================
 # Part III: the harness; the workload and timing, the tables, the page, checkpoints, main
 
@@ -1712,21 +1777,6 @@ def repetition(tokens, n=4):
     loop."""
     grams = list(zip(*(tokens[i:] for i in range(n))))
     return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
-
-def quality_pass(decode, data, n_positions, batch_size=1, prompt_len=1):
-    """Teacher-forced decoding of batch_size contiguous pieces of data at once, n_positions in
-    all, each piece after a prompt of prompt_len: every decoder sees the same text, and its own
-    cache's effects. The workload's prompt length puts the positions where the workload's are,
-    at every batch size."""
-    per_row = n_positions // batch_size
-    pieces = data[: batch_size * (prompt_len + per_row)].view(batch_size, -1)  # (B, P + per_row)
-    prompt, targets = pieces.split([prompt_len, per_row], 1)
-    out = decode(prompt, per_row, forced=targets)
-    logits, targets = out.logits.flatten(0, 1), targets.flatten()  # (N, V), (N,)
-    pred = logits.argmax(-1)
-    return {"pred": pred, "mean_layers": out.layers_run / per_row,
-            "test_loss": F.cross_entropy(logits, targets).item(),
-            "test_accuracy": average(pred == targets)}
 
 def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
     """Every decoder continues the workload, batch_size prompts a call, repeats times, interleaved
@@ -1788,11 +1838,6 @@ def table_row(name, decoder, mode, speed, quality, batch_size):
         same = row.get("identical_to_full", mode == "greedy" or None)
         row["output"] = {True: "same tokens", None: "same dist.", False: "NOT same"}[same]
     return row
-
-def in_mode(decode, config, mode):
-    """A decoder that draws in a mode: greedy (temperature 0), or with the config's sampling."""
-    return partial(decode, top_k=config.top_k,
-                   temperature=config.temperature if mode == "sampled" else 0.0)
 
 def measure_decoders(decoders, test, prompts, config, batch_size=1):
     """The rows of a decoder table at one batch size, both modes: speed on the workload,
@@ -1944,9 +1989,9 @@ def print_table(table, rows, conditions="", notes=()):
 
 class Lab:
     """What the analyses share. Built cheaply: the model, its data on its device, the workloads.
-    run_lab's steps add the rest where a reader sees them: calibrate (the learned rule, what every
-    exit says, each rule's calibration), use (a calibration's rules and threshold), plan (the unit
-    costs and the exit plans), measure (a decoder table)."""
+    run_lab's steps add the rest where a reader sees them: the records and calibrations
+    (calibrate_exits), use (a calibration's rules and threshold), plan (the unit costs and the
+    exit plans), measure (a decoder table)."""
     def __init__(self, model, tokenizer, splits, config, device, world=1, train_seconds=0.0):
         self.model, self.tokenizer, self.config, self.device, self.world = (
             model, tokenizer, config, device, world)
@@ -1960,22 +2005,6 @@ class Lab:
         self.workloads = [workload(self.splits[s], config.bench_prompts, config.bench_prompt_len)
                           for s in ("val", "test")]
         self.plain_gpts = {}  # depth -> (a plain GPT trained alike, its training seconds)
-
-    def calibrate(self):
-        """Fit the learned rule on train, read every exit of the other texts once, calibrate every
-        rule on val and choose SkipDecode's schedule there. Returns what sampling needs (the
-        checkpoint keeps it): the learned rule's weights, each rule's threshold, the schedule."""
-        cfg = self.config
-        weights = fit_on_pieces(self.model, self.splits["train"], cfg.sweep_positions)
-        rules = exit_rules(weights)
-        self.records = {s: record_exits(self.model, text, cfg.sweep_positions, rules)
-                        for s, text in self.splits.items() if s != "train"}
-        self.calibrations = {m: calibration_report(self.records, m, self.checked, cfg.epsilon,
-                                                   cfg.delta) for m in rules}
-        schedule = choose_schedule(self.records["val"], cfg.n_layer, cfg.block_size,
-                                   cfg.schedule_disagreement)
-        return {"weights": weights, "schedule": schedule,
-                "thresholds": {m: c["threshold"] for m, c in self.calibrations.items()}}
 
     def use(self, sampling):
         """The rules, threshold and schedule of a calibration (None: none; then Part I's
@@ -2038,16 +2067,8 @@ class Lab:
                 for cell, plan in cells.items() for mode in MODES}
         speed = speed_pass(runs, self.workloads[0], B, val_config.bench_tokens,
                            val_config.bench_repeats, cfg.seed)
-        val = {(name, mode, k): {"speedup": s["tokens_per_second"]
-                                 / speed["full", None, mode]["tokens_per_second"],
-                                 "counts": workload_counts(s["outputs"], cfg.n_layer - 1),
-                                 "num_draft": k, "name": name, "mode": mode}
-               for (name, k, mode), s in speed.items()}
-        drafts = choose_drafts([e for e in val.values() if e["num_draft"]])
-        plans = {(name, mode): self.plans.get(name) or draft_plan(
-            DECODERS[name].follows or name, cfg, drafts.get((name, mode)), draft)
-            for name in names for mode in MODES if DECODERS[name].strategy or DECODERS[name].drafter}
-        return val, plans
+        val = val_figures(speed, cfg.n_layer)
+        return val, run_plans(names, self.plans, val, cfg, draft)
 
     def measure(self, B, names, ks, val_config, more=None):
         """The rows of a decoder table at batch size B on the test workload, both modes, quality
@@ -2133,19 +2154,15 @@ def strategies(lab):
     cfg, costs = lab.config, lab.costs
     rows = [r for r in lab.measured if r["family"] != "pruned"]
     L, b, check = cfg.n_layer, costs["block"], cfg.confidence_measure
-    exact = {True: "identical to full depth on every prompt", False: "NOT identical to full depth",
-             None: "exact in distribution (tested)"}
-    drafter = {"exit": f"draft_exit={cfg.draft_exit}",
-               "model": f"a {cfg.draft_layers}-layer GPT drafting"}
-    notes = [f"{e['name']} {e['mode']}: {drafter[DECODERS[e['decoder']].drafter]}, num_draft="
+    notes = [f"{e['name']} {e['mode']}: drafts to layer {e['draft_exit']}, num_draft="
              f"{e['num_draft']}, acceptance {e['acceptance_rate']:.3f} (drafts kept over drafts a "
-             f"row could keep), {e['tokens_per_verify']:.2f} tokens a verify pass, "
-             f"{exact[e['identical_to_full']]}" for e in rows if DECODERS[e["decoder"]].drafter]
+             f"row could keep), {e['tokens_per_verify']:.2f} tokens a verify pass, output: "
+             f"{e['output']}" for e in rows if DECODERS[e["decoder"]].drafter]
     # the full model's decoders: a smaller GPT or a draft model re-prefills fewer layers
     prefill = sorted({round(e["prefill_layers"], 2) for e in rows if e["family"] == "exit model"
                       and DECODERS[e["decoder"]].drafter != "model"})
     impossible = (f", IMPOSSIBLE ({L} blocks): so after {costs['attempts']} measurements"
-                  if costs["token greedy"] < L * b else "")
+                  if min(costs["token greedy"], costs["token sampled"]) < L * b else "")
     return {"strategies": rows, "decode_costs": costs, "plans": lab.plans, "notes": [
         f"{cfg.bench_prompts} test prompts of {cfg.bench_prompt_len} characters, "
         f"{cfg.bench_tokens} more each, batch 1, median of {cfg.bench_repeats} interleaved runs",
@@ -2461,11 +2478,6 @@ def batch_charts(report):
     """The batch table's speed-ups, a chart for each batch size."""
     return "".join(speedup_chart(report, "batched", B)
                    for B in dict.fromkeys(r["batch_size"] for r in report["batched"]))
-
-# a frontier point's family: its legend and its class on the chart
-FAMILIES = {"exit model": ("the exit model's decoders", "decoder"),
-            "speculation": ("speculation (exact)", "speculation"),
-            "plain GPT": ("plain GPTs", "gpt"), "pruned": ("pruned models", "pruned")}
 
 def frontier_chart(report):
     """A chart a mode: every point's test loss against its speed-up, coloured by its family; a line
@@ -3011,7 +3023,8 @@ def run_lab(lab, report, sampling=None):
     summary and the page (--sample_only: the samples alone)."""
     cfg = lab.config
     if not cfg.sample_only:
-        sampling = lab.calibrate()  # minutes at most: every exit read once, every rule calibrated
+        # the learned rule fitted, every exit read once, every rule calibrated on val
+        lab.records, lab.calibrations, sampling = calibrate_exits(lab.model, lab.splits, cfg)
         add_to_checkpoint(os.path.join(cfg.out_dir, "ckpt.pt"), sampling=sampling)
     elif sampling is None:
         print("the checkpoint holds no calibration (its run stopped before one): the early-exit "

@@ -83,9 +83,13 @@ def trained():
     return model.eval(), data
 
 
+# the exit decoders' KV strategies by name, as their declarations give them
+KV_STRATEGIES = {name: d.strategy for name, d in m.DECODERS.items() if d.strategy}
+
+
 def strategy(name):
     """The KV strategy class of a name, as generate() takes it."""
-    return m.KV_STRATEGIES[name]
+    return KV_STRATEGIES[name]
 
 
 def generate_with_cache(model, idx, n_new, strategy=m.Backfill, **kw):

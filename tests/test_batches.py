@@ -102,20 +102,20 @@ def test_batch_table_in_the_report(lab_runs):
     out, _, out_dir = lab_runs(BATCH_TABLE_RUN)
     assert "Does early exit still save in a batch?" in out
     report = json.loads((out_dir / "report.json").read_text())
-    rows = report["batched"]
-    names = (*m.BATCH_DESIGNS, "self_speculative", "draft_model", "auto")
+    rows, L = report["batched"], report["config"]["n_layer"]
+    names = [name for name, d in m.DECODERS.items() if d.batched]
+    assert names == ["full", "state_copy", "skipdecode", "self_speculative", "draft_model", "auto"]
     assert [(r["batch_size"], r["name"], r["mode"]) for r in rows] == [
         (b, n, mode) for b in (1, 4) for mode in m.MODES for n in names]
     plans = report["plans"]
     for r in rows:  # each speed beside the cost model's prediction for it
+        assert r["decoder"] == r["name"] and r["family"] == "exit model" and r["predicted_speedup"] > 0
         if r["name"] == "full":
             assert r["predicted_speedup"] == 1.0
-        if r["name"] == "skipdecode":  # a batch saves what a row saves
-            assert r["predicted_speedup"] == plans["skipdecode"]["predicted_speedup"]
-        if r["name"] == "state_copy":  # a step as deep as its deepest row: at most the row's saving
-            assert r["predicted_speedup"] <= plans["state_copy"]["predicted_speedup"] + 1e-12
-            assert (r["batch_size"] > 1) or r["predicted_speedup"] == pytest.approx(plans["state_copy"]["predicted_speedup"])
-        if r["name"] in m.SPECULATIVE and r["mode"] == "greedy":
+        if m.DECODERS[r["name"]].strategy:  # the plan chosen on val, priced where the batch left on val
+            assert (r["exit_at"], r["threshold"]) == (plans[r["name"]]["label"], plans[r["name"]]["threshold"])
+            assert 1 <= r["expected_layers"] <= L
+        if m.DECODERS[r["name"]].drafter and r["mode"] == "greedy":
             assert r["identical_to_full"] is True
     # auto runs what it chose: the same k as self_speculative, or full depth
     for b in (1, 4):
@@ -124,6 +124,7 @@ def test_batch_table_in_the_report(lab_runs):
                           for n in ("self_speculative", "auto"))
             assert auto["choice"] in ("full depth", f"k={spec['num_draft']}")
             assert auto.get("num_draft") == (None if auto["choice"] == "full depth" else spec["num_draft"])
+            assert auto["predicted_speedup"] == (1.0 if auto["choice"] == "full depth" else spec["predicted_speedup"])
 
 
 def test_auto_runs_the_fastest_draft_on_val_or_full_depth():
@@ -131,27 +132,52 @@ def test_auto_runs_the_fastest_draft_on_val_or_full_depth():
             for mode, k, x in (("greedy", 2, 1.3), ("greedy", 5, 1.6), ("sampled", 2, 1.0), ("sampled", 5, 0.7))]
     fake += [{"name": "draft_model", "mode": mode, "num_draft": k, "speedup": x}
              for mode, k, x in (("greedy", 2, 1.9), ("greedy", 5, 1.8), ("sampled", 2, 0.5), ("sampled", 5, 0.6))]
-    drafts, auto = m.choose_drafts(fake)
-    # a k no faster than full depth on val (1.0x) is not run by auto; one just faster is
-    assert drafts == {"self_speculative": {"greedy": 5, "sampled": 2}, "draft_model": {"greedy": 2, "sampled": 5}}
-    assert auto == {"greedy": 5, "sampled": None}, "auto runs self_speculative's k"
-    fake[2]["speedup"] = 1.001
-    assert m.choose_drafts(fake)[1] == {"greedy": 5, "sampled": 2}
+    # a k no faster than full depth on val (1.0x) is not run by auto, which runs self_speculative's k
+    assert m.choose_drafts(fake) == {
+        ("self_speculative", "greedy"): 5, ("self_speculative", "sampled"): 2, ("auto", "greedy"): 5,
+        ("auto", "sampled"): None, ("draft_model", "greedy"): 2, ("draft_model", "sampled"): 5}
+    fake[2]["speedup"] = 1.001  # one just faster is
+    assert m.choose_drafts(fake)["auto", "sampled"] == 2
 
 
-def test_speculation_costs_time_each_cell_beside_full_depth(trained):
+def test_val_times_each_drafter_at_each_k_beside_full_depth(trained, monkeypatch):
+    """Lab.on_val: one interleaved pass over val's workload times full depth and every (drafter, k) cell in
+    both modes; each cell's speed-up is over full depth in its mode, and each drafter runs on test at the k that
+    ran fastest on val (auto: self_speculative's, or full depth where none beat it)."""
     model, data = trained
-    config = copy.copy(model.config)
-    config.bench_tokens, config.bench_repeats = 12, 1
-    prompts = m.workload(data[:5000], 4, 8)
-    cells = [("self_speculative", 2), ("self_speculative", 5), ("draft_model", 3)]
-    entries = m.speculation_costs(model, prompts, config, 2, cells, tiny_model(n_layer=2, n_embd=32, block_size=32,
-                                                                              vocab_size=model.config.vocab_size))
-    assert [(e["name"], e["num_draft"], e["mode"]) for e in entries] == [(n, k, mode) for mode in m.MODES
-                                                                        for n, k in cells]
-    for e in entries:  # tokens emitted over verify passes: all of them (4 prompts x 12) over the rounds
-        assert e["tokens_per_verify"] == pytest.approx(4 * 12 / e["rounds"])
-        assert e["identical_to_full"] is (True if e["mode"] == "greedy" else None)
+    config = m.replace(model.config, bench_tokens=12, bench_repeats=1, bench_prompts=4, bench_prompt_len=8,
+                       draft_exit=2, draft_layers=2, shift_path="")
+    lab = m.Lab(model, None, {"val": data[:5000], "test": data[5000:10000]}, config, "cpu")
+    draft = tiny_model(n_layer=2, n_embd=32, block_size=32, vocab_size=model.config.vocab_size)
+    lab.plain_gpts[2], lab.rules, lab.plans = (draft, 0.0), m.EXIT_RULES, {}  # the draft model: no training here
+    passes, real = [], m.speed_pass
+
+    def recording(decoders, prompts, *args):
+        passes.append((prompts, real(decoders, prompts, *args)))
+        return passes[-1][1]
+    monkeypatch.setattr(m, "speed_pass", recording)
+    names, ks = ["full", "self_speculative", "draft_model", "auto"], [2, 5]
+    val, plans = lab.on_val(1, names, ks, config)
+    (prompts, speed), = passes
+    assert torch.equal(prompts, lab.workloads[0]), "val's workload"
+    cells = [("full", None)] + [(n, k) for n in ("self_speculative", "draft_model") for k in ks]
+    assert list(speed) == [(*cell, mode) for cell in cells for mode in m.MODES], "auto follows: not timed itself"
+    for (name, k, mode), s in speed.items():
+        e = val[name, mode, k]
+        assert e["speedup"] == s["tokens_per_second"] / speed["full", None, mode]["tokens_per_second"]
+        assert sum(o.exited_at.numel() for o in s["outputs"]) == 4 * 12, "every prompt continued 12 tokens"
+        if k:  # at k drafts a round, a verify pass emits k + 1 tokens at most
+            assert sum(o.stats["rounds"] for o in s["outputs"]) >= 4 * 12 / (k + 1)
+            assert all(o.stats["num_draft"] == k for o in s["outputs"])
+    for mode in m.MODES:
+        fastest = {n: max(ks, key=lambda k: val[n, mode, k]["speedup"]) for n in ("self_speculative", "draft_model")}
+        own, other, auto = (plans[n, mode] for n in ("self_speculative", "draft_model", "auto"))
+        assert (own["num_draft"], own["draft_exit"], own["draft"]) == (fastest["self_speculative"], 2, None)
+        # the draft model drafts to its own last layer
+        assert (other["num_draft"], other["draft_exit"], other["draft"]) == (fastest["draft_model"], 1, draft)
+        paid = val["self_speculative", mode, fastest["self_speculative"]]["speedup"] > 1
+        assert auto["num_draft"] == (fastest["self_speculative"] if paid else None)
+        assert ("full", mode) not in plans
 
 
 def test_a_batch_takes_the_rounds_of_its_slowest_row(trained):

@@ -6,7 +6,7 @@ from math import comb
 import pytest
 import torch
 
-from conftest import m
+from conftest import KV_STRATEGIES, m
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 
@@ -30,7 +30,7 @@ def test_parallel_records_equal_the_sequential_decoder(trained, rules, measure):
         i = int((values[1:] - values[:-1]).argmax())
         threshold = (values[i] + values[i + 1]).item() / 2
     for strategy in ("backfill", "deferred"):
-        out = m.generate(model, text[None, :1], 150, strategy=m.KV_STRATEGIES[strategy], exit_threshold=threshold,
+        out = m.generate(model, text[None, :1], 150, strategy=KV_STRATEGIES[strategy], exit_threshold=threshold,
                          measure=rules[measure], forced=text[None, 1:151])
         exits = m.exits_at_threshold(records, measure, threshold, [0, 1, 2])
         assert torch.equal(out.exited_at[0], exits)
@@ -54,7 +54,7 @@ def test_the_decoder_reads_every_state_the_records_read(trained, rules):
 
     # exits 0 and 2 checked: after a token leaves at 0, the next one's check at 2 follows two catch-ups
     threshold = records.confidences["saturation"][0].median().item()
-    out = m.generate(model, text[None, :1], 150, strategy=m.KV_STRATEGIES["deferred"], exit_threshold=threshold,
+    out = m.generate(model, text[None, :1], 150, strategy=KV_STRATEGIES["deferred"], exit_threshold=threshold,
                      checked_exits=[0, 2], measure=spy, forced=text[None, 1:151])
     expected = [records.confidences["saturation"][l, i].item()
                 for i, e in enumerate(out.exited_at[0].tolist()) for l in (0, 2)[: 1 + (e > 0)]]

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, m, tiny_model
+from conftest import KV_STRATEGIES, ROOT, m, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -53,9 +53,9 @@ def test_decode_steps_on_cuda_equal_the_cpus():
     model = tiny_model()
     gpu = copy.deepcopy(model).cuda()
     idx, forced = torch.randint(0, 11, (2, 3)), torch.randint(0, 11, (2, 20))
-    for strategy in m.KV_STRATEGIES:
+    for strategy in KV_STRATEGIES:
         checked = [3] * 6 + [1] * 10 if strategy == "skipdecode" else [0, 1, 2]  # skipdecode: a schedule
-        kw = dict(strategy=m.KV_STRATEGIES[strategy], exit_threshold=0.6, checked_exits=checked)
+        kw = dict(strategy=KV_STRATEGIES[strategy], exit_threshold=0.6, checked_exits=checked)
         cpu = m.generate(model, idx, 20, forced=forced, **kw)
         cuda = m.generate(gpu, idx.cuda(), 20, forced=forced.cuda(), **kw)
         assert torch.allclose(cpu.logits, cuda.logits.cpu(), atol=1e-4), strategy

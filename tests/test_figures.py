@@ -20,7 +20,7 @@ def test_quality_pass_teacher_forces_each_row_after_its_prompt(no_grad, batch_si
     assert pieces.size(1) <= model.config.block_size  # one window: no re-prefill in the reference
     logits = model.all_exit_logits(pieces)[-1][:, prompt_len - 1 : -1]  # (B, per_row, V)
     want = F.cross_entropy(logits.flatten(0, 1), pieces[:, prompt_len:].flatten()).item()
-    got = m.quality_pass(m.decoder(model, "full"), data, per_row * batch_size + batch_size - 1,
+    got = m.quality_pass(m.build("full", model, None), data, per_row * batch_size + batch_size - 1,
                          batch_size, prompt_len)  # a remainder under a row is dropped
     assert got["test_loss"] == pytest.approx(want, abs=1e-5)
     assert got["pred"].numel() == batch_size * per_row
@@ -33,7 +33,7 @@ def test_the_decoder_tables_read_quality_after_the_workloads_prompt(monkeypatch)
     monkeypatch.setattr(m, "speed_pass", lambda *a: {})
     config = m.LabConfig(bench_prompt_len=7)
     for batch_size in (1, 16):
-        decoders = {name: dict.fromkeys(m.MODES, print) for name in ("full", "self_speculative")}
+        decoders = {name: (name, dict.fromkeys(m.MODES, print)) for name in ("full", "self_speculative")}
         m.measure_decoders(decoders, "test", None, config, batch_size)
     assert seen == [(1, 7), (16, 7)]  # speculation: full depth's quality by construction
 
@@ -59,14 +59,16 @@ def test_a_notes_position_count_is_what_was_recorded_not_what_was_asked():
     records = {s: types.SimpleNamespace(targets=torch.zeros(n)) for s, n in (("val", 1234), ("test", 99))}
     lab = types.SimpleNamespace(records=records, config=m.LabConfig(sweep_positions=100_000))
     assert m.recorded(lab, "val") == "1,234" and m.recorded(lab, "test") == "99"
-    assert m.patience_sweep.__code__.co_names.count("recorded") == 1
-
-
-def test_a_calibration_note_with_no_exit_that_sure_says_so():
-    empty = {"bins": {"agreement": [0.0] * 10, "positions": [0] * 10}}
-    assert m.calibration_note([empty, empty, empty], 0.95) == "No exit is that sure at any test position."
-    full = {"bins": {"agreement": [0.9] * 10, "positions": [5] * 10}}
-    assert "about the same" in m.calibration_note([full, full, empty], 0.95)
+    # the sweep's notes, on 1,234 recorded val positions
+    n, L = 1234, 4
+    conf = torch.rand(L - 1, n, generator=torch.Generator().manual_seed(0))
+    pred = torch.randint(0, 3, (L, n), generator=torch.Generator().manual_seed(1))
+    recs = m.ExitRecords({"top1": conf}, pred, torch.rand(L, n), torch.zeros(n, dtype=torch.long))
+    lab = types.SimpleNamespace(records={"val": recs}, checked=[0, 1, 2],
+                                config=m.LabConfig(sweep_positions=100_000, confidence_measure="top1"))
+    notes = m.threshold_sweep(lab)["notes"]
+    assert "on 1,234 val positions" in notes[0] and "on the 1,234 val positions" in notes[1]
+    assert m.slices.__code__.co_names.count("recorded") == 1
 
 
 def test_a_prediction_never_divides_by_less_than_a_block(no_grad):
@@ -75,7 +77,9 @@ def test_a_prediction_never_divides_by_less_than_a_block(no_grad):
     model = tiny_model()
     records = m.record_exits(model, torch.randint(0, 11, (200,)), 100, {"top1": m.EXIT_RULES["top1"]})
     plan = {"measure": "top1", "threshold": 0.0, "checked_exits": [0]}
-    costs = {"token": 1.0, "block": 0.5, "final_head": 0.1, "check top1": 0.0, "state_copy": 0.0}
-    got = m.predict_speedup(records, "holes", plan, costs, model.config.block_size)
-    assert 0 < got <= costs["token"] / costs["block"]
+    costs = {"token greedy": 1.0, "block": 0.5, "final_head": 0.1, "check top1": 0.0, "state_copy": 0.0}
+    counts = m.plan_counts(records, plan)
+    assert counts == {"early": 1.0, "skipped": 3.0, "checks": 1.0}
+    got = m.predict_speedup(m.DECODERS["holes"], counts, "top1", costs, costs["token greedy"])
+    assert 0 < got <= costs["token greedy"] / costs["block"]
     assert got == pytest.approx(2.0)  # every token leaves at layer 0: 3 blocks and the head saved

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import generate_with_cache, m, reference_generate, tiny_config, tiny_model
+from conftest import KV_STRATEGIES, generate_with_cache, m, reference_generate, tiny_config, tiny_model
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 
@@ -100,11 +100,11 @@ def test_cached_logits_equal_uncached_past_block_size(model, prompt_len):
         assert torch.allclose(out.logits[:, i], ref[:, -1], atol=1e-5), f"step {i}"
 
 
-@pytest.mark.parametrize("strategy", m.KV_STRATEGIES)
+@pytest.mark.parametrize("strategy", KV_STRATEGIES)
 def test_threshold_one_reproduces_full_depth(model, strategy):
     idx = torch.randint(0, 11, (1, 2))
     ref = reference_generate(model, idx, 40, temperature=1.0, generator=torch.Generator().manual_seed(5))
-    out = m.generate(model, idx, 40, strategy=m.KV_STRATEGIES[strategy], exit_threshold=1.0, temperature=1.0,
+    out = m.generate(model, idx, 40, strategy=KV_STRATEGIES[strategy], exit_threshold=1.0, temperature=1.0,
                      generator=torch.Generator().manual_seed(5))
     assert torch.equal(out.tokens, ref)
     assert (out.exited_at == 3).all() and out.exit_checks == 0, "a confidence never exceeds 1: nothing checked"

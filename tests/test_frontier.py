@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from conftest import m, tiny_model
+from conftest import KV_STRATEGIES, m, tiny_model
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 
@@ -88,17 +88,42 @@ def test_memory_is_read_from_the_tensors_a_decoder_holds(trained):
     head = C + C * V  # an exit head's LayerNorm weight and Linear, in floats
     every = sum(p.numel() for p in model.parameters())
     assert m.weight_bytes(model) == 4 * (every - (L - 1) * head)
-    assert m.weight_bytes(model, [0, 2]) == 4 * (every - (L - 3) * head)
+    plan = {"measure": "top1", "threshold": 0.5, "checked_exits": [0, 2]}
+    assert m.weight_bytes(model, "holes", plan) == 4 * (every - (L - 3) * head)
+    # state copy reads the keys' and values' projections it folds, besides the heads it checks
+    folded = sum(t.nbytes for t in m.state_copy_projections(model))
+    assert folded > 0 and m.weight_bytes(model, "state_copy", plan) == m.weight_bytes(model, "holes", plan) + folded
+    draft = m.pruned(model, [0.0] * L, L - 1)  # any one-layer model of the same width
+    config = m.replace(cfg, draft_exit=1)
+    # self-speculation reads the head it drafts from; a draft model's decoder reads the draft model too
+    own = m.draft_plan("self_speculative", config, 4, draft)
+    assert m.weight_bytes(model, "self_speculative", own) == 4 * (every - (L - 2) * head)
+    other = m.draft_plan("draft_model", config, 4, draft)
+    assert m.weight_bytes(draft) > 0
+    assert m.weight_bytes(model, "draft_model", other) == m.weight_bytes(model) + m.weight_bytes(draft)
     idx = data[None, :5]
     # keys and values: 2 x layers x heads x positions x head size floats, a row
     assert m.generate(model, idx.repeat(3, 1), 5).cache_bytes == 2 * L * cfg.n_head * T * (C // cfg.n_head) * 4
     spec = m.generate_speculative(model, idx, 5, 0, 4)  # the window and 4 spare slots for drafts
     assert spec.cache_bytes == 2 * L * C * (T + 4) * 4
-    draft = m.pruned(model, [0.0] * L, L - 1)  # any one-layer model of the same width
     both = m.generate_speculative(model, idx, 5, num_draft=4, draft_model=draft)
     assert both.cache_bytes == 2 * (L + 1) * C * (T + 4) * 4, "the draft model's cache counts for its decoder"
-    speed = m.speed_pass({"full": m.decoder(model, "full")}, idx, 1, 5, 1, 0)
+    speed = m.speed_pass({"full": m.build("full", model, None)}, idx, 1, 5, 1, 0)
     assert speed["full"]["peak_bytes"] is None, "no peak where the device reports none"
+
+
+def measured_lab(model, config, splits):
+    """A Lab through run_lab's steps up to its decoder table at batch 1: every rule calibrated, the calibration
+    in use, the unit costs and the exit plans chosen on val, every decoder and model measured (lab.measured)."""
+    lab = m.Lab(model, m.CharTokenizer("abcdefghijk"), splits, config, "cpu")
+    with torch.enable_grad():  # the learned rule is fitted, the smaller models trained
+        lab.records, lab.calibrations, sampling = m.calibrate_exits(model, lab.splits, config)
+        lab.use(sampling)
+        lab.plan()
+        names = [name for name, d in m.DECODERS.items() if not d.follows]
+        lab.measured = lab.measure(1, names, [config.num_draft], m.replace(config, bench_repeats=1),
+                                   lab.other_models())
+    return lab
 
 
 def test_every_point_of_the_frontier_is_measured_on_the_same_positions_and_workload(monkeypatch):
@@ -115,19 +140,22 @@ def test_every_point_of_the_frontier_is_measured_on_the_same_positions_and_workl
     prompts = []
     real = m.speed_pass
     monkeypatch.setattr(m, "speed_pass", lambda decoders, p, *a: prompts.append((list(decoders), p)) or real(decoders, p, *a))
-    lab = m.Lab(model, m.CharTokenizer("abcdefghijk"), splits, config, "cpu")
-    with torch.enable_grad():
-        rows = m.frontier(lab)["frontier"]
+    lab = measured_lab(model, config, splits)
+    rows = m.frontier(lab)["frontier"]
     table = [p for p in prompts if any("pruned 1" in str(k) for k in p[0])]
     assert len(table) == 1 and torch.equal(table[0][1], lab.workloads[1]), "one pass, the test workload"
-    test, plans = lab.splits["test"], lab.plans[1]
-    models = {"full": model, "1-layer GPT": lab.plain(1), **{f"pruned {k}": p for k, p in m.pruned_models(model, lab.splits["val"]).items()}}
+    assert all(torch.equal(p, lab.workloads[0]) for _, p in prompts if p is not table[0][1]), "the rest: val's"
+    test, plans = lab.splits["test"], lab.plans
+    models = {"full": model, **{name: small for name, (small, _) in lab.other_models().items()}}
     for row in rows:
-        name = row["name"]
-        if name in m.KV_STRATEGIES:
-            decode = m.decoder(model, name, plans[name], lab.rules)
+        name, d = row["name"], m.DECODERS[row["decoder"]]
+        if d.strategy:
+            assert name in KV_STRATEGIES and row["family"] == "exit model"
+            decode = m.build(name, model, plans[name], lab.rules)
         else:  # speculation is full depth's by construction
-            decode = m.decoder(models.get(name, model), "full")
+            assert row["family"] == ("speculation" if d.drafter else "exit model" if name == "full" else
+                                     "plain GPT" if name.endswith("GPT") else "pruned"), name
+            decode = m.build("full", models.get(name, model), None)
         assert row["test_loss"] == pytest.approx(m.quality_pass(decode, test, 40, 1, lab.config.bench_prompt_len)["test_loss"], abs=1e-6), name
     for mode in m.MODES:
         assert [r[f"dominated_{mode}"] for r in rows] == m.dominated_by(rows, mode)
@@ -138,12 +166,18 @@ def test_every_point_of_the_frontier_is_measured_on_the_same_positions_and_workl
 
 def test_each_drafter_is_the_one_its_name_says(trained):
     """self_speculative drafts with the model's own early layers (one cache), draft_model with the draft
-    model (a cache of its own): the decoders of the tables are these."""
+    model (a cache of its own): the decoders of the tables are these, at the plans draft_plan makes."""
     model, data = trained
     draft, idx = layer_zero_as_a_model(model), data[None, 700:705]
-    own = m.decoder(model, "self_speculative", spec=(1, 4), draft=draft)(idx, 40, temperature=0.0)
-    other = m.decoder(model, "draft_model", spec=(1, 4), draft=draft)(idx, 40, temperature=0.0)
+    config = m.replace(model.config, draft_exit=1)
+    own_plan, other_plan = (m.draft_plan(name, config, 4, draft) for name in ("self_speculative", "draft_model"))
+    assert (own_plan["draft_exit"], own_plan["draft"], own_plan["checked_exits"]) == (1, None, [1])
+    assert (other_plan["draft_exit"], other_plan["draft"], other_plan["checked_exits"]) == (0, draft, [])
+    own = m.build("self_speculative", model, own_plan)(idx, 40, temperature=0.0)
+    other = m.build("draft_model", model, other_plan)(idx, 40, temperature=0.0)
     L, C, T = model.config.n_layer, model.config.n_embd, model.config.block_size
     assert own.cache_bytes == 2 * L * C * (T + 4) * 4 and other.cache_bytes == 2 * (L + 1) * C * (T + 4) * 4
     assert own.stats == m.generate_speculative(model, idx, 40, 1, 4).stats  # layers 0 and 1 draft
     assert other.stats == m.generate_speculative(model, idx, 40, num_draft=4, draft_model=draft).stats
+    # k None: the drafter runs full depth (auto where no k beat it on val)
+    assert m.build("self_speculative", model, m.draft_plan("self_speculative", config, None, draft)).func is m.generate

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from conftest import generate_with_cache, m, tiny_model
+from conftest import KV_STRATEGIES, generate_with_cache, m, tiny_model
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 
@@ -161,7 +161,7 @@ def test_state_copy_and_holes_match_an_independent_reference(strategy, batch):
     model = tiny_model()
     gen = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, 11, (batch, 41), generator=gen)  # 40 steps: two window slides at block 16
-    out = m.generate(model, tokens[:, :1], 40, strategy=m.KV_STRATEGIES[strategy], exit_threshold=0.6,
+    out = m.generate(model, tokens[:, :1], 40, strategy=KV_STRATEGIES[strategy], exit_threshold=0.6,
                      forced=tokens[:, 1:])
     ref_logits, ref_exits = reference_decode(model, tokens, 0.6, strategy)
     assert torch.equal(out.exited_at, ref_exits)

@@ -1,11 +1,12 @@
 """The KV-cache strategies: deferred is exact, state copy writes what it claims, holes leaves holes."""
 
+import types
 from functools import partial
 
 import pytest
 import torch
 
-from conftest import flush, generate_with_cache, m, strategy, tiny_model
+from conftest import KV_STRATEGIES, flush, generate_with_cache, m, strategy, tiny_model
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 
@@ -93,7 +94,7 @@ def test_holes_leave_the_upper_layers_short():
     assert cache.lengths == sorted(cache.lengths, reverse=True)
 
 
-@pytest.mark.parametrize("name", m.KV_STRATEGIES)
+@pytest.mark.parametrize("name", KV_STRATEGIES)
 def test_every_strategy_decodes_past_block_size_in_a_batch(name):
     """Three windows of 16 at batch 3: each row's teacher-forced choices, decoded alone, are the
     batch's; and the early exits really happen."""
@@ -102,7 +103,7 @@ def test_every_strategy_decodes_past_block_size_in_a_batch(name):
     if name == "skipdecode":  # its checked exits are its schedule, by window position
         plan = {"threshold": 0.0, "checked_exits": [3] * 6 + [1] * 10}
     forced = torch.randint(0, 11, (3, 48), generator=torch.Generator().manual_seed(0))
-    kw = dict(strategy=m.KV_STRATEGIES[name], exit_threshold=plan["threshold"],
+    kw = dict(strategy=KV_STRATEGIES[name], exit_threshold=plan["threshold"],
               checked_exits=plan["checked_exits"])
     out = m.generate(model, torch.zeros(3, 1, dtype=torch.long), 48, forced=forced, **kw)
     assert 0.1 < (out.exited_at < 3).float().mean() < 0.9
@@ -121,13 +122,18 @@ def test_batch_step_runs_as_deep_as_its_deepest_row():
     assert out.layers_run == deepest.sum().item()
 
 
-def test_expected_batch_depth_matches_simulation():
-    exits = torch.tensor([0] * 50 + [1] * 20 + [3] * 30)
-    depth = m.expected_batch_depth(exits, (1, 4), 4)
-    assert depth[1] == pytest.approx((exits + 1).float().mean().item())
-    gen = torch.Generator().manual_seed(0)
-    draws = exits[torch.randint(0, 100, (20000, 4), generator=gen)]
-    assert depth[4] == pytest.approx((draws.max(1).values + 1).float().mean().item(), abs=0.03)
+def test_a_batch_step_is_counted_as_deep_as_its_deepest_row():
+    """workload_counts prices a batch's step by its deepest row: the step leaves early only if every
+    row does, skips only the blocks above that row, and its checks are the run's checks a step."""
+    out = [types.SimpleNamespace(exited_at=torch.tensor([[0, 3, 1], [2, 0, 1]]), exit_checks=7),
+           types.SimpleNamespace(exited_at=torch.tensor([[0, 3], [1, 0]]), exit_checks=3)]
+    counts = m.workload_counts(out, 3)
+    # steps' deepest rows: 2, 3, 1 then 1, 3; two of five steps reach the last layer
+    assert counts["early"] == pytest.approx(3 / 5)
+    assert counts["skipped"] == pytest.approx((1 + 0 + 2 + 2 + 0) / 5)
+    assert counts["checks"] == pytest.approx((7 + 3) / 5)
+    single = m.workload_counts([types.SimpleNamespace(exited_at=torch.tensor([[0, 3, 1, 3]]), exit_checks=4)], 3)
+    assert single == pytest.approx({"early": 2 / 4, "skipped": (3 + 0 + 2 + 0) / 4, "checks": 1.0})
 
 
 def test_speed_pass_interleaves_the_decoders_a_call_at_a_time():
@@ -152,12 +158,13 @@ def test_quality_pass_and_speed_pass_report_what_they_ran():
     data = torch.randint(0, 11, (100,))
     plan = {"measure": "top1", "threshold": 0.6, "checked_exits": [0, 1, 2]}
     names = ("full", "backfill", "deferred", "state_copy", "holes", "self_speculative")
-    runs = {n: m.decoder(model, n, plan, spec=(0, 4)) for n in names}
+    spec = m.draft_plan("self_speculative", types.SimpleNamespace(draft_exit=0), 4, None)
+    runs = {n: m.build(n, model, spec if m.DECODERS[n].drafter else plan) for n in names}
     quality = {n: m.quality_pass(runs[n], data, 40) for n in names[:-1]}
     assert quality["full"]["mean_layers"] == 4.0
     assert quality["deferred"]["test_loss"] == pytest.approx(quality["backfill"]["test_loss"], abs=1e-5)
     # state_copy runs as deep as each token needs: its mean exit depth plus one
-    forced = m.decoder(model, "state_copy", plan)(data[None, :1], 40, forced=data[None, 1:41])
+    forced = m.build("state_copy", model, plan)(data[None, :1], 40, forced=data[None, 1:41])
     assert quality["state_copy"]["mean_layers"] == pytest.approx(float(forced.exited_at.float().mean()) + 1)
     assert quality["state_copy"]["mean_layers"] < 4
     speed = m.speed_pass({n: partial(r, temperature=1.0) for n, r in runs.items()}, data[:6].view(3, 2), 1, 20, 2, 0)

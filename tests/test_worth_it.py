@@ -1,4 +1,4 @@
-"""Is early exit worth it: every rule against the oracle, per-exit calibration, the tail, shifted text,
+"""Is early exit worth it: every rule against the oracle, the tail, shifted text,
 slices by kind, and a smaller model on the same curve."""
 
 import json
@@ -67,24 +67,6 @@ def test_saturation_is_the_cosine_between_a_layers_input_and_output():
     assert torch.allclose(m.saturation(None, {"h": h, "below": below}), torch.tensor([1.0, 0.0]))
 
 
-def test_expected_calibration_error_by_hand():
-    # exit 0: confidence 0.95 on four positions, right on two of them: ECE 0.45; full depth right on all
-    conf = torch.tensor([[0.95, 0.95, 0.95, 0.95], [0.55, 0.55, 0.55, 0.55]])
-    pred = torch.tensor([[1, 1, 2, 2], [1, 1, 1, 1]])
-    recs = m.ExitRecords({"top1": conf}, pred, torch.zeros(2, 4), torch.ones(4, dtype=torch.long))
-    rows = m.exit_calibration(recs)
-    assert rows[0]["ece_data"] == pytest.approx(0.45) and rows[0]["ece_full"] == pytest.approx(0.45)
-    assert rows[1]["ece_data"] == pytest.approx(0.45) and rows[1]["ece_full"] is None
-    assert rows[0]["reliability"].split() == ["-"] * 9 + ["0.50"]
-    # two exits equally sure, one agreeing with full depth half as often: one threshold means two things
-    conf = torch.tensor([[0.95] * 4, [0.95] * 4, [0.55] * 4])
-    pred = torch.tensor([[1, 1, 2, 2], [1, 1, 1, 1], [1, 1, 1, 1]])
-    rows = m.exit_calibration(m.ExitRecords({"top1": conf}, pred, torch.zeros(3, 4), torch.ones(4, dtype=torch.long)))
-    note = m.calibration_note(rows, 0.92)
-    assert note.startswith("Where an exit is 90-100% sure") and "50.0% to 100.0%" in note and "the exits differ" in note
-    assert m.calibration_note(rows, 0.5) == "No exit is that sure at any test position."  # none is 50-60% sure
-
-
 def test_tail_latency_as_a_streaming_reader_sees_it():
     """A round's tokens reach the reader together when it ends. Prompt 1: its tokens arrive at 1, 3, 13 and
     13 ms (the last two in one round of 10 ms); prompt 2: one token at 4 ms. First tokens: 1 and 4 ms; gaps
@@ -102,12 +84,16 @@ def test_tail_latency_as_a_streaming_reader_sees_it():
 def test_a_worse_tail_reads_p95_as_well_as_p99():
     keys = [k for k, *_ in m.TAIL_TABLE[1]]
 
-    def row(name, p95, p99):
-        return dict(dict.fromkeys(keys, 1.0), name=name, mode="greedy", gap_p95=p95, gap_p99=p99)
-    rows = [row("full", 1.0, 2.0), row("a", 1.2, 2.0), row("b", 1.0, 2.3), row("c", 1.1, 2.2)]
+    def row(name, p95, p99, family="exit model"):
+        return dict(dict.fromkeys(keys, 1.0), name=name, mode="greedy", gap_p95=p95, gap_p99=p99, family=family)
+    rows = [row("full", 1.0, 2.0), row("a", 1.2, 2.0), row("b", 1.0, 2.3), row("c", 1.1, 2.2),
+            row("pruned 1", 2.0, 4.0, "pruned"), row("2-layer GPT", 1.0, 2.5, "plain GPT")]
     lab = types.SimpleNamespace(measured=rows)
-    note = m.tails(lab)["notes"][1]
-    assert "(a worse tail): a greedy, b greedy." in note  # c is 10% over on both: not over 10%
+    found = m.tails(lab)
+    note = found["notes"][1]
+    # c is 10% over on both: not over 10%; a pruned model is not in the table
+    assert "(a worse tail): a greedy, b greedy, 2-layer GPT greedy." in note
+    assert [r["name"] for r in found["tail"]] == ["full", "a", "b", "c", "2-layer GPT"]
 
 
 def test_every_step_and_round_is_on_the_clock(trained):
@@ -219,13 +205,22 @@ def test_unit_costs_are_timed_at_the_workloads_typical_cache_length(model):
     assert m.typical_position(3, 4, 16) == 3  # positions 2, 3, 4, 5: the median 3.5, taken down
     seen = []
     model.transformer.h[0].register_forward_pre_hook(lambda mod, args: seen.append(args[1].lengths[0]))
-    costs = m.decode_costs(model, torch.tensor([[1, 2, 3]]), 4, m.exit_rules(), repeats=3)
+    costs = m.decode_costs(model, torch.tensor([[1, 2, 3]]), 4, m.exit_rules(), (1.0, 0), repeats=3)
     assert costs["cache_length"] == 3 and seen[:3] == [3, 3, 3]  # the block stage, before the token is timed
 
 
-def test_the_cost_models_full_depth_token_is_timed_greedy(model, monkeypatch):
-    """The token every prediction divides by is full depth's greedy decoder: sampling would add its cost."""
-    temperatures = []
-    monkeypatch.setattr(m, "generate", lambda *a, **k: temperatures.append(k.get("temperature", 1.0)))
-    m.decode_costs(model, torch.tensor([[1, 2, 3], [3, 2, 1]]), 4, m.exit_rules(), repeats=2, attempts=1)
-    assert temperatures == [0.0, 0.0]
+def test_the_cost_models_full_depth_token_is_timed_in_each_mode(model, monkeypatch):
+    """The token a prediction divides by is full depth's decoder in the row's mode: greedy (temperature 0),
+    and sampled at the run's temperature and top_k; each mode's calls are timed into its own token."""
+    import time
+
+    calls = []
+
+    def generate(*a, **k):
+        calls.append((k.get("temperature", 1.0), k.get("top_k")))
+        time.sleep(0.02 if k.get("temperature") else 0.0)  # sampling, slower here: timed into its own token
+    monkeypatch.setattr(m, "generate", generate)
+    costs = m.decode_costs(model, torch.tensor([[1, 2, 3], [3, 2, 1]]), 4, m.exit_rules(), sampling=(0.7, 5),
+                           repeats=2, attempts=1)
+    assert [t for t, _ in calls] == [0.0, 0.0, 0.7, 0.7] and [k for _, k in calls[2:]] == [5, 5]
+    assert costs["token sampled"] >= 0.02 / 4 > costs["token greedy"]  # 2 prompts of 4 tokens, 2 x 20 ms
