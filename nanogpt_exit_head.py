@@ -1678,7 +1678,7 @@ def prediction(row, plan, val, costs, n_layer, model):
     if d.strategy:
         counts = val[row["name"], mode, None]["counts"]
         figures = {"exit_at": plan["label"], "threshold": plan["threshold"],
-                   "expected_layers": n_layer - counts["skipped"]}
+                   "expected_layers": n_layer - d.skips * counts["skipped"]}
     speedup = predict_speedup(d, counts, plan.get("measure", "top1"), costs, costs[f"token {mode}"])
     return {**figures, "predicted_speedup": speedup}
 
@@ -2036,6 +2036,8 @@ class Lab:
         if d not in self.plain_gpts:
             model, loss, seconds = train_plain_gpt(lesson_config(self.config), self.splits, d,
                                                    self.world)
+            if not math.isfinite(loss):
+                raise ValueError(f"the {d}-layer GPT's training diverged: val loss {loss}")
             print(f"\n--- a {d}-layer GPT trained as a plain model (alpha 0) with the same width, "
                   f"steps, data and global batch: val loss {loss:.4f}, {seconds:.1f} s ---")
             self.plain_gpts[d] = model, seconds
@@ -2229,7 +2231,7 @@ def batches(lab):
     cfg = lab.config
     if not cfg.bench_batch:
         return {}
-    ks = sorted({*BATCH_DRAFTS, cfg.num_draft})
+    ks = sorted(k for k in {*BATCH_DRAFTS, cfg.num_draft} if k <= cfg.block_size)
     sizes = [B for B in BATCH_SIZES if cfg.bench_prompts % B == 0]
     names = [name for name, d in DECODERS.items() if d.batched]
     rows = [row for B in sizes for row in lab.measure(B, names, ks, cfg)]
@@ -2958,7 +2960,7 @@ def generation_report(lab):
     of both (report.html colours each character by its exit)."""
     cfg = lab.config
     decode, label, threshold = sample_decoder(lab)
-    if cfg.exit_threshold < 0 and threshold == lab.threshold:  # Learn then Test's
+    if cfg.exit_threshold < 0 and lab.schedule and threshold == lab.threshold:  # Learn then Test's
         print(f"\nthe early-exit sample uses the threshold calibrated on val ({lab.threshold:g})")
     samples = show_samples(lab.model, lab.tokenizer, cfg, lab.device, decode, label)
     full, full_speed = samples["full-depth"]
@@ -3026,10 +3028,10 @@ def run_lab(lab, report, sampling=None):
         # the learned rule fitted, every exit read once, every rule calibrated on val
         lab.records, lab.calibrations, sampling = calibrate_exits(lab.model, lab.splits, cfg)
         add_to_checkpoint(os.path.join(cfg.out_dir, "ckpt.pt"), sampling=sampling)
-    elif sampling is None:
-        print("the checkpoint holds no calibration (its run stopped before one): the early-exit "
-              f"sample uses Part I's threshold, {Config.exit_threshold:g}")
     lab.use(sampling)
+    if cfg.sample_only and sampling is None and cfg.exit_threshold < 0:
+        print("the checkpoint holds no calibration (its run stopped before one): an exit decoder "
+              f"samples at Part I's threshold, {lab.threshold:g}")
     report.update(config=asdict(cfg), notes={}, generation=generation_report(lab))
     if cfg.sample_only:  # sampling leaves the trained run's report alone: samples.*
         return write_report(report, cfg, "samples")
@@ -3062,7 +3064,7 @@ def run(config, overridden):
     if config.sample_only:  # no training, no calibration: the checkpoint's
         model = new_or_resumed(config, tokenizer, device, overridden)[0]
         path = os.path.join(config.out_dir, "ckpt.pt")
-        sampling = torch.load(path, map_location=device, weights_only=True).get("sampling")
+        sampling = torch.load(path, map_location="cpu", weights_only=True).get("sampling")
     else:
         model = train_or_resume(config, tokenizer, splits, device, overridden, rank, world, report)
     if world > 1:
