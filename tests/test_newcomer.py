@@ -290,9 +290,11 @@ def test_an_impossible_token_cost_is_measured_again_then_flagged(model, monkeypa
     assert "IMPOSSIBLE (4 blocks): so after 3 measurements" in " ".join(m.strategies(lab)["notes"])
     monkeypatch.undo()
     costs = m.decode_costs(model, torch.tensor([[1, 2, 3]]), 4, m.exit_rules(), sampling=(1.0, 0), repeats=3)
-    assert costs["attempts"] == 1 and costs["token greedy"] >= model.config.n_layer * costs["block"]
+    # a real token: measured again only while either mode's token is cheaper than its blocks (a busy machine)
+    possible = min(costs["token greedy"], costs["token sampled"]) >= model.config.n_layer * costs["block"]
+    assert possible or costs["attempts"] == 3
     lab.costs = costs
-    assert "IMPOSSIBLE" not in " ".join(m.strategies(lab)["notes"])
+    assert ("IMPOSSIBLE" in " ".join(m.strategies(lab)["notes"])) == (not possible)
 
 
 HOW_IT_WAS_MADE = (r"\bissues?\b", r"\bsessions?\b", r"\bcommits?\b", r"\bgit (show|log|diff)\b", r"\bwork periods?\b",
