@@ -1342,23 +1342,7 @@ def calibrate_exits(model, splits, config):
                                    "thresholds": thresholds}
 
 # -----------------------------------------------------------------------------
-# Reading the exits: the logit lens, and what "easy" means here
-
-@torch.inference_mode()
-def logit_lens(model, x):
-    """Each layer read through ln_f + lm_head (never trained for it) and through its own exit
-    head."""
-    states = model.hidden_states(x)  # L x (B, T, C)
-    top = model.config.n_layer - 1
-    target = model.exit_logits(states[-1], top).argmax(-1)  # (B, T): the final prediction
-    entries = []
-    for l, h in enumerate(states[:-1]):
-        for readout, layer in (("ln_f + lm_head", top), ("exit head", l)):
-            logits = model.exit_logits(h, layer)  # (B, T, V)
-            entries.append({"layer": l, "readout": readout,
-                            "agreement": average(logits.argmax(-1) == target),
-                            "confidence": average(confidence(logits))})
-    return entries
+# Reading the exits: what "easy" means here
 
 KINDS = "lowercase capital space punctuation newline".split()
 
@@ -1400,95 +1384,66 @@ def exit_check(model, x, rule):
     return int((confidence(model.exit_logits(x[:, 0], 0), rule, state) > 0.9).sum())
 
 @torch.inference_mode()
-def decode_costs(model, prompts, n_tokens, rules, sampling, repeats=200, attempts=3):
+def decode_costs(model, prompt_len, n_tokens, rules, repeats=200):
     """The unit costs, in seconds at batch 1 (medians): a block attending to a cache of the
-    workload's typical length, an exit check by each rule, a state-copy write, the final head,
-    and a whole token of full depth's decoder continuing these prompts, greedy and sampled
-    (sampling: temperature, top_k), the time each mode's predictions divide. A token
-    cheaper than n_layer blocks is impossible (a busy machine): measured again, up to `attempts`
-    times."""
-    cfg, device = model.config, prompts.device
-    typical = typical_position(prompts.size(1), n_tokens, cfg.block_size)
+    workload's typical length, an exit check by each rule, a state-copy write and the final
+    head."""
+    cfg, device = model.config, model.lm_head.weight.device
+    typical = typical_position(prompt_len, n_tokens, cfg.block_size)
     cache, x = KVCache(cfg, 1, device), torch.zeros(1, 1, cfg.n_embd, device=device)
     stages = {"block": partial(model.transformer.h[0], x, cache, 0),
               **{f"check {name}": partial(exit_check, model, x, rule)
                  for name, rule in rules.items()},
               "state_copy": partial(write_state_copy, cache, 1, x, *state_copy_projections(model)),
               "final_head": partial(model.exit_logits, x[:, 0], cfg.n_layer - 1)}
-    for attempt in range(1, attempts + 1):
-        t = {key: [] for key in stages}
-        for _ in range(repeats):
-            for key, stage in stages.items():
-                cache.lengths = [typical] * cfg.n_layer  # their contents do not change the time
-                t0 = time.perf_counter()
-                stage()
-                synchronize(device)  # each timer reads finished work
-                t[key].append(time.perf_counter() - t0)
-        costs = {key: float(np.median(v)) for key, v in t.items()}
-        for mode, temperature in zip(MODES, (0.0, sampling[0])):
+    t = {key: [] for key in stages}
+    for _ in range(repeats):
+        for key, stage in stages.items():
+            cache.lengths = [typical] * cfg.n_layer  # their contents do not change the time
             t0 = time.perf_counter()
-            for prompt in prompts:
-                generate(model, prompt[None], n_tokens, temperature=temperature, top_k=sampling[1],
-                         generator=torch.Generator(device).manual_seed(0))
-            synchronize(device)
-            costs[f"token {mode}"] = (time.perf_counter() - t0) / prompts.size(0) / n_tokens
-        costs.update(attempts=attempt, cache_length=typical)
-        if min(costs["token greedy"], costs["token sampled"]) >= cfg.n_layer * costs["block"]:
-            break
-    return costs
-
-def step_counts(exits, checks, last):
-    """What a plan's decode steps do, as the cost model prices them: the share that leave before
-    the last layer, the blocks a step skips, and its exit checks. exits (N,): where each step left
-    (a batch's step: its deepest row); checks: exit checks a step."""
-    return {"early": average(exits < last), "skipped": average(last - exits), "checks": checks}
+            stage()
+            synchronize(device)  # each timer reads finished work
+            t[key].append(time.perf_counter() - t0)
+    return {**{key: float(np.median(v)) for key, v in t.items()}, "cache_length": typical}
 
 def plan_counts(records, plan):
-    """The step counts of an exit plan at a threshold on recorded positions (teacher-forced):
-    every exit a position passes is checked; at threshold 1 none is."""
+    """What an exit plan's decode steps do at a threshold on recorded positions (teacher-forced),
+    as the unit costs price them: the share that leave before the last layer, the blocks a step
+    skips, and the exit checks a step (every exit a position passes; at threshold 1 none)."""
+    last = len(records.pred) - 1
     exits = exits_at_threshold(records, plan["measure"], plan["threshold"], plan["checked_exits"])
     checks = sum(average(exits >= l) for l in plan["checked_exits"] if plan["threshold"] < 1)
-    return step_counts(exits, checks, len(records.pred) - 1)
+    return {"early": average(exits < last), "skipped": average(last - exits), "checks": checks}
 
-def workload_counts(outputs, last):
-    """The step counts of a decoder's Generations on a workload: each step as deep as its deepest
-    row, and the exit checks it ran."""
-    exits = torch.cat([o.exited_at.amax(0) for o in outputs])  # (steps,)
-    return step_counts(exits, sum(o.exit_checks for o in outputs) / len(exits), last)
-
-def predict_speedup(decoder, counts, measure, costs, token):
-    """Full depth's time a token (token, in the mode predicted) over a decoder's predicted time,
-    from its step counts and the unit costs. Leaving early skips the final head and (but under
-    backfill, which runs the blocks above for the cache) the blocks above; every check costs a
-    head, a confidence and a host sync, and state_copy a write when it leaves early. Deferred's
-    catch-up rides in the next token's block call, so it is counted as no extra call. A smaller
-    model at full depth skips the blocks it lacks."""
+def priced_saving(decoder, counts, measure, costs):
+    """The seconds a token a decoder's step counts save against full depth, at the unit costs.
+    Leaving early skips the final head and (but under backfill, which runs the blocks above for the
+    cache) the blocks above; every check costs a head, a confidence and a host sync, and state_copy
+    a write when it leaves early. Deferred's catch-up rides in the next token's block call."""
     saved = (counts["early"] * costs["final_head"]
              + decoder.skips * counts["skipped"] * costs["block"])
-    extra = (counts["checks"] * costs[f"check {measure}"]
-             + counts["early"] * costs.get(decoder.exit_cost, 0.0))
-    return token / max(token - saved + extra, costs["block"])
+    return saved - (counts["checks"] * costs[f"check {measure}"]
+                    + counts["early"] * costs.get(decoder.exit_cost, 0.0))
 
 def best_plan(records, decoder, measure, threshold, costs, checked=None):
     """The exits an exit decoder checks, chosen on val at the threshold: `checked`, or else the
-    plan the cost model prices fastest of those met adding one exit at a time, each time the one
-    that prices fastest (n_layer^2 / 2 plans; every subset would be 2^n_layer). The threshold's
+    plan the unit costs price fastest of those met adding one exit at a time, each time the one
+    that saves most (n_layer^2 / 2 plans; every subset would be 2^n_layer). The threshold's
     guarantee is for every exit checked: a subset can leave later, at an exit that disagrees, so
     it is not covered. At threshold 1 nothing leaves: no exit is checked."""
     def priced(exits):
         plan = {"measure": measure, "threshold": threshold, "checked_exits": exits,
                 "label": ",".join(map(str, exits)) or "-"}
-        counts = plan_counts(records, plan)
-        speedup = predict_speedup(decoder, counts, measure, costs, costs["token greedy"])
-        return {**plan, "predicted_speedup": speedup}
+        saving = priced_saving(decoder, plan_counts(records, plan), measure, costs)
+        return {**plan, "saved_blocks": saving / costs["block"]}
     if threshold >= 1 or checked is not None:
         return priced([] if threshold >= 1 else checked)
     exits, path = [], []
     for _ in range(len(records.pred) - 1):
         path.append(max((priced(sorted({*exits, e})) for e in range(len(records.pred) - 1)
-                         if e not in exits), key=lambda plan: plan["predicted_speedup"]))
+                         if e not in exits), key=lambda plan: plan["saved_blocks"]))
         exits = path[-1]["checked_exits"]
-    return max(path, key=lambda plan: plan["predicted_speedup"])
+    return max(path, key=lambda plan: plan["saved_blocks"])
 
 def exit_plans(records, costs, config, threshold, schedule, checked=None):
     """Every exit decoder's plan, chosen on val: its checked exits at the threshold (None: the
@@ -1529,13 +1484,16 @@ def tail(outputs):
 def train_plain_gpt(config, splits, n_layer, world=1):
     """A plain GPT (alpha 0, Part I's model) of n_layer blocks with the same width, steps and data,
     on the splits' device, at the main model's global batch (batch_size a process, world
-    processes): (the model, its val loss on random windows, seconds)."""
+    processes): (the model, its val loss on random windows, seconds). A diverged one stops the run,
+    as format_eval says."""
     cfg = replace(config, n_layer=n_layer, alpha=0.0, batch_size=config.batch_size * world)
     device = splits["train"].device
     torch.manual_seed(cfg.seed)
     model = GPT(cfg).to(device)
     seconds = train(model, configure_optimizer(model, cfg), splits, cfg, device, evaluate=False)[0]
-    return model.eval(), estimate_loss(model, splits, cfg, device)["val"][-1], seconds
+    losses = estimate_loss(model, splits, cfg, device)
+    format_eval(cfg.max_iters, losses)
+    return model.eval(), losses["val"][-1], seconds
 
 # -----------------------------------------------------------------------------
 # Depth pruning: the blocks that change the residual stream least, removed for every input
@@ -1644,12 +1602,11 @@ def choose_drafts(entries):
                 drafts[name, key[1]] = best["num_draft"] if best["speedup"] > 1 else None
     return drafts
 
-def val_figures(speed, n_layer):
-    """A speed pass on val ((name, k, mode) -> figures, full depth's k None) as the predictions
-    read it: (name, mode, k) -> the speed-up over full depth and the step counts."""
+def val_figures(speed):
+    """A speed pass on val ((name, k, mode) -> figures, full depth's k None) as the forecasts read
+    it: (name, mode, k) -> the speed-up over full depth."""
     return {(name, mode, k): {"speedup": s["tokens_per_second"]
                               / speed["full", None, mode]["tokens_per_second"],
-                              "counts": workload_counts(s["outputs"], n_layer - 1),
                               "num_draft": k, "name": name, "mode": mode}
             for (name, k, mode), s in speed.items()}
 
@@ -1663,24 +1620,19 @@ def run_plans(names, plans, val, config, draft):
             for name in names for mode in MODES
             if DECODERS[name].strategy or DECODERS[name].drafter}
 
-def prediction(row, plan, val, costs, n_layer, model):
-    """The cost model's figures beside a decoder-table row of model at its plan: a drafter's
-    speed-up as it ran on val at its k (1 where it runs full depth), an exit decoder's priced from
-    where it left on val's workload in the row's mode (val: (name, mode, k) -> figures), a model at
-    full depth's from the blocks it lacks; an exit decoder's plan and its layers a step on val."""
-    d, mode = DECODERS[row["decoder"]], row["mode"]
+def prediction(row, plan, val):
+    """The forecast beside a decoder-table row, made on val: the speed-up the same decoder at the
+    same plan (a drafter at its k; 1 where it runs full depth), or the same model, ran at on val's
+    workload in the same mode (val: (name, mode, k) -> figures); an exit decoder's plan."""
+    d, mode, k = DECODERS[row["decoder"]], row["mode"], plan.get("num_draft")
     if d.drafter:
-        k = plan["num_draft"]
         speedup = val[d.follows or row["name"], mode, k]["speedup"] if k else 1.0
         return {"predicted_speedup": speedup, "draft_exit": plan["draft_exit"],
                 "choice": f"k={k}" if k else "full depth"}
-    counts, figures = {"early": 0.0, "skipped": n_layer - model.config.n_layer, "checks": 0.0}, {}
+    figures = {"predicted_speedup": val[row["name"], mode, None]["speedup"]}
     if d.strategy:
-        counts = val[row["name"], mode, None]["counts"]
-        figures = {"exit_at": plan["label"], "threshold": plan["threshold"],
-                   "expected_layers": n_layer - d.skips * counts["skipped"]}
-    speedup = predict_speedup(d, counts, plan.get("measure", "top1"), costs, costs[f"token {mode}"])
-    return {**figures, "predicted_speedup": speedup}
+        figures.update(exit_at=plan["label"], threshold=plan["threshold"])
+    return figures
 
 # -----------------------------------------------------------------------------
 # The frontier: the points nothing beats on both loss and speed
@@ -1892,11 +1844,6 @@ shift.disagreement  | shift dis.  | {:.2%} | and on the shifted text
 shift.held          | held        | {}     | shift dis. within epsilon
 shift.loss          | shift loss  | {:.4f} | the loss of the exits on the shifted text
 shift.full_loss     | full depth's| {:.4f} | full depth's loss there""")
-LENS_TABLE = table("""Does an exit need a trained head?
-layer      | layer         | {}     | the layer read
-readout    | readout       | {}     | its own exit head, or the final one (untrained there)
-agreement  | top-1 = final | {:.3f} | how often its top-1 is the final prediction
-confidence | confidence    | {:.3f} | its mean top-1 probability""")
 KINDS_TABLE = table("""What does 'easy' mean here, and who pays for the disagreement?
 kind          | kind      | {}      | the kind of the character to predict
 positions     | positions | {:,}    | test positions of that kind
@@ -1912,7 +1859,7 @@ exit_at           | exit at   | {}      | the exits checked ('-': none; skipdeco
 from a window position on)
 threshold         | thr       | {:.3g}  | their threshold
 speedup           | speed-up  | {:.2f}x | tokens per second over full depth's in the same mode
-predicted_speedup | predicted | {:.2f}x | the cost model's speed-up, from measured costs
+predicted_speedup | predicted | {:.2f}x | its speed-up on val's workload, the forecast
 mean_layers       | layers    | {:.2f}  | blocks run per token while decoding, catch-up included \
 (above the model's depth for self_speculative: the draft's layers, then the verify pass over \
 every draft, kept or not)
@@ -1948,10 +1895,9 @@ mode              | mode      | {}      | greedy, or sampled
 name              | design    | {}      | the decoder
 tokens_per_second | tok/s     | {:,.0f} | characters per second of the whole batch
 speedup           | speed-up  | {:.2f}x | over full depth at the same batch size and mode
-predicted_speedup | predicted | {:.2f}x | the cost model's speed-up
+predicted_speedup | predicted | {:.2f}x | its speed-up on val's workload, the forecast
 num_draft         | k         | {}      | drafts a round
 mean_layers       | layers    | {:.2f}  | blocks run per token
-expected_layers   | expected  | {:.2f}  | val's exits' prediction, a step as deep as its deepest row
 agreement         | agree     | {:.3f}  | teacher-forced test positions whose top-1 is full depth's
 identical_to_full | identical | {}      | greedy output equal to full depth's on every row""")
 
@@ -2001,9 +1947,10 @@ class Lab:
             shift = tokenizer.encode(read_text(config, "shift_path"))
             self.splits["shift"] = torch.tensor(shift, device=device)
         self.checked = list(range(config.n_layer - 1))  # every exit: the rules read them all
-        # the val workload (to choose by) and the test workload (to report)
-        self.workloads = [workload(self.splits[s], config.bench_prompts, config.bench_prompt_len)
-                          for s in ("val", "test")]
+        # the val workload (to choose and forecast by: twice the prompts, so that its sampled text
+        # varies less) and the test workload (to report)
+        self.workloads = [workload(self.splits[s], n * config.bench_prompts,
+                                   config.bench_prompt_len) for s, n in (("val", 2), ("test", 1))]
         self.plain_gpts = {}  # depth -> (a plain GPT trained alike, its training seconds)
 
     def use(self, sampling):
@@ -2025,8 +1972,7 @@ class Lab:
         cfg, checked = self.config, None
         if cfg.exit_layers != "auto" or cfg.confidence_measure in ("patience", "learned"):
             checked = parse_exit_layers(cfg.exit_layers, cfg.n_layer)
-        self.costs = decode_costs(self.model, self.workloads[0][:4], cfg.bench_tokens, self.rules,
-                                  (cfg.temperature, cfg.top_k))
+        self.costs = decode_costs(self.model, cfg.bench_prompt_len, cfg.bench_tokens, self.rules)
         self.plans = exit_plans(self.records["val"], self.costs, cfg, self.threshold,
                                 self.schedule, checked)
 
@@ -2036,8 +1982,6 @@ class Lab:
         if d not in self.plain_gpts:
             model, loss, seconds = train_plain_gpt(lesson_config(self.config), self.splits, d,
                                                    self.world)
-            if not math.isfinite(loss):
-                raise ValueError(f"the {d}-layer GPT's training diverged: val loss {loss}")
             print(f"\n--- a {d}-layer GPT trained as a plain model (alpha 0) with the same width, "
                   f"steps, data and global batch: val loss {loss:.4f}, {seconds:.1f} s ---")
             self.plain_gpts[d] = model, seconds
@@ -2052,43 +1996,45 @@ class Lab:
         pruned = pruned_models(self.model, self.splits["val"])
         return more | {f"pruned {k}": (p, "pruned") for k, p in pruned.items()}
 
-    def on_val(self, B, names, ks, val_config):
+    def on_val(self, B, names, ks, val_config, more):
         """Val's workload at batch size B, timed under val_config: the exit decoders of names at
-        their plans and each drafter of names at each k of ks, beside full depth. Returns (name,
-        mode, k) -> the speed-up, the step counts and the layers a step (k None: an exit
-        decoder), and (name, mode) -> the plan each decoder of names runs on test."""
+        their plans, each drafter of names at each k of ks and the models of more at full depth,
+        beside full depth. Returns (name, mode, k) -> the speed-up and the step counts (k None:
+        not a drafter), and (name, mode) -> the plan each decoder of names runs on test."""
         cfg, draft = self.config, self.plain(self.config.draft_layers)
-        cells = {("full", None): {}}
+        cells = {("full", None): ("full", self.model, None)}
         for name in names:
             d = DECODERS[name]
             if d.strategy:
-                cells[name, None] = self.plans[name]
+                cells[name, None] = name, self.model, self.plans[name]
             elif d.drafter and not d.follows:
-                cells.update(((name, k), draft_plan(name, cfg, k, draft)) for k in ks)
-        runs = {(*cell, mode): in_mode(build(cell[0], self.model, plan, self.rules), cfg, mode)
-                for cell, plan in cells.items() for mode in MODES}
+                cells.update(((name, k), (name, self.model, draft_plan(name, cfg, k, draft)))
+                             for k in ks)
+        cells |= {(name, None): ("full", model, None) for name, (model, _) in more.items()}
+        runs = {(*cell, mode): in_mode(build(*how, self.rules), cfg, mode)
+                for cell, how in cells.items() for mode in MODES}
         speed = speed_pass(runs, self.workloads[0], B, val_config.bench_tokens,
                            val_config.bench_repeats, cfg.seed)
-        val = val_figures(speed, cfg.n_layer)
+        val = val_figures(speed)
         return val, run_plans(names, self.plans, val, cfg, draft)
 
-    def measure(self, B, names, ks, val_config, more=None):
+    def measure(self, B, names, ks, val_config, more):
         """The rows of a decoder table at batch size B on the test workload, both modes, quality
-        teacher-forced on test, each beside the cost model's figures and the bytes of weights it
+        teacher-forced on test, each beside its forecast from val and the bytes of weights it
         reads: the exit model's decoders of names at their plans (a drafter at the k of ks that
         ran fastest on val in its mode), and the models of more (name -> (model, family)) at full
-        depth. Val's workload runs first (on_val): the predictions read it."""
-        val, plans = self.on_val(B, names, ks, val_config)
-        models = {name: (self.model, "exit model") for name in names} | (more or {})
+        depth. Val's workload runs first (on_val): the forecasts are its speed-ups."""
+        val, plans = self.on_val(B, names, ks, val_config, more)
+        models = {name: (self.model, "exit model") for name in names} | more
         decoders = {name: (name, {mode: build(name, self.model, plans.get((name, mode)),
                                               self.rules) for mode in MODES}) for name in names}
         decoders |= {name: ("full", dict.fromkeys(MODES, build("full", small, None)))
-                     for name, (small, _) in (more or {}).items()}
+                     for name, (small, _) in more.items()}
         rows = measure_decoders(decoders, self.splits["test"], self.workloads[1], self.config, B)
         for r in rows:
             plan, (model, family) = plans.get((r["name"], r["mode"]), {}), models[r["name"]]
             r.update(family=family, weight_bytes=weight_bytes(model, r["decoder"], plan),
-                     **prediction(r, plan, val, self.costs, self.config.n_layer, model))
+                     **prediction(r, plan, val))
         return rows
 
 def threshold_sweep(lab):
@@ -2137,13 +2083,6 @@ def shifted_text(lab):
         f"{sh['disagreement']:.2%} disagreement against {100 * cal['epsilon']:g}%. The "
         "guarantee covers text like val, and nothing else."]}
 
-def lens(lab):
-    T = lab.config.block_size
-    # (<= 64, T): back-to-back windows of val, each character followed by one more
-    return {"logit_lens": logit_lens(lab.model, lab.splits["val"][:-1].unfold(0, T, T)[:64]),
-            "notes": ["The logit lens on up to 64 val windows: each layer through the final head "
-                      "and through its own exit head"]}
-
 def slices(lab):
     cal, test = lab.calibrations[lab.config.confidence_measure], lab.records["test"]
     exits = exits_at_threshold(test, cal["measure"], cal["threshold"], lab.checked)
@@ -2155,7 +2094,7 @@ def strategies(lab):
     """The strategies table, and under it what it rests on: the drafts, the measured costs."""
     cfg, costs = lab.config, lab.costs
     rows = [r for r in lab.measured if r["family"] != "pruned"]
-    L, b, check = cfg.n_layer, costs["block"], cfg.confidence_measure
+    b, check = costs["block"], cfg.confidence_measure
     notes = [f"{e['name']} {e['mode']}: drafts to layer {e['draft_exit']}, num_draft="
              f"{e['num_draft']}, acceptance {e['acceptance_rate']:.3f} (drafts kept over drafts a "
              f"row could keep), {e['tokens_per_verify']:.2f} tokens a verify pass, output: "
@@ -2163,26 +2102,23 @@ def strategies(lab):
     # the full model's decoders: a smaller GPT or a draft model re-prefills fewer layers
     prefill = sorted({round(e["prefill_layers"], 2) for e in rows if e["family"] == "exit model"
                       and DECODERS[e["decoder"]].drafter != "model"})
-    impossible = (f", IMPOSSIBLE ({L} blocks): so after {costs['attempts']} measurements"
-                  if min(costs["token greedy"], costs["token sampled"]) < L * b else "")
     return {"strategies": rows, "decode_costs": costs, "plans": lab.plans, "notes": [
         f"{cfg.bench_prompts} test prompts of {cfg.bench_prompt_len} characters, "
         f"{cfg.bench_tokens} more each, batch 1, median of {cfg.bench_repeats} interleaved runs",
         *notes, f"Chosen on val: exits (exit_layers={cfg.exit_layers!r}) at the run's threshold "
-        f"({lab.threshold:g}), the schedule, and the drafters' predictions, their speed-ups "
-        "timed on val (per round: a round's time over the tokens it emits); the exit decoders' "
-        "predictions price where they left on val's workload in the same mode. Prefilling "
-        "the prompt and re-prefilling the window every block_size/2 tokens adds "
-        f"{' to '.join(f'{p:.2f}' for p in prefill)} per token for every decoder. Sampled: "
-        f"temperature {cfg.temperature:g}, top_k {cfg.top_k}.",
+        f"({lab.threshold:g}), priced from the unit costs below, the schedule, and the drafters' "
+        "k. predicted: each row's speed-up on val's workload, timed before test's (the same "
+        "decoder, plan and k, or the same model, in the same mode; per round: a round's time over "
+        "the tokens it emits). Prefilling the prompt and re-prefilling the window every "
+        f"block_size/2 tokens adds {' to '.join(f'{p:.2f}' for p in prefill)} per token for "
+        f"every decoder. Sampled: temperature {cfg.temperature:g}, top_k {cfg.top_k}.",
         f"output's agreement: on {cfg.quality_positions:,} test positions, teacher-forced. The "
         "guarantee of a calibrated threshold covers every exit checked with an exact cache: not "
         "a subset of exits, nor an approximate cache or holes.",
         f"Measured at batch 1, attending to {costs['cache_length']} cached positions: a block "
         f"{1e6 * b:.0f} us; in blocks, an exit check {costs['check ' + check] / b:.2f} ({check}), "
         f"a state-copy write {costs['state_copy'] / b:.2f}, the final head "
-        f"{costs['final_head'] / b:.2f}, a full-depth token {costs['token greedy'] / b:.1f} "
-        f"greedy and {costs['token sampled'] / b:.1f} sampled{impossible}."]}
+        f"{costs['final_head'] / b:.2f}."]}
 
 def tails(lab):
     """Average or tail: the strategies rows' latency, and which decoders have a worse tail."""
@@ -2234,7 +2170,7 @@ def batches(lab):
     ks = sorted(k for k in {*BATCH_DRAFTS, cfg.num_draft} if k <= cfg.block_size)
     sizes = [B for B in BATCH_SIZES if cfg.bench_prompts % B == 0]
     names = [name for name, d in DECODERS.items() if d.batched]
-    rows = [row for B in sizes for row in lab.measure(B, names, ks, cfg)]
+    rows = [row for B in sizes for row in lab.measure(B, names, ks, cfg, {})]
     chose = [f"B={r['batch_size']} {r['mode']} {r['name']} {r['choice']}" for r in rows
              if DECODERS[r["decoder"]].follows]
     plans = [f"{name}: exits {lab.plans[name]['label']}" for name in names if name in lab.plans]
@@ -2928,7 +2864,6 @@ ANALYSES = (
     Analysis("sweep", SWEEP_TABLE, threshold_sweep, sweep_charts),
     Analysis("calibration_by_measure", CALIBRATION_TABLE, rule_calibrations),
     Analysis("shift", SHIFT_TABLE, shifted_text),
-    Analysis("logit_lens", LENS_TABLE, lens),
     Analysis("slices", KINDS_TABLE, slices),
     Analysis("strategies", STRATEGY_TABLE, strategies, speedup_chart),
     Analysis("tail", TAIL_TABLE, tails),
@@ -2968,7 +2903,7 @@ def generation_report(lab):
     text = lab.tokenizer.decode
     T0 = len(cfg.prompt)
     exited_at = early.exited_at[0].tolist()
-    return {"exit_threshold": threshold, "kv_strategy": cfg.kv_strategy, "decoder": label,
+    return {"exit_threshold": threshold, "decoder": label,
             "exit_counts": [exited_at.count(l) for l in range(cfg.n_layer)],
             "tokens_per_second": speed, "full_depth_tokens_per_second": full_speed,
             "sample": text(early.tokens[0, T0:].tolist()), "exited_at": exited_at,

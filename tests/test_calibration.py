@@ -214,19 +214,3 @@ def test_sweep_trades_compute_for_quality(trained, rules):
     saved = [r["compute_saved"] for r in rows]
     assert saved == sorted(saved) and saved[0] == 0.0 and saved[-1] == pytest.approx(0.75)
     assert rows[0]["disagreement"] == 0.0 and rows[0]["loss"] == pytest.approx(rows[0]["full_loss"])
-
-
-def test_logit_lens_reads_each_layer_two_ways(trained):
-    model, data = trained
-    rows = m.logit_lens(model, data[:256].view(8, 32))
-    assert [(r["layer"], r["readout"]) for r in rows[:2]] == [(0, "ln_f + lm_head"), (0, "exit head")]
-    assert len(rows) == 2 * 3
-    states = model.hidden_states(data[:256].view(8, 32))
-    final = model.exit_logits(states[-1], 3).argmax(-1)
-    for r in rows:  # agreement: the readout's top-1 against the final head's, at every position
-        layer = 3 if r["readout"] == "ln_f + lm_head" else r["layer"]
-        logits = model.exit_logits(states[r["layer"]], layer)
-        assert r["agreement"] == pytest.approx((logits.argmax(-1) == final).float().mean().item())
-    exit_rows = [r for r in rows if r["readout"] == "exit head"]
-    lens_rows = [r for r in rows if r["readout"] != "exit head"]
-    assert all(e["agreement"] > l["agreement"] for e, l in zip(exit_rows, lens_rows))

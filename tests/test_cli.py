@@ -1,6 +1,7 @@
 """The command line: overrides, --help, checkpoints and resume, the report, bad input."""
 
 import json
+import math
 import os
 import re
 
@@ -216,25 +217,20 @@ def test_report_has_the_strategies_and_calibration(lab_runs):
                for row in r["strategies"])
     # the plans are the exit decoders': a threshold's priced on val's records, the schedule's not
     assert set(r["plans"]) == {"backfill", "deferred", "state_copy", "holes", "skipdecode"}
-    assert "predicted_speedup" not in r["plans"]["skipdecode"]
+    assert "saved_blocks" not in r["plans"]["skipdecode"]
     costs, L = r["decode_costs"], 3
+    assert {"block", "final_head", "state_copy", "check top1", "cache_length"} <= set(costs)
     per_token = [row for row in r["strategies"] if row["name"] in ("backfill", "deferred", "state_copy", "holes")]
-    for row in per_token:  # the plan chosen on val is the row's; its prediction priced from val's workload
-        plan, token = r["plans"][row["name"]], costs[f"token {row['mode']}"]
+    for row in per_token:  # the plan chosen on val is the row's; its forecast timed on val's workload
+        plan = r["plans"][row["name"]]
         assert (row["exit_at"], row["threshold"]) == (plan["label"], plan["threshold"])
         assert row["threshold"] == r["generation"]["exit_threshold"]
-        assert 0 < plan["predicted_speedup"] <= costs["token greedy"] / costs["block"]
-        assert 1 <= row["expected_layers"] <= L and 0 < row["predicted_speedup"] <= token / costs["block"]
-        if row["expected_layers"] == L:  # nothing left early on val: only the checks' cost
-            assert row["predicted_speedup"] <= 1
-    for row in r["strategies"]:  # full depth 1; a smaller GPT skips the blocks it lacks, in its mode
-        token = costs[f"token {row['mode']}"]
-        if row["name"] == "full":
-            assert row["predicted_speedup"] == 1
-        if row["name"] == "1-layer GPT":
-            assert row["predicted_speedup"] == pytest.approx(token / max(token - 2 * costs["block"], costs["block"]))
+        assert plan["saved_blocks"] <= L - 1  # a step skips at most the blocks above layer 0
+        assert row["predicted_speedup"] > 0
+    for row in r["strategies"]:  # full depth 1, by definition; every other row timed on val
+        assert row["predicted_speedup"] > 0 and (row["name"] != "full" or row["predicted_speedup"] == 1)
         if row["name"] in ("self_speculative", "draft_model"):
-            assert row["choice"] == "k=8" and row["predicted_speedup"] > 0  # k of [num_draft]: 8
+            assert row["choice"] == "k=8"  # k of [num_draft]: 8
     spec = [row for row in r["strategies"] if row["name"] == "self_speculative"]
     assert all({"acceptance_rate", "draft_exit", "num_draft", "identical_to_full"} <= set(s) for s in spec)
     assert spec[0]["identical_to_full"] is True and spec[1]["identical_to_full"] is None
@@ -264,7 +260,7 @@ def test_default_run_tells_the_story_in_order(lab_runs):
     order = ["parameters:", "--- full-depth sample", "--- early-exit sample", "per-layer exit statistics", "Layer 0:",
              "=== Which threshold?", "=== Which exit rule, with a guarantee",
              "=== Does the guarantee hold on text of another kind?",
-             "Does an exit need a trained head?", "What does 'easy' mean", "What does each KV strategy buy?",
+             "What does 'easy' mean", "What does each KV strategy buy?",
              "=== Average or tail", "=== When does early exit pay?", "On the frontier, greedy:"]
     positions = [out.index(o) for o in order]
     assert positions == sorted(positions)
@@ -380,3 +376,16 @@ def test_the_readmes_token_figures_are_the_files():
                      readme)
     assert said, "the README states the script's size"
     assert [int(n.replace(",", "")) for n in said.groups()] == [len(rows), *parts]
+
+
+def test_a_diverged_plain_gpt_stops_the_run_in_one_line():
+    """A plain GPT (a smaller model, the draft model) whose weights turn to nan stops the run with the
+    same one line as the exit model, before any table reads it; one at a sane rate trains."""
+    data = torch.randint(0, 11, (3000,), generator=torch.Generator().manual_seed(0))
+    splits = dict(zip(("train", "val", "test"), data.split(1000)))
+    config = m.Config(n_layer=2, n_head=2, n_embd=16, block_size=8, batch_size=2, max_iters=4, eval_iters=1,
+                      min_lr=0, warmup_iters=1, vocab_size=11)
+    with pytest.raises(ValueError, match=r"^training diverged: val loss nan at step 4; lower --learning_rate$"):
+        m.train_plain_gpt(m.replace(config, learning_rate=1e30), splits, 1)
+    model, loss, _ = m.train_plain_gpt(config, splits, 1)
+    assert math.isfinite(loss) and model.config.n_layer == 1

@@ -71,15 +71,14 @@ def test_a_notes_position_count_is_what_was_recorded_not_what_was_asked():
     assert m.slices.__code__.co_names.count("recorded") == 1
 
 
-def test_a_prediction_never_divides_by_less_than_a_block(no_grad):
-    """Costs that mark the probe impossible (a token cheaper than what it skips) predict at most
-    token / block, never a negative or infinite speed-up."""
+def test_a_plans_price_by_hand(no_grad):
+    """Every token leaving at layer 0 of 4: holes saves 3 blocks and the final head and pays a check a step;
+    backfill runs the blocks above (only the head saved); state copy also pays its write."""
     model = tiny_model()
     records = m.record_exits(model, torch.randint(0, 11, (200,)), 100, {"top1": m.EXIT_RULES["top1"]})
     plan = {"measure": "top1", "threshold": 0.0, "checked_exits": [0]}
-    costs = {"token greedy": 1.0, "block": 0.5, "final_head": 0.1, "check top1": 0.0, "state_copy": 0.0}
+    costs = {"block": 0.5, "final_head": 0.1, "check top1": 0.05, "state_copy": 0.2}
     counts = m.plan_counts(records, plan)
     assert counts == {"early": 1.0, "skipped": 3.0, "checks": 1.0}
-    got = m.predict_speedup(m.DECODERS["holes"], counts, "top1", costs, costs["token greedy"])
-    assert 0 < got <= costs["token greedy"] / costs["block"]
-    assert got == pytest.approx(2.0)  # every token leaves at layer 0: 3 blocks and the head saved
+    price = {name: m.priced_saving(m.DECODERS[name], counts, "top1", costs) for name in ("holes", "backfill", "state_copy")}
+    assert price == pytest.approx({"holes": 1.55, "backfill": 0.05, "state_copy": 1.35})

@@ -142,9 +142,12 @@ def test_every_point_of_the_frontier_is_measured_on_the_same_positions_and_workl
     monkeypatch.setattr(m, "speed_pass", lambda decoders, p, *a: prompts.append((list(decoders), p)) or real(decoders, p, *a))
     lab = measured_lab(model, config, splits)
     rows = m.frontier(lab)["frontier"]
-    table = [p for p in prompts if any("pruned 1" in str(k) for k in p[0])]
-    assert len(table) == 1 and torch.equal(table[0][1], lab.workloads[1]), "one pass, the test workload"
+    table = [p for p in prompts if torch.equal(p[1], lab.workloads[1])]
+    assert len(table) == 1 and ("pruned 1", "greedy") in table[0][0], "one pass, the test workload"
+    val = [keys for keys, p in prompts if p is not table[0][1]]
     assert all(torch.equal(p, lab.workloads[0]) for _, p in prompts if p is not table[0][1]), "the rest: val's"
+    # the forecasts: every point timed on val's workload too, before test's
+    assert len(val) == 1 and {(n, None, "sampled") for n in ("pruned 1", "1-layer GPT", "holes")} <= set(val[0])
     test, plans = lab.splits["test"], lab.plans
     models = {"full": model, **{name: small for name, (small, _) in lab.other_models().items()}}
     for row in rows:

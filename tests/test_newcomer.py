@@ -39,8 +39,8 @@ def tables(stdout):
 def test_tables_fit_the_console_width_and_carry_a_legend(default_run):
     blocks = tables(default_run[0])
     titles = {b[0].split("?")[0] for b in blocks}
-    assert {"=== Which threshold", "=== What does each KV strategy buy", "=== Does early exit still save in a batch",
-            "=== Does an exit need a trained head"} <= titles
+    assert {"=== Which threshold", "=== What does each KV strategy buy", "=== Does early exit still save in a batch"}\
+        <= titles
     for block in blocks:
         assert all(len(line) <= m.WIDTH for line in block), block[0]
     strategies = next(b for b in blocks if b[0].startswith("=== What does each KV strategy buy"))
@@ -48,7 +48,7 @@ def test_tables_fit_the_console_width_and_carry_a_legend(default_run):
     for word in ("speed-up:", "predicted:", "layers:", "repeats:", "cache:", "output:", "output's agreement:"):
         assert word in legend, word
     batch = " ".join(line.strip() for line in next(b for b in blocks if "still save in a batch" in b[0]))
-    for word in ("tok/s:", "predicted:", "k:", "expected:", "identical:", "Chose:"):
+    for word in ("tok/s:", "predicted:", "k:", "identical:", "Chose:"):
         assert word in batch, word
     assert all(f"B=1 {mode} auto " in batch for mode in m.MODES), "auto's choice in each mode"
 
@@ -68,11 +68,9 @@ def test_table_rows_are_aligned(default_run):
         assert all(len(r) == len(block[header]) for r in rows), kind
 
 def test_every_speed_has_a_prediction_beside_it(default_run):
-    """Batch 1 and the batch table: every row with a speed has the cost model's figure beside it; full
-    depth's is 1 (the baseline), and a plain GPT's is the unit costs' price of the blocks it lacks, against
-    full depth's token in the row's mode. (An exit decoder's is priced from val's workload, not kept.)"""
+    """Batch 1 and the batch table: every row with a speed has its forecast from val beside it; full depth's
+    is 1 (the baseline), and a plain GPT's was timed on val like every other row's."""
     report = default_run[1]
-    costs, L = report["decode_costs"], report["config"]["n_layer"]
     rows = report["strategies"] + report["batched"]
     gpts = [r for r in rows if r["family"] == "plain GPT"]
     assert gpts and {r["mode"] for r in gpts} == set(m.MODES)
@@ -81,11 +79,8 @@ def test_every_speed_has_a_prediction_beside_it(default_run):
         assert isinstance(row["predicted_speedup"], float), (row["batch_size"], row["name"], row["mode"])
         if row["name"] == "full":
             assert row["predicted_speedup"] == pytest.approx(1.0)
-        if row["family"] == "plain GPT":  # its missing blocks, at the measured cost of a block
-            token = costs[f"token {row['mode']}"]
-            skipped = (L - int(row["name"].split("-")[0])) * costs["block"]
-            assert row["predicted_speedup"] == pytest.approx(token / max(token - skipped, costs["block"]))
-
+        if row["family"] == "plain GPT":  # fewer blocks than the model: faster on val too
+            assert row["predicted_speedup"] > 1, row
 
 def test_no_column_is_constant_by_construction(default_run):
     """The re-prefill is the same work for every per-token decoder (a round of speculation may slide its
@@ -277,24 +272,6 @@ def test_the_sample_can_be_drawn_with_self_speculation(tmp_path, capsys):
     full = out.split("--- full-depth sample")[1].split("\n", 1)[1].split("\n--- early-exit")[0]
     early = out.split("--- early-exit sample: self_speculative, layer 0 drafts up to 8 a round, the rest verify")[1]
     assert early.split("\n", 1)[1].startswith(full)
-
-
-def test_an_impossible_token_cost_is_measured_again_then_flagged(model, monkeypatch):
-    """A full-depth token cheaper than its n_layer blocks cannot be: measure again, and say so if it stays."""
-    monkeypatch.setattr(m, "generate", lambda *a, **k: None)  # a token that takes no time
-    costs = m.decode_costs(model, torch.tensor([[1, 2, 3]]), 4, m.exit_rules(), sampling=(1.0, 0), repeats=3)
-    assert costs["attempts"] == 3 and costs["token greedy"] < model.config.n_layer * costs["block"]
-    rows = [{"name": "full", "decoder": "full", "family": "exit model", "mode": "greedy", "prefill_layers": 1.0}]
-    lab = types.SimpleNamespace(config=m.LabConfig(n_layer=model.config.n_layer), costs=costs, plans={},
-                                threshold=0.5, measured=rows)
-    assert "IMPOSSIBLE (4 blocks): so after 3 measurements" in " ".join(m.strategies(lab)["notes"])
-    monkeypatch.undo()
-    costs = m.decode_costs(model, torch.tensor([[1, 2, 3]]), 4, m.exit_rules(), sampling=(1.0, 0), repeats=3)
-    # a real token: measured again only while either mode's token is cheaper than its blocks (a busy machine)
-    possible = min(costs["token greedy"], costs["token sampled"]) >= model.config.n_layer * costs["block"]
-    assert possible or costs["attempts"] == 3
-    lab.costs = costs
-    assert ("IMPOSSIBLE" in " ".join(m.strategies(lab)["notes"])) == (not possible)
 
 
 HOW_IT_WAS_MADE = (r"\bissues?\b", r"\bsessions?\b", r"\bcommits?\b", r"\bgit (show|log|diff)\b", r"\bwork periods?\b",

@@ -51,7 +51,7 @@ def test_every_number_on_the_page_is_the_reports(page):
     parser.feed(path.read_text())
     keys = {k.split(".")[0] for k, _ in parser.data}
     assert {"generation", "sweep", "sweep_curve", "calibration", "calibration_by_measure", "strategies", "tail",
-            "logit_lens", "slices", "frontier", "shift"} <= keys
+            "slices", "frontier", "shift"} <= keys
     # the Learn-then-Test table: every measure's test figures, and the summary's headline figures
     tagged = {k for k, _ in parser.data}
     for i in range(len(report["calibration_by_measure"])):
@@ -70,7 +70,7 @@ def test_the_page_is_self_contained_and_has_both_schemes(page):
     assert "<script" not in html and "http://" not in html and "https://" not in html and "<link" not in html
     assert "prefers-color-scheme: dark" in html and "<svg" in html
     for question in ("What does early exit look like?", "Which threshold?",
-                     "What does each KV strategy buy?", "Does an exit need a trained head?",
+                     "What does each KV strategy buy?",
                      "Which exit rule, with a guarantee", "Average or tail", "When does early exit pay?",
                      "Does the guarantee hold on text of another kind?", "What does &#x27;easy&#x27;"
                      if "&#x27;" in html else "What does 'easy' mean"):
@@ -250,7 +250,7 @@ def console_table(capsys, table, rows):
 def test_a_console_table_and_the_page_table_come_from_one_definition(page, capsys):
     """The headers and the legend the console prints are the page's: one definition, no drift."""
     html, report = page[0].read_text(), page[1]
-    for table, rows in ((m.STRATEGY_TABLE, report["strategies"]), (m.LENS_TABLE, report["logit_lens"]),
+    for table, rows in ((m.STRATEGY_TABLE, report["strategies"]), (m.KINDS_TABLE, report["slices"]),
                         (m.CALIBRATION_TABLE, report["calibration_by_measure"])):
         headers, legend = console_table(capsys, table, rows)
         page_table = html.split(f"<h2>{m.esc(table[0])}</h2>")[1].split("</section>")[0]

@@ -122,20 +122,6 @@ def test_batch_step_runs_as_deep_as_its_deepest_row():
     assert out.layers_run == deepest.sum().item()
 
 
-def test_a_batch_step_is_counted_as_deep_as_its_deepest_row():
-    """workload_counts prices a batch's step by its deepest row: the step leaves early only if every
-    row does, skips only the blocks above that row, and its checks are the run's checks a step."""
-    out = [types.SimpleNamespace(exited_at=torch.tensor([[0, 3, 1], [2, 0, 1]]), exit_checks=7),
-           types.SimpleNamespace(exited_at=torch.tensor([[0, 3], [1, 0]]), exit_checks=3)]
-    counts = m.workload_counts(out, 3)
-    # steps' deepest rows: 2, 3, 1 then 1, 3; two of five steps reach the last layer
-    assert counts["early"] == pytest.approx(3 / 5)
-    assert counts["skipped"] == pytest.approx((1 + 0 + 2 + 2 + 0) / 5)
-    assert counts["checks"] == pytest.approx((7 + 3) / 5)
-    single = m.workload_counts([types.SimpleNamespace(exited_at=torch.tensor([[0, 3, 1, 3]]), exit_checks=4)], 3)
-    assert single == pytest.approx({"early": 2 / 4, "skipped": (3 + 0 + 2 + 0) / 4, "checks": 1.0})
-
-
 def test_speed_pass_interleaves_the_decoders_a_call_at_a_time():
     """A burst of load on the machine must fall on every decoder alike: a, b, a, b, ... not a, a, b, b."""
     model, calls = tiny_model(), []

@@ -36,8 +36,7 @@ def test_repetition_of_a_batch_averages_every_row():
     assert speed["two rows"]["repetition"] == pytest.approx((m.repetition(loop.tolist()) + 0.0) / 2)
 
 
-COSTS = {"block": 1.0, "check top1": 0.25, "state_copy": 0.5, "final_head": 0.2, "token greedy": 4.0,
-         "token sampled": 6.0}
+COSTS = {"block": 1.0, "check top1": 0.25, "state_copy": 0.5, "final_head": 0.2}
 
 
 def three_layer_records():
@@ -51,41 +50,28 @@ def plan(checked, threshold=0.5):
     return {"measure": "top1", "threshold": threshold, "checked_exits": checked}
 
 
-def test_predicted_speedup_by_hand():
+def test_a_plans_price_by_hand():
     records = three_layer_records()
 
-    def predict(name, p, token=4.0):
-        return m.predict_speedup(m.DECODERS[name], m.plan_counts(records, p), "top1", COSTS, token)
+    def price(name, p):
+        return m.priced_saving(m.DECODERS[name], m.plan_counts(records, p), "top1", COSTS)
     # checking exit 0 only: exits [0, 2, 0, 2]: 1 block and 0.5 final heads saved per token on average, 1 check each
     assert m.plan_counts(records, plan([0])) == pytest.approx({"early": 0.5, "skipped": 1.0, "checks": 1.0})
-    assert predict("holes", plan([0])) == pytest.approx(4 / (4 - 1.1 + 0.25))
-    assert predict("state_copy", plan([0])) == pytest.approx(4 / (4 - 1.1 + 0.25 + 0.5 * 0.5))
+    assert price("holes", plan([0])) == pytest.approx(1.1 - 0.25)
+    assert price("state_copy", plan([0])) == pytest.approx(1.1 - 0.25 - 0.5 * 0.5)
     # backfill runs every block for the cache, but no final head for a token that has left
-    assert predict("backfill", plan([0])) == pytest.approx(4 / (4 - 0.1 + 0.25))
-    # the token divided is the one given (a mode's full-depth token): sampled's here
-    assert predict("holes", plan([0]), 6.0) == pytest.approx(6 / (6 - 1.1 + 0.25))
+    assert price("backfill", plan([0])) == pytest.approx(0.1 - 0.25)
     # checking both: exits [0, 1, 0, 2]: 1.25 blocks and 0.75 heads saved, 1 + 0.5 checks per token
     assert m.plan_counts(records, plan([0, 1])) == pytest.approx({"early": 0.75, "skipped": 1.25, "checks": 1.5})
-    assert predict("holes", plan([0, 1])) == pytest.approx(4 / (4 - 1.25 - 0.15 + 1.5 * 0.25))
+    assert price("holes", plan([0, 1])) == pytest.approx(1.25 + 0.15 - 1.5 * 0.25)
     # at threshold 1 nothing exits and nothing is checked: every strategy is full depth
-    assert predict("backfill", plan([0, 1], 1.0)) == predict("holes", plan([0, 1], 1.0)) == 1.0
-    # a workload's steps (SkipDecode, batch 2): each step as deep as its deepest row, exits [2, 1, 0, 2]
-    # then [0, 0]: 4 of 6 steps early, (0 + 1 + 2 + 0 + 2 + 2) / 6 blocks skipped, 9 checks over 6 steps
-    outputs = [m.Generation(None, torch.tensor([[2, 0, 0, 0], [0, 1, 0, 2]]), None, 0, exit_checks=6),
-               m.Generation(None, torch.tensor([[0, 0]]), None, 0, exit_checks=3)]
-    counts = m.workload_counts(outputs, 2)
-    assert counts == pytest.approx({"early": 4 / 6, "skipped": 7 / 6, "checks": 1.5})
-    assert m.predict_speedup(m.DECODERS["skipdecode"], counts, "top1", COSTS, 4.0) == pytest.approx(
-        4 / (4 - 4 / 6 * 0.2 - 7 / 6 + 1.5 * 0.25))
-    # a time under one block is impossible: the prediction divides by a block at least
-    assert m.predict_speedup(m.DECODERS["holes"], {"early": 1.0, "skipped": 9.0, "checks": 0.0}, "top1", COSTS,
-                             4.0) == pytest.approx(4 / 1.0)
+    assert price("backfill", plan([0, 1], 1.0)) == price("holes", plan([0, 1], 1.0)) == 0.0
 
 
 def greedy_path(records, decl, costs):
     """best_plan's search, written out: from no exit, add the exit that prices fastest, until all are in."""
     def price(exits):
-        return m.predict_speedup(decl, m.plan_counts(records, plan(exits)), "top1", costs, costs["token greedy"])
+        return m.priced_saving(decl, m.plan_counts(records, plan(exits)), "top1", costs) / costs["block"]
     exits, path, n_exits = [], [], len(records.pred) - 1
     while len(exits) < n_exits:
         exits = max((sorted({*exits, e}) for e in range(n_exits) if e not in exits), key=price)
@@ -101,13 +87,13 @@ def random_records(n_layer, seed, n=64):
 
 
 def test_the_plan_is_the_fastest_plan_of_a_greedy_search(monkeypatch):
-    """best_plan adds one exit at a time, each time the one priced fastest, and returns the fastest plan
+    """best_plan adds one exit at a time, each time the one that saves most at the unit costs, and returns the best plan
     it met: n_layer^2 / 2 plans priced, not every subset; at 4 layers, the best of every subset."""
     records, holes = three_layer_records(), m.DECODERS["holes"]
     best = m.best_plan(records, holes, "top1", 0.5, COSTS)
-    predicted = {tuple(s): m.predict_speedup(holes, m.plan_counts(records, plan(s)), "top1", COSTS, 4.0)
-                 for s in ([0], [1], [0, 1])}
-    assert best["checked_exits"] == [0, 1] and best["predicted_speedup"] == max(predicted.values())
+    priced = {tuple(s): m.priced_saving(holes, m.plan_counts(records, plan(s)), "top1", COSTS)
+              for s in ([0], [1], [0, 1])}
+    assert best["checked_exits"] == [0, 1] and best["saved_blocks"] == max(priced.values())
     assert best["label"] == "0,1" and (best["measure"], best["threshold"]) == ("top1", 0.5)
     # checks dear: the search passes [0] on its way to [0, 1], and returns [0], the fastest it met
     expensive = dict(COSTS, **{"check top1": 0.9})
@@ -119,9 +105,9 @@ def test_the_plan_is_the_fastest_plan_of_a_greedy_search(monkeypatch):
         for name in ("backfill", "holes", "state_copy"):
             path = greedy_path(records, m.DECODERS[name], COSTS)
             best = m.best_plan(records, m.DECODERS[name], "top1", 0.5, COSTS)
-            assert (best["checked_exits"], best["predicted_speedup"]) == max(path, key=lambda p: p[1]), (seed, name)
+            assert (best["checked_exits"], best["saved_blocks"]) == max(path, key=lambda p: p[1]), (seed, name)
             singles = [m.best_plan(records, m.DECODERS[name], "top1", 0.5, COSTS, [e]) for e in range(5)]
-            assert all(best["predicted_speedup"] >= s["predicted_speedup"] for s in singles), "never slower"
+            assert all(best["saved_blocks"] >= s["saved_blocks"] for s in singles), "never slower"
     # 4 layers, 8 positions: exit 0 is sure of the first half, exit 1 of nothing more, exit 2 of 2 more.
     # The search prices [0], then [0, 2], then [0, 1, 2]; [0, 2], the best of all 7 subsets, is neither
     # one exit nor every exit
@@ -129,10 +115,10 @@ def test_the_plan_is_the_fastest_plan_of_a_greedy_search(monkeypatch):
     zeros = torch.zeros(4, 8, dtype=torch.long)
     records = m.ExitRecords({"top1": conf}, zeros, zeros.float(), torch.zeros(8, dtype=torch.long))
     subsets = [[0], [1], [2], [0, 1], [0, 2], [1, 2], [0, 1, 2]]
-    every = {tuple(s): m.best_plan(records, holes, "top1", 0.5, COSTS, s)["predicted_speedup"] for s in subsets}
+    every = {tuple(s): m.best_plan(records, holes, "top1", 0.5, COSTS, s)["saved_blocks"] for s in subsets}
     best = m.best_plan(records, holes, "top1", 0.5, COSTS)
-    assert best["predicted_speedup"] == max(every.values()) == every[tuple(best["checked_exits"])]
-    assert best["checked_exits"] == [0, 2] and best["predicted_speedup"] == pytest.approx(4 / (4 - 1.9 + 0.375))
+    assert best["saved_blocks"] == max(every.values()) == every[tuple(best["checked_exits"])]
+    assert best["checked_exits"] == [0, 2] and best["saved_blocks"] == pytest.approx(1.9 - 0.375)
     # the plans priced: 8 exits, 8 + 7 + ... + 1 = 36 (every subset would be 255)
     priced = []
     real = m.plan_counts
@@ -145,14 +131,14 @@ def test_a_plan_given_or_at_threshold_one_is_not_searched():
     records, holes = three_layer_records(), m.DECODERS["holes"]
     # checked given: that plan, priced
     given = m.best_plan(records, holes, "top1", 0.5, COSTS, [1])
-    expected = m.predict_speedup(holes, m.plan_counts(records, plan([1])), "top1", COSTS, 4.0)
-    assert (given["checked_exits"], given["label"], given["predicted_speedup"]) == ([1], "1", expected)
+    expected = m.priced_saving(holes, m.plan_counts(records, plan([1])), "top1", COSTS)
+    assert (given["checked_exits"], given["label"], given["saved_blocks"]) == ([1], "1", expected)
     # where checks are dear the search would pick [0]: given [0, 1], the plan is [0, 1]
     expensive = dict(COSTS, **{"check top1": 0.9})
     assert m.best_plan(records, holes, "top1", 0.5, expensive, [0, 1])["checked_exits"] == [0, 1]
     # at threshold 1 nothing can leave: the plan checks no exit, and says so (even where exits were given)
     for checked in (None, [0, 1]):
         nothing = m.best_plan(records, holes, "top1", 1.0, COSTS, checked)
-        assert (nothing["checked_exits"], nothing["label"], nothing["predicted_speedup"]) == ([], "-", 1.0)
+        assert (nothing["checked_exits"], nothing["label"], nothing["saved_blocks"]) == ([], "-", 0.0)
     just_below = m.best_plan(records, holes, "top1", 0.999, COSTS)
     assert just_below["checked_exits"] and just_below["label"] != "-"
