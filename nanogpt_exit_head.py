@@ -713,6 +713,20 @@ class RecipeGPT(GPT):
                                                             cfg.distill_temperature)
         return loss
 
+def frozen_exit_model(plain, config, splits):
+    """Exit heads trained after, on a trained plain GPT's frozen trunk (EE-Tuning, arXiv:2402.00518;
+    Kangaroo, arXiv:2404.18911): the heads learn from the targets and, distilling, from the final
+    head, which nothing changes, so full depth's output is the plain GPT's bit for bit. No dropout:
+    the heads read the states a decoder sees. Returns (the model, seconds)."""
+    cfg = replace(config, dropout=0.0, layer_dropout=0.0)
+    model = RecipeGPT(cfg).to(splits["train"].device)
+    model.load_state_dict(plain.state_dict())
+    model.requires_grad_(False)
+    model.exit_heads.requires_grad_(True)
+    optimizer = configure_optimizer(model.exit_heads, cfg)
+    seconds = train(model, optimizer, splits, cfg, splits["train"].device, evaluate=False)[0]
+    return model.eval(), seconds
+
 def count_params(model):
     """(base model, exit heads) parameter counts; unlike nanoGPT's, position embeddings are
     counted."""
@@ -1323,6 +1337,16 @@ def choose_rule(records, rules, checked_exits, epsilon, delta):
     return max((calibration_report(records, m, checked_exits, epsilon, delta / len(rules))
                 for m in rules), key=lambda r: r["val"]["compute_saved"])
 
+def rule_table(records, calibrations, rules, config, model="joint"):
+    """An exit model's rule table on test, every exit checked: each rule at its threshold
+    calibrated on val, the rule chosen on val, the oracle; and the chosen rule's report."""
+    checked = list(range(config.n_layer - 1))
+    chosen = choose_rule(records, rules, checked, config.epsilon, config.delta)
+    best = {**oracle(records["test"], checked, config.epsilon), "oracle_share": 1.0}
+    rows = [*calibrations.values(), {**chosen, "measure": f"{chosen['measure']}, chosen"},
+            {"measure": "oracle", "test": best}]
+    return [{"model": model, **row} for row in rows], chosen
+
 def calibrate_exits(model, splits, config):
     """Fit the learned rule on train, read every exit of the other texts once, calibrate every
     rule on val (every exit checked) and choose SkipDecode's schedule there: (records,
@@ -1825,16 +1849,17 @@ compute_saved  | val saved         | {:.1%}  | the share of layer runs skipped
 loss           | val loss          | {:.4f}  | the loss of the head each position leaves at
 disagreement   | disagree          | {:.2%}  | the share whose top-1 is not full depth's""")
 CALIBRATION_TABLE = table("""Which exit rule, with a guarantee, and how near the best possible?
+model              | model        | {}     | joint: the exit model; frozen: heads on a plain GPT
 measure            | rule         | {}     | how sure an exit is (oracle: knows full depth's top-1)
 k                  | k            | {}     | patience: the exits in a row that must agree
 delta              | delta        | {:.3g} | the chance allowed that its threshold breaks epsilon
-threshold          | threshold    | {:.3g} | the threshold Learn then Test chooses on val
+threshold          | thr          | {:.3g} | the threshold Learn then Test chooses on val
 test.compute_saved | test saved   | {:.1%} | the share of layer runs it skips on test
 test.oracle_share  | of oracle    | {:.0%} | that share over the oracle's at the same epsilon
 test.disagreement  | disagree     | {:.2%} | the share whose top-1 is not full depth's
 test.loss          | test loss    | {:.4f} | the loss of the heads the positions leave at
 test.full_loss     | full loss    | {:.4f} | full depth's loss on the same positions
-test.accuracy      | accuracy     | {:.3f} | how often the exit's top-1 is the next character""")
+test.accuracy      | acc.         | {:.3f} | how often the exit's top-1 is the next character""")
 SHIFT_TABLE = table("""Does the guarantee hold on text of another kind?
 measure             | rule        | {}     | the rule, at its threshold calibrated on val
 test.compute_saved  | test saved  | {:.1%} | the share of layer runs skipped on test
@@ -1952,6 +1977,7 @@ class Lab:
         self.workloads = [workload(self.splits[s], n * config.bench_prompts,
                                    config.bench_prompt_len) for s, n in (("val", 2), ("test", 1))]
         self.plain_gpts = {}  # depth -> (a plain GPT trained alike, its training seconds)
+        self.frozen = None  # freeze()'s
 
     def use(self, sampling):
         """The rules, threshold and schedule of a calibration (None: none; then Part I's
@@ -1986,6 +2012,16 @@ class Lab:
                   f"steps, data and global batch: val loss {loss:.4f}, {seconds:.1f} s ---")
             self.plain_gpts[d] = model, seconds
         return self.plain_gpts[d][0]
+
+    def freeze(self):
+        """The plain GPT of the exit model's depth with exit heads trained on its frozen trunk, its
+        exits read and calibrated as the exit model's: (model, records, calibrations, rules,
+        seconds of training, the plain GPT's and its heads')."""
+        cfg = self.config
+        model, seconds = frozen_exit_model(self.plain(cfg.n_layer), cfg, self.splits)
+        records, calibrations, sampling = calibrate_exits(model, self.splits, cfg)
+        self.frozen = (model, records, calibrations, exit_rules(sampling["weights"]),
+                       self.plain_gpts[cfg.n_layer][1] + seconds)
 
     def other_models(self):
         """The models decoded at full depth beside the exit model: name -> (model, family), every
@@ -2052,14 +2088,12 @@ def recorded(lab, split):
     return f"{lab.records[split].targets.numel():,}"
 
 def rule_calibrations(lab):
-    """Every rule calibrated on val and reported on test, the rule chosen on val, the oracle."""
+    """Every rule calibrated on val and reported on test, the rule chosen on val, the oracle: the
+    exit model's, then (--depths with n_layer) the frozen model's."""
     cfg = lab.config
     cal = lab.calibrations[cfg.confidence_measure]
-    chosen = choose_rule(lab.records, lab.rules, lab.checked, cfg.epsilon, cfg.delta)
-    best = {**oracle(lab.records["test"], lab.checked, cfg.epsilon), "oracle_share": 1.0}
-    rows = [*lab.calibrations.values(), {**chosen, "measure": f"{chosen['measure']}, chosen"},
-            {"measure": "oracle", "test": best}]
-    return {"calibration_by_measure": rows, "calibration": cal, "chosen_rule": chosen, "notes": [
+    rows, chosen = rule_table(lab.records, lab.calibrations, lab.rules, cfg)
+    notes = [
         f"Learn then Test: disagreement <= {100 * cal['epsilon']:g}% with probability >= "
         f"{100 * (1 - cal['delta']):g}%, chosen on val, reported on {recorded(lab, 'test')} "
         "test positions", "Teacher-forced, with an exact cache, every exit checked. The oracle "
@@ -2067,7 +2101,14 @@ def rule_calibrations(lab):
         "saves most: no rule saves more at the same disagreement.",
         f"The chosen rule, {chosen['measure']}: of the {len(lab.rules)}, the one that saves the "
         f"most on val when each is calibrated at delta / {len(lab.rules)} (Bonferroni), so that "
-        "the choice keeps the guarantee; a rule picked by its test figures would not."]}
+        "the choice keeps the guarantee; a rule picked by its test figures would not."]
+    if lab.frozen:  # (model, records, calibrations, rules, seconds)
+        rows += rule_table(*lab.frozen[1:4], cfg, "frozen")[0]
+        notes.append(f"frozen: the plain {cfg.n_layer}-layer GPT, exit heads trained after on its "
+                     f"frozen trunk ({lab.frozen[4]:.0f} s of training in all); its full loss is "
+                     "that GPT's, bit for bit")
+    return {"calibration_by_measure": rows, "calibration": cal, "chosen_rule": chosen,
+            "notes": notes}
 
 def shifted_text(lab):
     """Did epsilon hold on the shifted text? Every rule at its threshold calibrated on val."""
@@ -2144,9 +2185,11 @@ def frontier(lab):
         family = "speculation" if DECODERS[p["decoder"]].drafter else p["family"]
         rows.append({key: p[key] for key, *_ in FRONTIER_TABLE[1]} | {
             "decoder": p["decoder"], "family": family})
-    on = frontier_names(rows)
+    on, losses = frontier_names(rows), {r["name"]: r["test_loss"] for r in rows}
+    deep = losses.get(f"{cfg.n_layer}-layer GPT")  # the plain GPT of the exit model's shape
+    cost = deep and losses["full"] - deep
     seconds = ", ".join(f"{d}-layer GPT {t:.0f} s" for d, (_, t) in sorted(lab.plain_gpts.items()))
-    return {"frontier": rows, "notes": [
+    notes = [
         f"Test loss on {cfg.quality_positions:,} test positions, teacher-forced through each "
         "decoder (speculation: full depth's, by construction); speed-ups on the strategies "
         "table's workload",
@@ -2156,7 +2199,11 @@ def frontier(lab):
         "values it holds a sequence at the window's full length (speculation: "
         f"{cfg.num_draft} spare slots), and what a decode call adds to the device's memory at its "
         f"peak, where the device reports it. Training: the "
-        f"exit model {lab.train_seconds:.0f} s, {seconds}; pruned models, none."]}
+        f"exit model {lab.train_seconds:.0f} s, {seconds}; pruned models, none."]
+    if deep:
+        notes.append(f"The exit recipe's cost at full depth: {cost:+.4f} in test loss against the "
+                     f"plain {cfg.n_layer}-layer GPT of the same shape, steps and data")
+    return {"frontier": rows, "recipe_cost": cost, "notes": notes}
 
 # num_draft tried in batches (11 fills 33 new tokens: half of block 64, plus 1)
 BATCH_DRAFTS = (4, 8, 11, 16)
@@ -2929,7 +2976,7 @@ def summary(report):
     return [f"val loss {report['val_loss']['final']:.4f}: full depth, on random windows of val",
             f"{saved}: {cal['test']['compute_saved']:.1%} of layer runs on test "
             f"({cal['measure']} > {cal['threshold']:g}); the rule chosen on val, "
-            f"{chosen['measure']} (each rule at delta / {len(report['calibration_by_measure']) - 2}"
+            f"{chosen['measure']} (each rule at delta / {round(cal['delta'] / chosen['delta'])}"
             f"): {chosen['test']['compute_saved']:.1%} (test disagreement "
             f"{chosen['test']['disagreement']:.2%}{broken[chosen['test']['held']]})",
             "fastest with an exact cache: " + ", ".join(
@@ -2974,6 +3021,8 @@ def run_lab(lab, report, sampling=None):
     names = [name for name, d in DECODERS.items() if not d.follows]
     lab.measured = lab.measure(1, names, [cfg.num_draft], replace(cfg, bench_repeats=1),
                                lab.other_models())  # every decoder and model, timed
+    if cfg.n_layer in plain_depths(cfg.depths, cfg.draft_layers, cfg.n_layer):
+        lab.freeze()  # exit heads on the plain GPT of the exit model's depth, calibrated alike
     for analysis in ANALYSES:
         found = analysis.compute(lab)
         if found:

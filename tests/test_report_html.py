@@ -259,7 +259,7 @@ def test_a_console_table_and_the_page_table_come_from_one_definition(page, capsy
         assert f"<p class='muted'>{m.esc(m.legend(table[1]))}</p>" in page_table
         for _, header, _, text in table[1]:  # the legend is the columns' help
             assert f"{header}: {text}" in m.legend(table[1])
-    assert "accuracy" in [h for _, h, _, _ in m.CALIBRATION_TABLE[1]]
+    assert "acc." in [h for _, h, _, _ in m.CALIBRATION_TABLE[1]]
 
 
 def test_round_ticks():

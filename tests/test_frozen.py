@@ -1,0 +1,81 @@
+"""Exit heads on a frozen trunk: full depth stays the plain GPT's, bit for bit."""
+
+import pytest
+import torch
+
+from conftest import m, tiny_config
+
+
+@pytest.fixture
+def plain_and_frozen():
+    splits = {name: torch.randint(0, 11, (2000,), generator=torch.Generator().manual_seed(i))
+              for i, name in enumerate(("train", "val", "test"))}
+    torch.manual_seed(0)
+    plain = m.GPT(tiny_config(alpha=0.0)).eval()  # untrained heads, as a plain GPT's are
+    before = {k: v.clone() for k, v in plain.state_dict().items()}
+    config = tiny_config(max_iters=12, warmup_iters=2, batch_size=4, distill_weight=0.1, layer_dropout=0.2,
+                         dropout=0.1)
+    frozen, seconds = m.frozen_exit_model(plain, config, splits)
+    return plain, before, frozen, seconds
+
+
+def test_the_trunk_and_final_head_are_unchanged_and_only_the_heads_learn(plain_and_frozen):
+    plain, before, frozen, seconds = plain_and_frozen
+    after = frozen.state_dict()
+    trunk = [k for k in before if not k.startswith("exit_heads.")]
+    assert trunk and all(torch.equal(after[k], before[k]) for k in trunk), "a checksum of the trunk"
+    assert all(torch.equal(v, before[k]) for k, v in plain.state_dict().items()), "the plain GPT itself"
+    heads = [k for k in before if k.startswith("exit_heads.")]
+    assert all(not torch.equal(after[k], before[k]) for k in heads if k.endswith("weight")), "every head learned"
+    assert seconds > 0 and not frozen.training and (frozen.config.dropout, frozen.config.layer_dropout) == (0, 0)
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_full_depth_is_the_plain_gpts_bit_for_bit(plain_and_frozen, batch_size):
+    plain, _, frozen, _ = plain_and_frozen
+    x = torch.randint(0, 11, (batch_size, 16), generator=torch.Generator().manual_seed(batch_size))
+    with torch.no_grad():
+        assert torch.equal(frozen.all_exit_logits(x)[-1], plain.all_exit_logits(x)[-1])
+        assert not torch.equal(frozen.all_exit_logits(x)[0], plain.all_exit_logits(x)[0])
+    a, b = (m.generate(model, x[:, :4], 10, temperature=0.0).tokens for model in (plain, frozen))
+    assert torch.equal(a, b), "greedy decoding at full depth: the same tokens"
+
+
+def test_with_the_plain_gpt_of_its_depth_the_frozen_model_joins_the_rule_table_and_the_recipe_has_a_cost():
+    """--depths with n_layer: the plain GPT of the exit model's shape is on the frontier, the recipe's cost is
+    full depth's test loss minus that GPT's on the frontier's positions (report and note), and the frozen
+    model's rules, chosen rule and oracle follow the exit model's in the rule table, its full loss that
+    GPT's on the rule table's positions."""
+    from test_frontier import measured_lab
+    from conftest import tiny_model
+
+    model = tiny_model()
+    config = m.LabConfig(**{**vars(model.config), "quality_positions": 40, "bench_tokens": 6, "bench_repeats": 1,
+                            "bench_prompts": 2, "bench_prompt_len": 6, "sweep_positions": 300, "shift_path": "",
+                            "exit_threshold": 0.5, "max_iters": 4, "eval_iters": 1, "batch_size": 2,
+                            "draft_exit": 1, "depths": "4"})
+    splits = {name: torch.randint(0, 11, (4000,), generator=torch.Generator().manual_seed(i))
+              for i, name in enumerate(("train", "val", "test"))}
+    lab = measured_lab(model, config, splits)
+    with torch.enable_grad():
+        lab.freeze()
+    frozen, records, calibrations, rules, seconds = lab.frozen
+    plain = lab.plain_gpts[4][0]
+    x = splits["test"][:64].view(4, 16)
+    with torch.no_grad():
+        assert torch.equal(frozen.all_exit_logits(x)[-1], plain.all_exit_logits(x)[-1])
+    assert seconds > lab.plain_gpts[4][1] and set(rules) == set(lab.rules)
+    table = m.rule_calibrations(lab)
+    rows = table["calibration_by_measure"]
+    joint, cold = [r for r in rows if r["model"] == "joint"], [r for r in rows if r["model"] == "frozen"]
+    assert len(joint) == len(cold) == len(lab.rules) + 2 and rows == joint + cold
+    assert cold[-1]["measure"] == "oracle" and cold[-2]["measure"].endswith(", chosen")
+    plain_loss = m.average(m.record_exits(plain, lab.splits["test"], 300, {"top1": m.top1}).nll[-1])
+    assert cold[0]["test"]["full_loss"] == pytest.approx(plain_loss, abs=1e-6)
+    assert "frozen: the plain 4-layer GPT" in table["notes"][-1]
+    found = m.frontier(lab)
+    losses = {r["name"]: r["test_loss"] for r in found["frontier"]}
+    assert found["recipe_cost"] == pytest.approx(losses["full"] - losses["4-layer GPT"])
+    assert f"The exit recipe's cost at full depth: {found['recipe_cost']:+.4f}" in found["notes"][-1]
+    lab.measured = [r for r in lab.measured if r["name"] != "4-layer GPT"]  # without it: no cost
+    assert m.frontier(lab)["recipe_cost"] is None
