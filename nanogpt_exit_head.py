@@ -1366,31 +1366,6 @@ def calibrate_exits(model, splits, config):
                                    "thresholds": thresholds}
 
 # -----------------------------------------------------------------------------
-# Reading the exits: what "easy" means here
-
-KINDS = "lowercase capital space punctuation newline".split()
-
-def character_kind(ch):
-    """lowercase, capital, space, newline, or punctuation (the rest)."""
-    if ch.isalpha():
-        return KINDS[ch.isupper()]
-    return {" ": "space", "\n": "newline"}.get(ch, "punctuation")
-
-def exit_slices(records, exits, tokenizer):
-    """At these exits, per kind of character to predict: exit_summary's figures on its positions,
-    and the accuracy it loses against full depth there."""
-    kinds = [character_kind(ch) for ch in tokenizer.decode(records.targets.tolist())]
-    rows = []
-    for kind in KINDS:
-        here = torch.tensor([k == kind for k in kinds], device=exits.device)
-        if here.any():
-            figures = exit_summary(ExitRecords({}, records.pred[:, here], records.nll[:, here],
-                                               records.targets[here]), exits[here])
-            rows.append({"kind": kind, "positions": int(here.sum()), **figures,
-                         "accuracy_lost": figures["full_accuracy"] - figures["accuracy"]})
-    return rows
-
-# -----------------------------------------------------------------------------
 # The cost model: measured unit costs, and the speed-up each plan should give
 
 def typical_position(prompt_len, n_tokens, block_size):
@@ -1634,13 +1609,13 @@ def val_figures(speed):
                               "num_draft": k, "name": name, "mode": mode}
             for (name, k, mode), s in speed.items()}
 
-def run_plans(names, plans, val, config, draft):
-    """(name, mode) -> the plan each decoder of names runs: an exit decoder's, chosen on val; a
-    drafter at the k that ran fastest on val in that mode (a follower: its drafter's k, or full
-    depth)."""
+def run_plans(names, plans, val, config, draft, prefix=""):
+    """(prefix + name, mode) -> the plan each decoder of names runs (its points are named prefix +
+    name): an exit decoder's, chosen on val; a drafter at the k that ran fastest on val in that
+    mode (a follower: its drafter's k, or full depth)."""
     drafts = choose_drafts([e for e in val.values() if e["num_draft"]])
-    return {(name, mode): plans.get(name) or draft_plan(DECODERS[name].follows or name, config,
-                                                        drafts.get((name, mode)), draft)
+    return {(prefix + name, mode): plans.get(name) or draft_plan(
+                DECODERS[name].follows or name, config, drafts.get((prefix + name, mode)), draft)
             for name in names for mode in MODES
             if DECODERS[name].strategy or DECODERS[name].drafter}
 
@@ -1657,6 +1632,36 @@ def prediction(row, plan, val):
     if d.strategy:
         figures.update(exit_at=plan["label"], threshold=plan["threshold"])
     return figures
+
+def table_row(name, decoder, ref, mode, speed, quality, batch_size):
+    """One row of a decoder table: speed over full depth at the same batch size and mode, and
+    quality beside it, teacher-forced, against ref's, the point whose output its model's is at
+    full depth (a drafter's quality is ref's by construction; no quality: none measured)."""
+    d, s, full = DECODERS[decoder], speed[name, mode], speed["full", mode]
+    row = {"batch_size": batch_size, "name": name, "decoder": decoder, "mode": mode, **s,
+           "speedup": s["tokens_per_second"] / full["tokens_per_second"], "cache": d.cache}
+    outputs = row.pop("outputs")
+    if batch_size == 1:
+        row.update(tail(outputs))
+    q = quality.get(name, quality.get(ref))
+    if q:
+        row.update(test_loss=q["test_loss"], test_accuracy=q["test_accuracy"],
+                   agreement=average(q["pred"] == quality[ref]["pred"]))
+        row["output"] = f"agree {row['agreement']:.3f}"
+    if d.drafter:  # speculation: acceptance, and the output it equals
+        row.update(spec_stats(outputs, speed[ref, mode]["outputs"], mode))
+    if not d.strategy and q is quality.get(ref):  # ref's output (sampled: tested)
+        same = row.get("identical_to_full", mode == "greedy" or None)
+        row["output"] = {True: "same tokens", None: "same dist.", False: "NOT same"}[same]
+    return row
+
+def recipe_cost(points, n_layer):
+    """The joint recipe's cost at full depth: full depth's test loss minus that of the plain GPT of
+    the same shape (points: rows with name and test_loss, the same positions); None where that GPT
+    is not among them."""
+    losses = {p["name"]: p["test_loss"] for p in points}
+    deep = losses.get(f"{n_layer}-layer GPT")
+    return deep and losses["full"] - deep
 
 # -----------------------------------------------------------------------------
 # The frontier: the points nothing beats on both loss and speed
@@ -1793,41 +1798,19 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
                                                for o in outs for r in o.tokens])),
                   "outputs": outs} for key, outs in outputs.items()}
 
-def table_row(name, decoder, mode, speed, quality, batch_size):
-    """One row of a decoder table: speed over full depth at the same batch size and mode, and
-    quality beside it, teacher-forced (a drafter's is full depth's by construction; no quality:
-    none measured)."""
-    d, s, full = DECODERS[decoder], speed[name, mode], speed["full", mode]
-    row = {"batch_size": batch_size, "name": name, "decoder": decoder, "mode": mode, **s,
-           "speedup": s["tokens_per_second"] / full["tokens_per_second"], "cache": d.cache}
-    outputs = row.pop("outputs")
-    if batch_size == 1:
-        row.update(tail(outputs))
-    q = quality.get(name, quality.get("full"))
-    if q:
-        row.update(test_loss=q["test_loss"], test_accuracy=q["test_accuracy"],
-                   agreement=average(q["pred"] == quality["full"]["pred"]))
-        row["output"] = f"agree {row['agreement']:.3f}"
-    if d.drafter:  # speculation: acceptance, and the output it equals
-        row.update(spec_stats(outputs, full["outputs"], mode))
-    if not d.strategy and q is quality.get("full"):  # full depth's output (sampled: tested)
-        same = row.get("identical_to_full", mode == "greedy" or None)
-        row["output"] = {True: "same tokens", None: "same dist.", False: "NOT same"}[same]
-    return row
-
 def measure_decoders(decoders, test, prompts, config, batch_size=1):
     """The rows of a decoder table at one batch size, both modes: speed on the workload,
     interleaved, and quality teacher-forced on test. decoders: name -> (its declared decoder,
-    {mode: decode}); "full" is the baseline."""
+    {mode: decode}, the point its output is compared with); "full" is the baseline."""
     quality = {name: quality_pass(modes["greedy"], test, config.quality_positions, batch_size,
                                   config.bench_prompt_len)
-               for name, (decoder, modes) in decoders.items() if not DECODERS[decoder].drafter}
+               for name, (decoder, modes, _) in decoders.items() if not DECODERS[decoder].drafter}
     runs = {(name, mode): in_mode(modes[mode], config, mode)
-            for mode in MODES for name, (_, modes) in decoders.items()}
+            for mode in MODES for name, (_, modes, _) in decoders.items()}
     speed = speed_pass(runs, prompts, batch_size, config.bench_tokens, config.bench_repeats,
                        config.seed)
-    return [table_row(name, decoders[name][0], mode, speed, quality, batch_size)
-            for name, mode in speed]
+    return [table_row(name, decoders[name][0], decoders[name][2], mode, speed, quality,
+                      batch_size) for name, mode in speed]
 
 # -----------------------------------------------------------------------------
 # Tables: each defined once, printed on the console and drawn on the page from that definition
@@ -1869,14 +1852,6 @@ shift.disagreement  | shift dis.  | {:.2%} | and on the shifted text
 shift.held          | held        | {}     | shift dis. within epsilon
 shift.loss          | shift loss  | {:.4f} | the loss of the exits on the shifted text
 shift.full_loss     | full depth's| {:.4f} | full depth's loss there""")
-KINDS_TABLE = table("""What does 'easy' mean here, and who pays for the disagreement?
-kind          | kind      | {}      | the kind of the character to predict
-positions     | positions | {:,}    | test positions of that kind
-mean_layers   | layers    | {:.2f}  | mean layers run
-disagreement  | disagree  | {:.2%}  | the share whose top-1 is not full depth's
-accuracy_lost | acc. lost | {:+.3f} | full depth's accuracy minus the exits', both on the same \
-positions (an exit's accuracy over only the positions that leave there falls with depth: the hard \
-positions are the ones that go deep, a selection effect, not worse heads)""")
 STRATEGY_TABLE = table("""What does each KV strategy buy?
 mode              | mode      | {}      | greedy, or sampled
 name              | decoder   | {}      | how the skipped layers' cache is filled
@@ -1995,12 +1970,16 @@ class Lab:
     def plan(self):
         """Time the unit costs, and choose every exit decoder's plan on val with them (patience
         and the learned rule read the exit below, so they check every exit)."""
+        cfg = self.config
+        self.costs = decode_costs(self.model, cfg.bench_prompt_len, cfg.bench_tokens, self.rules)
+        self.plans = self.plans_for(self.records, self.threshold, self.schedule)
+
+    def plans_for(self, records, threshold, schedule):
+        """Every exit decoder's plan for an exit model's records, threshold and schedule."""
         cfg, checked = self.config, None
         if cfg.exit_layers != "auto" or cfg.confidence_measure in ("patience", "learned"):
             checked = parse_exit_layers(cfg.exit_layers, cfg.n_layer)
-        self.costs = decode_costs(self.model, cfg.bench_prompt_len, cfg.bench_tokens, self.rules)
-        self.plans = exit_plans(self.records["val"], self.costs, cfg, self.threshold,
-                                self.schedule, checked)
+        return exit_plans(records["val"], self.costs, cfg, threshold, schedule, checked)
 
     def plain(self, d):
         """A plain GPT of d layers trained alike (once: the smaller models and the draft model
@@ -2013,15 +1992,22 @@ class Lab:
             self.plain_gpts[d] = model, seconds
         return self.plain_gpts[d][0]
 
-    def freeze(self):
+    def freeze(self, names):
         """The plain GPT of the exit model's depth with exit heads trained on its frozen trunk, its
-        exits read and calibrated as the exit model's: (model, records, calibrations, rules,
-        seconds of training, the plain GPT's and its heads')."""
+        exits read, calibrated and planned as the exit model's (self.frozen: model, records,
+        calibrations, rules, seconds of training, the plain GPT's and its heads'). Returns the
+        source measure() adds: its decoders of names, each beside the plain GPT's output (its
+        full depth, bit for bit: its draft_model drafts for the plain GPT)."""
         cfg = self.config
         model, seconds = frozen_exit_model(self.plain(cfg.n_layer), cfg, self.splits)
         records, calibrations, sampling = calibrate_exits(model, self.splits, cfg)
-        self.frozen = (model, records, calibrations, exit_rules(sampling["weights"]),
-                       self.plain_gpts[cfg.n_layer][1] + seconds)
+        rules = exit_rules(sampling["weights"])
+        self.frozen = model, records, calibrations, rules, self.plain_gpts[cfg.n_layer][1] + seconds
+        threshold = cfg.exit_threshold  # -1: the calibrated one
+        if threshold < 0:
+            threshold = sampling["thresholds"][cfg.confidence_measure]
+        plans = self.plans_for(records, threshold, sampling["schedule"])
+        return {"frozen ": (model, rules, plans, names, f"{cfg.n_layer}-layer GPT")}
 
     def other_models(self):
         """The models decoded at full depth beside the exit model: name -> (model, family), every
@@ -2032,39 +2018,50 @@ class Lab:
         pruned = pruned_models(self.model, self.splits["val"])
         return more | {f"pruned {k}": (p, "pruned") for k, p in pruned.items()}
 
-    def on_val(self, B, names, ks, val_config, more):
-        """Val's workload at batch size B, timed under val_config: the exit decoders of names at
-        their plans, each drafter of names at each k of ks and the models of more at full depth,
-        beside full depth. Returns (name, mode, k) -> the speed-up and the step counts (k None:
-        not a drafter), and (name, mode) -> the plan each decoder of names runs on test."""
+    def sources(self, names, others):
+        """prefix -> (model, rules, plans, decoder names, the point its output is compared with):
+        the exit model's decoders of names (no prefix), then others'."""
+        return {"": (self.model, self.rules, self.plans, names, "full")} | others
+
+    def on_val(self, B, names, ks, val_config, more, others):
+        """Val's workload at batch size B, timed under val_config: each source's exit decoders at
+        their plans and its drafters at each k of ks (sources()), and the models of more at full
+        depth, beside full depth. Returns (name, mode, k) -> the speed-up over full depth (k None:
+        not a drafter), and (name, mode) -> the plan each point runs on test."""
         cfg, draft = self.config, self.plain(self.config.draft_layers)
-        cells = {("full", None): ("full", self.model, None)}
-        for name in names:
-            d = DECODERS[name]
-            if d.strategy:
-                cells[name, None] = name, self.model, self.plans[name]
-            elif d.drafter and not d.follows:
-                cells.update(((name, k), (name, self.model, draft_plan(name, cfg, k, draft)))
-                             for k in ks)
-        cells |= {(name, None): ("full", model, None) for name, (model, _) in more.items()}
-        runs = {(*cell, mode): in_mode(build(*how, self.rules), cfg, mode)
+        cells, sources = {("full", None): ("full", self.model, None, None)}, self.sources(names,
+                                                                                          others)
+        for prefix, (model, rules, plans, points, _) in sources.items():
+            for name in points:
+                d = DECODERS[name]
+                if d.strategy:
+                    cells[prefix + name, None] = name, model, plans[name], rules
+                elif d.drafter and not d.follows:
+                    cells.update(((prefix + name, k), (name, model, draft_plan(
+                        name, cfg, k, draft), rules)) for k in ks)
+        cells |= {(name, None): ("full", model, None, None) for name, (model, _) in more.items()}
+        runs = {(*cell, mode): in_mode(build(*how), cfg, mode)
                 for cell, how in cells.items() for mode in MODES}
         speed = speed_pass(runs, self.workloads[0], B, val_config.bench_tokens,
                            val_config.bench_repeats, cfg.seed)
         val = val_figures(speed)
-        return val, run_plans(names, self.plans, val, cfg, draft)
+        return val, {key: plan for prefix, (_, _, plans, points, _) in sources.items()
+                     for key, plan in run_plans(points, plans, val, cfg, draft, prefix).items()}
 
-    def measure(self, B, names, ks, val_config, more):
+    def measure(self, B, names, ks, val_config, more, others):
         """The rows of a decoder table at batch size B on the test workload, both modes, quality
         teacher-forced on test, each beside its forecast from val and the bytes of weights it
-        reads: the exit model's decoders of names at their plans (a drafter at the k of ks that
-        ran fastest on val in its mode), and the models of more (name -> (model, family)) at full
-        depth. Val's workload runs first (on_val): the forecasts are its speed-ups."""
-        val, plans = self.on_val(B, names, ks, val_config, more)
-        models = {name: (self.model, "exit model") for name in names} | more
-        decoders = {name: (name, {mode: build(name, self.model, plans.get((name, mode)),
-                                              self.rules) for mode in MODES}) for name in names}
-        decoders |= {name: ("full", dict.fromkeys(MODES, build("full", small, None)))
+        reads: each source's decoders at their plans (a drafter at the k of ks that ran fastest on
+        val in its mode), and the models of more (name -> (model, family)) at full depth. Val's
+        workload runs first (on_val): the forecasts are its speed-ups."""
+        val, plans = self.on_val(B, names, ks, val_config, more, others)
+        decoders, models = {}, dict(more)
+        for prefix, (model, rules, _, points, ref) in self.sources(names, others).items():
+            for name in points:
+                models[prefix + name] = model, "exit model"
+                decoders[prefix + name] = name, {mode: build(name, model, plans.get((
+                    prefix + name, mode)), rules) for mode in MODES}, ref
+        decoders |= {name: ("full", dict.fromkeys(MODES, build("full", small, None)), "full")
                      for name, (small, _) in more.items()}
         rows = measure_decoders(decoders, self.splits["test"], self.workloads[1], self.config, B)
         for r in rows:
@@ -2124,13 +2121,6 @@ def shifted_text(lab):
         f"{sh['disagreement']:.2%} disagreement against {100 * cal['epsilon']:g}%. The "
         "guarantee covers text like val, and nothing else."]}
 
-def slices(lab):
-    cal, test = lab.calibrations[lab.config.confidence_measure], lab.records["test"]
-    exits = exits_at_threshold(test, cal["measure"], cal["threshold"], lab.checked)
-    return {"slices": exit_slices(test, exits, lab.tokenizer), "notes": [
-        f"The {recorded(lab, 'test')} test positions by the kind of the character to "
-        f"predict (calibrated threshold {cal['threshold']:g})"]}
-
 def strategies(lab):
     """The strategies table, and under it what it rests on: the drafts, the measured costs."""
     cfg, costs = lab.config, lab.costs
@@ -2185,9 +2175,7 @@ def frontier(lab):
         family = "speculation" if DECODERS[p["decoder"]].drafter else p["family"]
         rows.append({key: p[key] for key, *_ in FRONTIER_TABLE[1]} | {
             "decoder": p["decoder"], "family": family})
-    on, losses = frontier_names(rows), {r["name"]: r["test_loss"] for r in rows}
-    deep = losses.get(f"{cfg.n_layer}-layer GPT")  # the plain GPT of the exit model's shape
-    cost = deep and losses["full"] - deep
+    on, cost = frontier_names(rows), recipe_cost(rows, cfg.n_layer)
     seconds = ", ".join(f"{d}-layer GPT {t:.0f} s" for d, (_, t) in sorted(lab.plain_gpts.items()))
     notes = [
         f"Test loss on {cfg.quality_positions:,} test positions, teacher-forced through each "
@@ -2200,7 +2188,7 @@ def frontier(lab):
         f"{cfg.num_draft} spare slots), and what a decode call adds to the device's memory at its "
         f"peak, where the device reports it. Training: the "
         f"exit model {lab.train_seconds:.0f} s, {seconds}; pruned models, none."]
-    if deep:
+    if cost is not None:
         notes.append(f"The exit recipe's cost at full depth: {cost:+.4f} in test loss against the "
                      f"plain {cfg.n_layer}-layer GPT of the same shape, steps and data")
     return {"frontier": rows, "recipe_cost": cost, "notes": notes}
@@ -2217,7 +2205,7 @@ def batches(lab):
     ks = sorted(k for k in {*BATCH_DRAFTS, cfg.num_draft} if k <= cfg.block_size)
     sizes = [B for B in BATCH_SIZES if cfg.bench_prompts % B == 0]
     names = [name for name, d in DECODERS.items() if d.batched]
-    rows = [row for B in sizes for row in lab.measure(B, names, ks, cfg, {})]
+    rows = [row for B in sizes for row in lab.measure(B, names, ks, cfg, {}, {})]
     chose = [f"B={r['batch_size']} {r['mode']} {r['name']} {r['choice']}" for r in rows
              if DECODERS[r["decoder"]].follows]
     plans = [f"{name}: exits {lab.plans[name]['label']}" for name in names if name in lab.plans]
@@ -2911,7 +2899,6 @@ ANALYSES = (
     Analysis("sweep", SWEEP_TABLE, threshold_sweep, sweep_charts),
     Analysis("calibration_by_measure", CALIBRATION_TABLE, rule_calibrations),
     Analysis("shift", SHIFT_TABLE, shifted_text),
-    Analysis("slices", KINDS_TABLE, slices),
     Analysis("strategies", STRATEGY_TABLE, strategies, speedup_chart),
     Analysis("tail", TAIL_TABLE, tails),
     Analysis("frontier", FRONTIER_TABLE, frontier, frontier_chart),
@@ -3018,11 +3005,11 @@ def run_lab(lab, report, sampling=None):
     if cfg.sample_only:  # sampling leaves the trained run's report alone: samples.*
         return write_report(report, cfg, "samples")
     lab.plan()  # the unit costs, timed; every exit decoder's plan, chosen on val
-    names = [name for name, d in DECODERS.items() if not d.follows]
-    lab.measured = lab.measure(1, names, [cfg.num_draft], replace(cfg, bench_repeats=1),
-                               lab.other_models())  # every decoder and model, timed
+    names, others = [name for name, d in DECODERS.items() if not d.follows], {}
     if cfg.n_layer in plain_depths(cfg.depths, cfg.draft_layers, cfg.n_layer):
-        lab.freeze()  # exit heads on the plain GPT of the exit model's depth, calibrated alike
+        others = lab.freeze(names[1:])  # heads on the plain GPT of the exit model's depth
+    lab.measured = lab.measure(1, names, [cfg.num_draft], replace(cfg, bench_repeats=1),
+                               lab.other_models(), others)  # every decoder and model, timed
     for analysis in ANALYSES:
         found = analysis.compute(lab)
         if found:

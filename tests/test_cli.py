@@ -250,7 +250,6 @@ def test_report_has_the_strategies_and_calibration(lab_runs):
         assert c["test"]["oracle_share"] == pytest.approx(c["test"]["compute_saved"] / max(oracle, 1e-9))
     assert all({"first_ms", "gap_p50", "gap_p95", "gap_p99", "prompt_ms_p95"} <= set(row) for row in r["strategies"])
     assert [row["name"] for row in r["frontier"]] == names + ["pruned 1", "pruned 2"]
-    assert [k["kind"] for k in r["slices"]] == ["lowercase", "capital", "space", "punctuation", "newline"]
     shift = r["calibration"]["shift"]
     assert shift["held"] == (shift["disagreement"] <= r["calibration"]["epsilon"])
 
@@ -260,7 +259,7 @@ def test_default_run_tells_the_story_in_order(lab_runs):
     order = ["parameters:", "--- full-depth sample", "--- early-exit sample", "per-layer exit statistics", "Layer 0:",
              "=== Which threshold?", "=== Which exit rule, with a guarantee",
              "=== Does the guarantee hold on text of another kind?",
-             "What does 'easy' mean", "What does each KV strategy buy?",
+             "What does each KV strategy buy?",
              "=== Average or tail", "=== When does early exit pay?", "On the frontier, greedy:"]
     positions = [out.index(o) for o in order]
     assert positions == sorted(positions)

@@ -33,7 +33,7 @@ def test_the_decoder_tables_read_quality_after_the_workloads_prompt(monkeypatch)
     monkeypatch.setattr(m, "speed_pass", lambda *a: {})
     config = m.LabConfig(bench_prompt_len=7)
     for batch_size in (1, 16):
-        decoders = {name: (name, dict.fromkeys(m.MODES, print)) for name in ("full", "self_speculative")}
+        decoders = {name: (name, dict.fromkeys(m.MODES, print), "full") for name in ("full", "self_speculative")}
         m.measure_decoders(decoders, "test", None, config, batch_size)
     assert seen == [(1, 7), (16, 7)]  # speculation: full depth's quality by construction
 
@@ -68,7 +68,7 @@ def test_a_notes_position_count_is_what_was_recorded_not_what_was_asked():
                                 config=m.LabConfig(sweep_positions=100_000, confidence_measure="top1"))
     notes = m.threshold_sweep(lab)["notes"]
     assert "on 1,234 val positions" in notes[0] and "on the 1,234 val positions" in notes[1]
-    assert m.slices.__code__.co_names.count("recorded") == 1
+    assert m.rule_calibrations.__code__.co_names.count("recorded") == 1
 
 
 def test_a_plans_price_by_hand(no_grad):

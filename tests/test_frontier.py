@@ -122,7 +122,7 @@ def measured_lab(model, config, splits):
         lab.plan()
         names = [name for name, d in m.DECODERS.items() if not d.follows]
         lab.measured = lab.measure(1, names, [config.num_draft], m.replace(config, bench_repeats=1),
-                                   lab.other_models())
+                                   lab.other_models(), {})
     return lab
 
 

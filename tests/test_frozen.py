@@ -41,12 +41,12 @@ def test_full_depth_is_the_plain_gpts_bit_for_bit(plain_and_frozen, batch_size):
     assert torch.equal(a, b), "greedy decoding at full depth: the same tokens"
 
 
-def test_with_the_plain_gpt_of_its_depth_the_frozen_model_joins_the_rule_table_and_the_recipe_has_a_cost():
-    """--depths with n_layer: the plain GPT of the exit model's shape is on the frontier, the recipe's cost is
-    full depth's test loss minus that GPT's on the frontier's positions (report and note), and the frozen
-    model's rules, chosen rule and oracle follow the exit model's in the rule table, its full loss that
-    GPT's on the rule table's positions."""
-    from test_frontier import measured_lab
+def test_with_the_plain_gpt_of_its_depth_the_frozen_model_joins_every_table_and_the_recipe_has_a_cost():
+    """--depths with n_layer: the frozen model brings every decoder to the same interleaved pass (named
+    "frozen <decoder>", over the exit model's full depth), its exact ones equal to the plain GPT of the
+    exit model's shape, which is on the frontier; the recipe's cost is full depth's test loss minus that
+    GPT's on the frontier's positions; the frozen model's rules, chosen rule and oracle follow the exit
+    model's in the rule table, its full loss that GPT's."""
     from conftest import tiny_model
 
     model = tiny_model()
@@ -56,19 +56,34 @@ def test_with_the_plain_gpt_of_its_depth_the_frozen_model_joins_the_rule_table_a
                             "draft_exit": 1, "depths": "4"})
     splits = {name: torch.randint(0, 11, (4000,), generator=torch.Generator().manual_seed(i))
               for i, name in enumerate(("train", "val", "test"))}
-    lab = measured_lab(model, config, splits)
+    lab = m.Lab(model, m.CharTokenizer("abcdefghijk"), splits, config, "cpu")
+    names = [name for name, d in m.DECODERS.items() if not d.follows]
     with torch.enable_grad():
-        lab.freeze()
+        lab.records, lab.calibrations, sampling = m.calibrate_exits(model, lab.splits, config)
+        lab.use(sampling)
+        lab.plan()
+        others = lab.freeze(names[1:])
+        lab.measured = lab.measure(1, names, [4], m.replace(config, bench_repeats=1), lab.other_models(), others)
     frozen, records, calibrations, rules, seconds = lab.frozen
     plain = lab.plain_gpts[4][0]
     x = splits["test"][:64].view(4, 16)
     with torch.no_grad():
         assert torch.equal(frozen.all_exit_logits(x)[-1], plain.all_exit_logits(x)[-1])
     assert seconds > lab.plain_gpts[4][1] and set(rules) == set(lab.rules)
+    rows = {(r["name"], r["mode"]): r for r in lab.measured}
+    assert {n for n, _ in rows} >= {"full", "4-layer GPT", *(f"frozen {n}" for n in names[1:])}
+    assert "frozen full" not in {n for n, _ in rows}, "its full depth is the plain GPT's point"
+    for mode in m.MODES:  # exact: the plain GPT's output, at its quality
+        for name in ("frozen self_speculative", "frozen draft_model"):
+            r = rows[name, mode]
+            assert r["output"] == ("same tokens" if mode == "greedy" else "same dist."), (name, mode)
+            assert r["test_loss"] == rows["4-layer GPT", mode]["test_loss"] and r["agreement"] == 1.0
+        backfill = rows["frozen backfill", mode]
+        assert backfill["family"] == "exit model" and backfill["output"].startswith("agree ")
     table = m.rule_calibrations(lab)
-    rows = table["calibration_by_measure"]
-    joint, cold = [r for r in rows if r["model"] == "joint"], [r for r in rows if r["model"] == "frozen"]
-    assert len(joint) == len(cold) == len(lab.rules) + 2 and rows == joint + cold
+    cal_rows = table["calibration_by_measure"]
+    joint, cold = [r for r in cal_rows if r["model"] == "joint"], [r for r in cal_rows if r["model"] == "frozen"]
+    assert len(joint) == len(cold) == len(lab.rules) + 2 and cal_rows == joint + cold
     assert cold[-1]["measure"] == "oracle" and cold[-2]["measure"].endswith(", chosen")
     plain_loss = m.average(m.record_exits(plain, lab.splits["test"], 300, {"top1": m.top1}).nll[-1])
     assert cold[0]["test"]["full_loss"] == pytest.approx(plain_loss, abs=1e-6)

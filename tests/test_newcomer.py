@@ -213,10 +213,10 @@ def test_output_says_not_same_where_greedy_speculation_differs(monkeypatch):
     speed = {(n, mode): {"tokens_per_second": 1.0, "outputs": []} for n in ("full", "self_speculative")
              for mode in m.MODES}
     quality = {"full": {"pred": torch.zeros(3), "test_loss": 1.0, "test_accuracy": 0.5}}
-    row = m.table_row("self_speculative", "self_speculative", "greedy", speed, quality, 1)
+    row = m.table_row("self_speculative", "self_speculative", "full", "greedy", speed, quality, 1)
     assert row["output"] == "NOT same"
-    assert m.table_row("full", "full", "greedy", speed, quality, 1)["output"] == "same tokens"
-    assert m.table_row("full", "full", "sampled", speed, quality, 1)["output"] == "same dist."
+    assert m.table_row("full", "full", "full", "greedy", speed, quality, 1)["output"] == "same tokens"
+    assert m.table_row("full", "full", "full", "sampled", speed, quality, 1)["output"] == "same dist."
 
 
 def test_cache_and_output_are_two_columns(default_run):

@@ -1,5 +1,5 @@
 """Is early exit worth it: every rule against the oracle, the tail, shifted text,
-slices by kind, and a smaller model on the same curve."""
+and a smaller model on the same curve."""
 
 import json
 import types
@@ -103,19 +103,6 @@ def test_every_step_and_round_is_on_the_clock(trained):
         lengths = [n for _, n in out.clock]
         assert lengths[0] == 5 and lengths[-1] == 25 and lengths == sorted(lengths)
         assert all(b > a for (a, _), (b, _) in zip(out.clock, out.clock[1:]))
-
-
-def test_slices_by_kind_of_character():
-    assert [m.character_kind(c) for c in "aZ \n,'"] == ["lowercase", "capital", "space", "newline", "punctuation",
-                                                       "punctuation"]
-    tok = m.CharTokenizer("ab ")  # ' ' 0, 'a' 1, 'b' 2
-    pred = torch.tensor([[1, 0, 0, 1], [1, 2, 2, 0]])  # exit 0, then full depth (every top-1 right)
-    recs = m.ExitRecords({}, pred, torch.zeros(2, 4), torch.tensor([1, 2, 2, 0]))  # 'a', 'b', 'b', ' '
-    rows = m.exit_slices(recs, torch.tensor([0, 0, 1, 0]), tok)
-    low, space = rows
-    assert (low["kind"], low["positions"], low["mean_layers"]) == ("lowercase", 3, pytest.approx(4 / 3))
-    assert low["disagreement"] == pytest.approx(1 / 3) and low["accuracy_lost"] == pytest.approx(1 / 3)
-    assert (space["kind"], space["disagreement"], space["accuracy_lost"]) == ("space", 1.0, 1.0)
 
 
 def test_a_shifted_text_built_to_break_epsilon_is_reported_broken(records):
