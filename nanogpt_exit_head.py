@@ -640,7 +640,7 @@ class LabConfig(Config):
     draft_layers: int = 1  # draft_model: the layers of the plain GPT trained in the run to draft
     # measurement
     quality_positions: int = 1000  # test positions teacher-forced per decoder; more is steadier
-    bench_prompts: int = 16  # timed workload: prompts evenly spaced in test (val, when choosing)
+    bench_prompts: int = 16  # timed workload: prompts evenly spaced in test (val: twice as many)
     bench_prompt_len: int = 32  # characters per workload prompt
     bench_tokens: int = 50  # characters generated per prompt per timed run
     bench_repeats: int = 3  # timed passes per decoder, interleaved; the median is reported
@@ -1366,7 +1366,7 @@ def calibrate_exits(model, splits, config):
                                    "thresholds": thresholds}
 
 # -----------------------------------------------------------------------------
-# The cost model: measured unit costs, and the speed-up each plan should give
+# The cost model: measured unit costs, and the blocks each exit plan saves
 
 def typical_position(prompt_len, n_tokens, block_size):
     """The median window position a workload's decode step feeds at: what a timed block reads."""
@@ -2198,7 +2198,7 @@ BATCH_DRAFTS = (4, 8, 11, 16)
 
 def batches(lab):
     """The batch table: every design at every batch size, greedy and sampled, quality beside
-    speed, and the cost model's predictions (--bench_batch only)."""
+    speed, and each row's forecast from val (--bench_batch only)."""
     cfg = lab.config
     if not cfg.bench_batch:
         return {}
