@@ -28,6 +28,9 @@ def test_the_trunk_and_final_head_are_unchanged_and_only_the_heads_learn(plain_a
     heads = [k for k in before if k.startswith("exit_heads.")]
     assert all(not torch.equal(after[k], before[k]) for k in heads if k.endswith("weight")), "every head learned"
     assert seconds > 0 and not frozen.training and (frozen.config.dropout, frozen.config.layer_dropout) == (0, 0)
+    # no gradient reaches the trunk: a head step costs a forward pass and the heads' backward
+    assert [n for n, p in frozen.named_parameters() if p.requires_grad] == [
+        n for n, _ in frozen.named_parameters() if n.startswith("exit_heads.")]
 
 
 @pytest.mark.parametrize("batch_size", [1, 8])
