@@ -713,12 +713,14 @@ class RecipeGPT(GPT):
                                                             cfg.distill_temperature)
         return loss
 
-def frozen_exit_model(plain, config, splits):
+def frozen_exit_model(plain, config, splits, world=1):
     """Exit heads trained after, on a trained plain GPT's frozen trunk (EE-Tuning, arXiv:2402.00518;
-    Kangaroo, arXiv:2404.18911): the heads learn from the targets and, distilling, from the final
-    head, which nothing changes, so full depth's output is the plain GPT's bit for bit. No dropout:
-    the heads read the states a decoder sees. Returns (the model, seconds)."""
-    cfg = replace(config, dropout=0.0, layer_dropout=0.0)
+    Kangaroo, arXiv:2404.18911): the heads learn from the targets (at alpha 1 where the run's is 0:
+    they need a loss) and, distilling, from the final head, which nothing changes, so full depth's
+    output is the plain GPT's bit for bit. No dropout: the heads read the states a decoder sees; the
+    plain GPT's global batch (world processes'). Returns (the model, seconds)."""
+    cfg = replace(config, dropout=0.0, layer_dropout=0.0, alpha=config.alpha or 1.0,
+                  batch_size=config.batch_size * world)
     model = RecipeGPT(cfg).to(splits["train"].device)
     model.load_state_dict(plain.state_dict())
     model.requires_grad_(False)
@@ -1718,7 +1720,7 @@ def in_mode(decode, config, mode):
                    temperature=config.temperature if mode == "sampled" else 0.0)
 
 # a frontier point's family: its legend and its class on the chart
-FAMILIES = {"exit model": ("the exit model's decoders", "decoder"),
+FAMILIES = {"exit model": ("the exit models' decoders", "decoder"),
             "speculation": ("speculation (exact)", "speculation"),
             "plain GPT": ("plain GPTs", "gpt"), "pruned": ("pruned models", "pruned")}
 
@@ -1880,7 +1882,8 @@ once: its first waits the round, the rest 0)
 gap_p99       | gap p99    | {:.2f} | and 99%
 prompt_ms_p95 | prompt p95 | {:.0f} | ms for a prompt's whole continuation, 95th percentile""")
 FRONTIER_TABLE = table("""When does early exit pay?
-name              | point     | {}      | a decoder of the exit model, a pruned model, a plain GPT
+name              | point     | {}      | a decoder of the exit model (frozen: of heads on the \
+plain GPT of its shape), a pruned model, a plain GPT
 test_loss         | test loss | {:.4f}  | teacher-forced on the same test positions for every point
 speedup_greedy    | greedy    | {:.2f}x | tokens per second over full depth's, greedy
 dominated_greedy  | beaten by | {}      | a point at least as good in loss and speed, better in one
@@ -1933,6 +1936,14 @@ def print_table(table, rows, conditions="", notes=()):
 # -----------------------------------------------------------------------------
 # The analyses: what the run computes for each question, with the notes under its table
 
+def run_threshold(config, sampling):
+    """The run's exit threshold: exit_threshold, or (-1) the one a calibration (sampling) gives the
+    run's rule; without a calibration, Part I's."""
+    if config.exit_threshold >= 0:
+        return config.exit_threshold
+    return (sampling or {}).get("thresholds", {}).get(config.confidence_measure,
+                                                      Config.exit_threshold)
+
 class Lab:
     """What the analyses share. Built cheaply: the model, its data on its device, the workloads.
     run_lab's steps add the rest where a reader sees them: the records and calibrations
@@ -1960,10 +1971,7 @@ class Lab:
         cfg = self.config
         self.rules = exit_rules(sampling["weights"].to(self.device) if sampling else None)
         self.schedule = sampling and sampling["schedule"]
-        self.threshold = cfg.exit_threshold  # -1: the calibrated one
-        if self.threshold < 0:
-            self.threshold = (sampling or {}).get("thresholds", {}).get(
-                cfg.confidence_measure, Config.exit_threshold)
+        self.threshold = run_threshold(cfg, sampling)
         if cfg.confidence_measure not in self.rules:
             raise ValueError("the checkpoint holds no learned rule: run without --sample_only")
 
@@ -1999,14 +2007,11 @@ class Lab:
         source measure() adds: its decoders of names, each beside the plain GPT's output (its
         full depth, bit for bit: its draft_model drafts for the plain GPT)."""
         cfg = self.config
-        model, seconds = frozen_exit_model(self.plain(cfg.n_layer), cfg, self.splits)
+        model, seconds = frozen_exit_model(self.plain(cfg.n_layer), cfg, self.splits, self.world)
         records, calibrations, sampling = calibrate_exits(model, self.splits, cfg)
         rules = exit_rules(sampling["weights"])
         self.frozen = model, records, calibrations, rules, self.plain_gpts[cfg.n_layer][1] + seconds
-        threshold = cfg.exit_threshold  # -1: the calibrated one
-        if threshold < 0:
-            threshold = sampling["thresholds"][cfg.confidence_measure]
-        plans = self.plans_for(records, threshold, sampling["schedule"])
+        plans = self.plans_for(records, run_threshold(cfg, sampling), sampling["schedule"])
         return {"frozen ": (model, rules, plans, names, f"{cfg.n_layer}-layer GPT")}
 
     def other_models(self):
@@ -2018,19 +2023,14 @@ class Lab:
         pruned = pruned_models(self.model, self.splits["val"])
         return more | {f"pruned {k}": (p, "pruned") for k, p in pruned.items()}
 
-    def sources(self, names, others):
-        """prefix -> (model, rules, plans, decoder names, the point its output is compared with):
-        the exit model's decoders of names (no prefix), then others'."""
-        return {"": (self.model, self.rules, self.plans, names, "full")} | others
-
-    def on_val(self, B, names, ks, val_config, more, others):
+    def on_val(self, B, sources, ks, val_config, more):
         """Val's workload at batch size B, timed under val_config: each source's exit decoders at
-        their plans and its drafters at each k of ks (sources()), and the models of more at full
+        their plans and its drafters at each k of ks (sources: prefix -> (model, rules, plans,
+        decoder names, the point its output is compared with)), and the models of more at full
         depth, beside full depth. Returns (name, mode, k) -> the speed-up over full depth (k None:
         not a drafter), and (name, mode) -> the plan each point runs on test."""
         cfg, draft = self.config, self.plain(self.config.draft_layers)
-        cells, sources = {("full", None): ("full", self.model, None, None)}, self.sources(names,
-                                                                                          others)
+        cells = {("full", None): ("full", self.model, None, None)}
         for prefix, (model, rules, plans, points, _) in sources.items():
             for name in points:
                 d = DECODERS[name]
@@ -2054,9 +2054,11 @@ class Lab:
         reads: each source's decoders at their plans (a drafter at the k of ks that ran fastest on
         val in its mode), and the models of more (name -> (model, family)) at full depth. Val's
         workload runs first (on_val): the forecasts are its speed-ups."""
-        val, plans = self.on_val(B, names, ks, val_config, more, others)
+        # the exit model's decoders of names (no prefix), then others' (freeze's)
+        sources = {"": (self.model, self.rules, self.plans, names, "full")} | others
+        val, plans = self.on_val(B, sources, ks, val_config, more)
         decoders, models = {}, dict(more)
-        for prefix, (model, rules, _, points, ref) in self.sources(names, others).items():
+        for prefix, (model, rules, _, points, ref) in sources.items():
             for name in points:
                 models[prefix + name] = model, "exit model"
                 decoders[prefix + name] = name, {mode: build(name, model, plans.get((
@@ -2138,7 +2140,8 @@ def strategies(lab):
         f"{cfg.bench_tokens} more each, batch 1, median of {cfg.bench_repeats} interleaved runs",
         *notes, f"Chosen on val: exits (exit_layers={cfg.exit_layers!r}) at the run's threshold "
         f"({lab.threshold:g}), priced from the unit costs below, the schedule, and the drafters' "
-        "k. predicted: each row's speed-up on val's workload, timed before test's (the same "
+        "k (frozen rows: the frozen model's own threshold and plans, output against the plain "
+        "GPT's). predicted: each row's speed-up on val's workload, timed before test's (the same "
         "decoder, plan and k, or the same model, in the same mode; per round: a round's time over "
         "the tokens it emits). Prefilling the prompt and re-prefilling the window every "
         f"block_size/2 tokens adds {' to '.join(f'{p:.2f}' for p in prefill)} per token for "
@@ -2950,7 +2953,7 @@ def summary(report):
     cal = report["calibration"]
     chosen = report["chosen_rule"]
     exact = [e for e in report["strategies"]  # the exit model's decoders, no hole, no copy
-             if e["cache"] == "exact" and e["family"] == "exit model"]
+             if e["cache"] == "exact" and e["name"] in DECODERS]
     # each mode's fastest: the last of its rows sorted by speed (full depth: none is faster)
     fastest = {e["mode"]: e for e in sorted(exact, key=lambda e: e["speedup"])}
     saved = (f"saved at the guarantee (disagreement <= {100 * cal['epsilon']:g}% with probability "

@@ -156,7 +156,8 @@ def test_val_times_each_drafter_at_each_k_beside_full_depth(trained, monkeypatch
         return passes[-1][1]
     monkeypatch.setattr(m, "speed_pass", recording)
     names, ks = ["full", "self_speculative", "draft_model", "auto"], [2, 5]
-    val, plans = lab.on_val(1, names, ks, config, {"2-layer GPT": (draft, "plain GPT")}, {})
+    sources = {"": (model, lab.rules, lab.plans, names, "full")}
+    val, plans = lab.on_val(1, sources, ks, config, {"2-layer GPT": (draft, "plain GPT")})
     (prompts, speed), = passes
     assert torch.equal(prompts, lab.workloads[0]), "val's workload"
     assert (len(lab.workloads[0]), len(lab.workloads[1])) == (8, 4), "val's: twice test's prompts"

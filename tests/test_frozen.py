@@ -69,10 +69,16 @@ def test_with_the_plain_gpt_of_its_depth_the_frozen_model_joins_every_table_and_
         lab.measured = lab.measure(1, names, [4], m.replace(config, bench_repeats=1), lab.other_models(), others)
     frozen, records, calibrations, rules, seconds = lab.frozen
     plain = lab.plain_gpts[4][0]
+    # the frozen model's own calibration: its threshold, its plans on its records, its learned rule
+    (source, (model_, rules_, plans, points, ref)), = others.items()
+    assert (source, model_, rules_, points, ref) == ("frozen ", frozen, rules, names[1:], "4-layer GPT")
+    assert plans == lab.plans_for(records, 0.5, m.choose_schedule(  # the run's --exit_threshold
+        records["val"], 4, config.block_size, config.schedule_disagreement))
+    assert not torch.equal(rules["learned"].args[0], lab.rules["learned"].args[0]), "its own fit"
     x = splits["test"][:64].view(4, 16)
     with torch.no_grad():
         assert torch.equal(frozen.all_exit_logits(x)[-1], plain.all_exit_logits(x)[-1])
-    assert seconds > lab.plain_gpts[4][1] and set(rules) == set(lab.rules)
+    assert seconds > lab.plain_gpts[4][1]
     rows = {(r["name"], r["mode"]): r for r in lab.measured}
     assert {n for n, _ in rows} >= {"full", "4-layer GPT", *(f"frozen {n}" for n in names[1:])}
     assert "frozen full" not in {n for n, _ in rows}, "its full depth is the plain GPT's point"
@@ -97,3 +103,23 @@ def test_with_the_plain_gpt_of_its_depth_the_frozen_model_joins_every_table_and_
     assert f"The exit recipe's cost at full depth: {found['recipe_cost']:+.4f}" in found["notes"][-1]
     lab.measured = [r for r in lab.measured if r["name"] != "4-layer GPT"]  # without it: no cost
     assert m.frontier(lab)["recipe_cost"] is None
+
+
+def test_the_runs_threshold_is_the_flags_or_the_calibrations_or_part_ones():
+    sampling = {"thresholds": {"top1": 0.73, "margin": 0.2}}
+    assert m.run_threshold(m.LabConfig(exit_threshold=0.5), sampling) == 0.5
+    assert m.run_threshold(m.LabConfig(exit_threshold=0.0), sampling) == 0.0
+    assert m.run_threshold(m.LabConfig(exit_threshold=-1, confidence_measure="margin"), sampling) == 0.2
+    assert m.run_threshold(m.LabConfig(exit_threshold=-1), None) == m.Config.exit_threshold
+
+
+def test_frozen_heads_learn_even_where_the_run_trains_no_exit(plain_and_frozen):
+    """--alpha=0 --distill_weight=0 gives the exit losses no weight: the frozen heads still need one (alpha 1),
+    or backward has nothing to differentiate; under torchrun they train at the plain GPT's global batch."""
+    plain, before, _, _ = plain_and_frozen
+    splits = {name: torch.randint(0, 11, (2000,), generator=torch.Generator().manual_seed(i))
+              for i, name in enumerate(("train", "val", "test"))}
+    config = tiny_config(max_iters=3, warmup_iters=1, batch_size=4, alpha=0.0, distill_weight=0.0)
+    frozen, _ = m.frozen_exit_model(plain, config, splits, world=2)
+    assert frozen.config.alpha == 1.0 and frozen.config.batch_size == 8, "and the plain GPT's global batch"
+    assert not torch.equal(frozen.state_dict()["exit_heads.0.lm_head.weight"], before["exit_heads.0.lm_head.weight"])

@@ -335,7 +335,7 @@ def test_the_frontier_chart_tells_the_families_apart():
         "full": "decoder", "state_copy": "decoder", "self_speculative": "speculation",
         "draft_model": "speculation", "1-layer GPT": "gpt", "pruned 1": "pruned", "pruned 2": "pruned"}
     legend = re.findall(r'<rect class="([^"]+)" x="70"[^>]*/><text x="88"[^>]*>([^<]+)</text>', chart)
-    assert legend == [("decoder", "the exit model&#x27;s decoders"), ("speculation", "speculation (exact)"),
+    assert legend == [("decoder", "the exit models&#x27; decoders"), ("speculation", "speculation (exact)"),
                       ("gpt", "plain GPTs"), ("pruned", "pruned models")]
 
 
