@@ -715,11 +715,12 @@ class RecipeGPT(GPT):
 
 def frozen_exit_model(plain, config, splits, world=1):
     """Exit heads trained after, on a trained plain GPT's frozen trunk (EE-Tuning, arXiv:2402.00518;
-    Kangaroo, arXiv:2404.18911): the heads learn from the targets (at alpha 1 where the run's is 0:
-    they need a loss) and, distilling, from the final head, which nothing changes, so full depth's
+    Kangaroo, arXiv:2404.18911): the heads learn from the targets (at alpha 1 where the run has no
+    exit loss at all) and, distilling, from the final head, which nothing changes, so full depth's
     output is the plain GPT's bit for bit. No dropout: the heads read the states a decoder sees; the
     plain GPT's global batch (world processes'). Returns (the model, seconds)."""
-    cfg = replace(config, dropout=0.0, layer_dropout=0.0, alpha=config.alpha or 1.0,
+    cfg = replace(config, dropout=0.0, layer_dropout=0.0,
+                  alpha=config.alpha or float(not config.distill_weight),
                   batch_size=config.batch_size * world)
     model = RecipeGPT(cfg).to(splits["train"].device)
     model.load_state_dict(plain.state_dict())

@@ -75,6 +75,12 @@ def test_with_the_plain_gpt_of_its_depth_the_frozen_model_joins_every_table_and_
     assert plans == lab.plans_for(records, 0.5, m.choose_schedule(  # the run's --exit_threshold
         records["val"], 4, config.block_size, config.schedule_disagreement))
     assert not torch.equal(rules["learned"].args[0], lab.rules["learned"].args[0]), "its own fit"
+    lab.config = m.replace(config, exit_threshold=-1)  # calibrated: the frozen model's own threshold
+    with torch.enable_grad():
+        (_, (_, _, own_plans, _, _)), = lab.freeze(names[1:]).items()
+    assert own_plans["backfill"]["threshold"] == lab.frozen[2]["top1"]["threshold"]
+    assert lab.frozen[2]["top1"]["threshold"] != lab.calibrations["top1"]["threshold"], "they differ here"
+    lab.config = config
     x = splits["test"][:64].view(4, 16)
     with torch.no_grad():
         assert torch.equal(frozen.all_exit_logits(x)[-1], plain.all_exit_logits(x)[-1])
@@ -122,4 +128,6 @@ def test_frozen_heads_learn_even_where_the_run_trains_no_exit(plain_and_frozen):
     config = tiny_config(max_iters=3, warmup_iters=1, batch_size=4, alpha=0.0, distill_weight=0.0)
     frozen, _ = m.frozen_exit_model(plain, config, splits, world=2)
     assert frozen.config.alpha == 1.0 and frozen.config.batch_size == 8, "and the plain GPT's global batch"
+    distilling = m.frozen_exit_model(plain, m.replace(config, distill_weight=0.1), splits)[0]
+    assert distilling.config.alpha == 0.0, "distillation alone is a loss: the run's recipe, unchanged"
     assert not torch.equal(frozen.state_dict()["exit_heads.0.lm_head.weight"], before["exit_heads.0.lm_head.weight"])

@@ -137,6 +137,9 @@ def test_summary_names_the_fastest_exact_decoder_of_the_exit_model_never_a_small
              "cache": {"state_copy": "approx.", "holes": "holes"}.get(name, "exact")}
             for name, x in speeds.items() for mode in m.MODES]
     next(r for r in rows if (r["name"], r["mode"]) == ("skipdecode", "sampled"))["speedup"] = 9.9
+    # the frozen model's decoders are points of their own, not the exit model's
+    rows += [{"name": "frozen draft_model", "mode": mode, "speedup": 20.0, "family": "exit model", "cache": "exact"}
+             for mode in m.MODES]
     report = {"val_loss": {"final": 1.5}, "calibration": cal, "chosen_rule": cal, "strategies": rows,
               "calibration_by_measure": [{}] * 8, "frontier": []}
     assert m.summary(report)[2] == "fastest with an exact cache: draft_model 2.00x greedy, skipdecode 9.90x sampled"
