@@ -3011,7 +3011,9 @@ def run_lab(lab, report, sampling=None):
     lab.plan()  # the unit costs, timed; every exit decoder's plan, chosen on val
     names, others = [name for name, d in DECODERS.items() if not d.follows], {}
     if cfg.n_layer in plain_depths(cfg.depths, cfg.draft_layers, cfg.n_layer):
-        others = lab.freeze(names[1:])  # heads on the plain GPT of the exit model's depth
+        # heads on the plain GPT of the exit model's depth; its full depth is that GPT's point,
+        # so it brings every decoder but the first declared, full depth
+        others = lab.freeze(names[1:])
     lab.measured = lab.measure(1, names, [cfg.num_draft], replace(cfg, bench_repeats=1),
                                lab.other_models(), others)  # every decoder and model, timed
     for analysis in ANALYSES:

@@ -47,7 +47,7 @@ def test_full_depth_is_the_plain_gpts_bit_for_bit(plain_and_frozen, batch_size):
 def test_with_the_plain_gpt_of_its_depth_the_frozen_model_joins_every_table_and_the_recipe_has_a_cost():
     """--depths with n_layer: the frozen model brings every decoder to the same interleaved pass (named
     "frozen <decoder>", over the exit model's full depth), its exact ones equal to the plain GPT of the
-    exit model's shape, which is on the frontier; the recipe's cost is full depth's test loss minus that
+    exit model's shape, itself a point of the frontier table; the recipe's cost is full depth's test loss minus that
     GPT's on the frontier's positions; the frozen model's rules, chosen rule and oracle follow the exit
     model's in the rule table, its full loss that GPT's."""
     from conftest import tiny_model
