@@ -1604,11 +1604,18 @@ def choose_drafts(entries):
                 drafts[name, key[1]] = best["num_draft"] if best["speedup"] > 1 else None
     return drafts
 
+def speedup(s, full):
+    """Full depth's speed over a decoder's (s, full: their speed_pass figures): 1 / the mean of the
+    middle half of its calls' times over full depth's on the same prompts in the same pass, so
+    that a burst of load on a few calls moves it little."""
+    ratios = np.sort(s["seconds"] / full["seconds"], axis=None)
+    cut = len(ratios) // 4
+    return 1 / float(ratios[cut:len(ratios) - cut].mean())
+
 def val_figures(speed):
     """A speed pass on val ((name, k, mode) -> figures, full depth's k None) as the forecasts read
     it: (name, mode, k) -> the speed-up over full depth."""
-    return {(name, mode, k): {"speedup": s["tokens_per_second"]
-                              / speed["full", None, mode]["tokens_per_second"],
+    return {(name, mode, k): {"speedup": speedup(s, speed["full", None, mode]),
                               "num_draft": k, "name": name, "mode": mode}
             for (name, k, mode), s in speed.items()}
 
@@ -1642,8 +1649,8 @@ def table_row(name, decoder, ref, mode, speed, quality, batch_size):
     full depth (a drafter's quality is ref's by construction; no quality: none measured)."""
     d, s, full = DECODERS[decoder], speed[name, mode], speed["full", mode]
     row = {"batch_size": batch_size, "name": name, "decoder": decoder, "mode": mode, **s,
-           "speedup": s["tokens_per_second"] / full["tokens_per_second"], "cache": d.cache}
-    outputs = row.pop("outputs")
+           "speedup": speedup(s, full), "cache": d.cache}
+    outputs, _ = row.pop("outputs"), row.pop("seconds")
     if batch_size == 1:
         row.update(tail(outputs))
     q = quality.get(name, quality.get(ref))
@@ -1765,12 +1772,13 @@ def repetition(tokens, n=4):
 def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
     """Every decoder continues the workload, batch_size prompts a call, repeats times, interleaved
     a call at a time (a burst of load on the machine falls on every decoder alike); decoders: key ->
-    decode. Per decoder: median over the passes of tokens/s of all rows, block runs per token
-    while decoding (catch-up included) and re-prefilling, the keys and values it holds a row, the
-    device memory it adds at its peak (CUDA's; else None), how repetitive the text is, and the last
-    pass's Generations."""
+    decode. Per decoder: median over the passes of tokens/s of all rows, each call's seconds
+    (passes, calls), block runs per token while decoding (catch-up included) and re-prefilling,
+    the keys and values it holds a row, the device memory it adds at its peak (CUDA's; else
+    None), how repetitive the text is, and the last pass's Generations."""
     batches, device = prompts.split(batch_size), prompts.device  # each (B, T0)
-    seconds, peak = {key: [0.0] * repeats for key in decoders}, dict.fromkeys(decoders)
+    seconds = {key: np.zeros((repeats, len(batches))) for key in decoders}  # a call's time
+    peak = dict.fromkeys(decoders)
     gc.disable()  # no garbage collection while timing: it would land on whichever decoder runs
     try:
         for r in range(repeats):
@@ -1786,14 +1794,15 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
                     t0 = time.perf_counter()
                     outputs[key].append(decode(batch, n_tokens, generator=generator))
                     synchronize(device)
-                    seconds[key][r] += time.perf_counter() - t0
+                    seconds[key][r, i] = time.perf_counter() - t0
                     if prompts.is_cuda:
                         peak[key] = max(peak[key] or 0,
                                         torch.cuda.max_memory_allocated(device) - before)
     finally:
         gc.enable()
     steps = len(batches) * n_tokens  # layers_run and prefill_runs count per row
-    return {key: {"tokens_per_second": len(prompts) * n_tokens / float(np.median(seconds[key])),
+    return {key: {"tokens_per_second": len(prompts) * n_tokens
+                  / float(np.median(seconds[key].sum(1))), "seconds": seconds[key],
                   "mean_layers": sum(o.layers_run for o in outs) / steps,
                   "prefill_layers": sum(o.prefill_runs for o in outs) / steps,
                   "cache_bytes": outs[0].cache_bytes, "peak_bytes": peak[key],
@@ -1861,7 +1870,8 @@ name              | decoder   | {}      | how the skipped layers' cache is fille
 exit_at           | exit at   | {}      | the exits checked ('-': none; skipdecode: its layer \
 from a window position on)
 threshold         | thr       | {:.3g}  | their threshold
-speedup           | speed-up  | {:.2f}x | tokens per second over full depth's in the same mode
+speedup           | speed-up  | {:.2f}x | over full depth in the same mode: 1 / the mean of the \
+middle half of its calls' times over full depth's on the same prompts
 predicted_speedup | predicted | {:.2f}x | its speed-up on val's workload, the forecast
 mean_layers       | layers    | {:.2f}  | blocks run per token while decoding, catch-up included \
 (above the model's depth for self_speculative: the draft's layers, then the verify pass over \
@@ -1886,7 +1896,8 @@ FRONTIER_TABLE = table("""When does early exit pay?
 name              | point     | {}      | a decoder of the exit model (frozen: of heads on the \
 plain GPT of its shape), a pruned model, a plain GPT
 test_loss         | test loss | {:.4f}  | teacher-forced on the same test positions for every point
-speedup_greedy    | greedy    | {:.2f}x | tokens per second over full depth's, greedy
+speedup_greedy    | greedy    | {:.2f}x | speed-up over full depth, greedy (as the strategies \
+table's)
 dominated_greedy  | beaten by | {}      | a point at least as good in loss and speed, better in one
 speedup_sampled   | sampled   | {:.2f}x | and sampled
 dominated_sampled | beaten by | {}      | sampled ('-': on the frontier)
@@ -1898,7 +1909,8 @@ batch_size        | B         | {}      | rows decoded together, a prompt each
 mode              | mode      | {}      | greedy, or sampled
 name              | design    | {}      | the decoder
 tokens_per_second | tok/s     | {:,.0f} | characters per second of the whole batch
-speedup           | speed-up  | {:.2f}x | over full depth at the same batch size and mode
+speedup           | speed-up  | {:.2f}x | over full depth at the same batch size and mode (as \
+the strategies table's)
 predicted_speedup | predicted | {:.2f}x | its speed-up on val's workload, the forecast
 num_draft         | k         | {}      | drafts a round
 mean_layers       | layers    | {:.2f}  | blocks run per token
@@ -2054,10 +2066,11 @@ class Lab:
         teacher-forced on test, each beside its forecast from val and the bytes of weights it
         reads: each source's decoders at their plans (a drafter at the k of ks that ran fastest on
         val in its mode), and the models of more (name -> (model, family)) at full depth. Val's
-        workload runs first (on_val): the forecasts are its speed-ups."""
+        workload runs first (on_val): the forecasts are its speed-ups (a pruned model has none)."""
         # the exit model's decoders of names (no prefix), then others' (freeze's)
         sources = {"": (self.model, self.rules, self.plans, names, "full")} | others
-        val, plans = self.on_val(B, sources, ks, val_config, more)
+        val, plans = self.on_val(B, sources, ks, val_config, {
+            name: m for name, m in more.items() if m[1] != "pruned"})
         decoders, models = {}, dict(more)
         for prefix, (model, rules, _, points, ref) in sources.items():
             for name in points:
@@ -2069,8 +2082,9 @@ class Lab:
         rows = measure_decoders(decoders, self.splits["test"], self.workloads[1], self.config, B)
         for r in rows:
             plan, (model, family) = plans.get((r["name"], r["mode"]), {}), models[r["name"]]
-            r.update(family=family, weight_bytes=weight_bytes(model, r["decoder"], plan),
-                     **prediction(r, plan, val))
+            r.update(family=family, weight_bytes=weight_bytes(model, r["decoder"], plan))
+            if family != "pruned":
+                r.update(prediction(r, plan, val))
         return rows
 
 def threshold_sweep(lab):
@@ -2268,8 +2282,8 @@ td, th { padding: .2em .6em; border-bottom: 1px solid var(--grid); text-align: r
   white-space: nowrap; }
 th { color: var(--muted); font-weight: 500; }
 svg text { fill: var(--fg); font: 13px system-ui, sans-serif; } svg .grid { stroke: var(--grid); }
-svg .greedy, svg .compute_saved { fill: var(--a); stroke: var(--a); }
-svg .sampled, svg .disagreement { fill: var(--b); stroke: var(--b); }
+svg .compute_saved { fill: var(--a); stroke: var(--a); }
+svg .disagreement { fill: var(--b); stroke: var(--b); }
 svg .decoder { fill: var(--a); } svg .speculation { fill: var(--b); } svg .gpt { fill: var(--c); }
 svg .pruned { fill: var(--bg); stroke: var(--fg); } svg .path { stroke: var(--fg); }
 svg .line { fill: none; stroke-width: 2; } svg .mark { stroke: var(--fg); stroke-dasharray: 4 3; }
@@ -2299,16 +2313,11 @@ def plot_y(y, ticks):
     a y over the last tick at the last tick."""
     return PLOT_HEIGHT * (1 - 0.9 * (min(y, ticks[-1]) - ticks[0]) / (ticks[-1] - ticks[0]))
 
-def svg_point(cls, point, ticks, width, shift):
-    """One figure with its report key: a bar `width` wide (a share of the x axis) moved `shift`
-    along it, or a dot; point: (x, y, report key, hover text)."""
+def svg_point(cls, point, ticks):
+    """One dot with its report key; point: (x, y, report key, hover text)."""
     x, y, key, tip = point
-    data = f'class="{cls}" {datum(key, y)}><title>{esc(tip)}</title>'
-    if width:
-        return (f'<rect x="{plot_x(x + shift):.1f}" y="{plot_y(y, ticks):.1f}" '
-                f'width="{PLOT_WIDTH * width:.1f}" '
-                f'height="{PLOT_HEIGHT - plot_y(y, ticks):.1f}" {data}</rect>')
-    return f'<circle cx="{plot_x(x):.1f}" cy="{plot_y(y, ticks):.1f}" r="3" {data}</circle>'
+    return (f'<circle cx="{plot_x(x):.1f}" cy="{plot_y(y, ticks):.1f}" r="3" class="{cls}" '
+            f'{datum(key, y)}><title>{esc(tip)}</title></circle>')
 
 def svg_line(cls, points, ticks):
     """A line through points (x in [0, 1], y, ...)."""
@@ -2324,16 +2333,15 @@ def svg_path(path, ticks):
         parts.append(f'<text x="{plot_x(x) + 5:.1f}" y="{base:.1f}">{esc(name)}</text>')
     return "".join(parts)
 
-def svg_chart(series, x_ticks, titles, y_fmt, bars=False, mark=None, line=None, top=None,
-              path=()):
-    """Lines or bars side by side from 0 (or under it), or dots with a path. series: (name, class,
-    points), a point (x in [0, 1], y, report key, hover text); x_ticks: {label: x}; titles: the
-    axes'; mark: (x, report key, label), a dashed line up; line: (y, label), one across (at most
-    top); top: the axis's top (bars: at least 1.0x); path: (x, y, name)s joined, each named."""
+def svg_chart(series, x_ticks, titles, y_fmt, mark=None, line=None, top=None, path=()):
+    """Lines from 0 (or under it), or dots with a path. series: (name, class, points), a point (x in
+    [0, 1], y, report key, hover text); x_ticks: {label: x}; titles: the axes'; mark: (x, report
+    key, label), a dashed line up; line: (y, label), one across (at most top); top: the axis's
+    top; path: (x, y, name)s joined, each named."""
     ys = [p[1] for _, _, points in series for p in points]
     # dots with a path: an axis from a quarter of their span under the lowest point, to name it
     bottom = min(ys) - (max(ys) - min(ys)) / 4 if path else min(ys + [0])
-    ticks, H = nice_ticks(top or max(ys + [int(bars)]), bottom), PLOT_HEIGHT
+    ticks, H = nice_ticks(top or max(ys), bottom), PLOT_HEIGHT
     parts = [f'<div class="scroll"><svg viewBox="0 0 640 {H + 64 + 18 * len(series)}" '
              f'width="100%" role="img"><text transform="translate(14 {H / 2}) rotate(-90)" '
              f'text-anchor="middle">{esc(titles[1])}</text><text x="345" y="{H + 52}" '
@@ -2341,9 +2349,8 @@ def svg_chart(series, x_ticks, titles, y_fmt, bars=False, mark=None, line=None, 
     parts += [f'<line class="grid" x1="64" x2="630" y1="{plot_y(t, ticks):.1f}" '
               f'y2="{plot_y(t, ticks):.1f}"/><text x="58" y="{plot_y(t, ticks) + 4:.1f}" '
               f'text-anchor="end">{y_fmt.format(t)}</text>' for t in ticks]
-    parts += [f'<text x="{plot_x(x_ticks[label]):.1f}" y="{H + 18 + 14 * (i % 2 * bars)}" '
-              f'text-anchor="middle">{esc(label)}</text>' for i, label in enumerate(x_ticks)]
-    width = 0.8 / len(x_ticks) / len(series) * bars  # a bar group fills 80% of its share; lines: 0
+    parts += [f'<text x="{plot_x(x):.1f}" y="{H + 18}" text-anchor="middle">{esc(label)}</text>'
+              for label, x in x_ticks.items()]
     if mark:
         parts.append(f'<line class="mark" x1="{plot_x(mark[0]):.1f}" x2="{plot_x(mark[0]):.1f}" '
                      f'y1="0" y2="{H}" {datum(mark[1], mark[0])}/><text '
@@ -2352,12 +2359,12 @@ def svg_chart(series, x_ticks, titles, y_fmt, bars=False, mark=None, line=None, 
     if path:
         parts.append(svg_path(path, ticks))
     for s, (name, cls, points) in enumerate(series):
-        if not bars and not path:
+        if not path:
             parts.append(svg_line(cls, points, ticks))
-        parts += [svg_point(cls, p, ticks, width, (s - len(series) / 2) * width) for p in points]
+        parts += [svg_point(cls, p, ticks) for p in points]
         parts.append(f'<rect class="{cls}" x="70" y="{H + 66 + 18 * s}" width="12" height="12"/>'
                      f'<text x="88" y="{H + 77 + 18 * s}">{esc(name)}</text>')
-    if line:  # over the bars, its label at the left end (bars: over full depth's own)
+    if line:  # its label at the left end
         parts.append(f'<line class="mark" x1="64" x2="630" y1="{plot_y(line[0], ticks):.1f}" '
                      f'y2="{plot_y(line[0], ticks):.1f}"/><text x="72" '
                      f'y="{plot_y(line[0], ticks) - 4:.1f}">{esc(line[1])}</text>')
@@ -2438,23 +2445,6 @@ def sweep_charts(report):
                             line=line, top=line and 2 * eps)
     return charts + ("<p class='muted'>Disagreement over twice epsilon is drawn at the top of its "
                      "axis; hover for the value.</p>")
-
-def speedup_chart(report, key="strategies", batch_size=1):
-    """The measured speed-up of each decoder at one batch size, greedy and sampled side by side."""
-    shown = [(i, r) for i, r in enumerate(report[key]) if r["batch_size"] == batch_size]
-    names = dict.fromkeys(r["name"] for _, r in shown)  # each once, in the rows' order
-    at = {name: (n + 0.5) / len(names) for n, name in enumerate(names)}  # the middle of its group
-    series = [(mode, mode, [(at[r["name"]], r["speedup"], f"{key}.{i}.speedup",
-                             f"{r['name']}, {mode}: {r['speedup']:.2f}x")
-                            for i, r in shown if r["mode"] == mode]) for mode in MODES]
-    return svg_chart(series, at, (f"decoder, batch {batch_size}",
-                                  "speed-up over full depth, measured"),
-                     "{:.1f}x", bars=True, line=(1, "1.0x: full depth"))
-
-def batch_charts(report):
-    """The batch table's speed-ups, a chart for each batch size."""
-    return "".join(speedup_chart(report, "batched", B)
-                   for B in dict.fromkeys(r["batch_size"] for r in report["batched"]))
 
 def frontier_chart(report):
     """A chart a mode: every point's test loss against its speed-up, coloured by its family; a line
@@ -2903,10 +2893,10 @@ ANALYSES = (
     Analysis("sweep", SWEEP_TABLE, threshold_sweep, sweep_charts),
     Analysis("calibration_by_measure", CALIBRATION_TABLE, rule_calibrations),
     Analysis("shift", SHIFT_TABLE, shifted_text),
-    Analysis("strategies", STRATEGY_TABLE, strategies, speedup_chart),
+    Analysis("strategies", STRATEGY_TABLE, strategies),
     Analysis("tail", TAIL_TABLE, tails),
     Analysis("frontier", FRONTIER_TABLE, frontier, frontier_chart),
-    Analysis("batched", BATCH_TABLE, batches, batch_charts),
+    Analysis("batched", BATCH_TABLE, batches),
 )
 
 def sample_decoder(lab):

@@ -157,7 +157,7 @@ MISTAKES = [
      '    figures = {"predicted_speedup": val[row["name"], mode, None]["speedup"]}\n',
      '    figures = {"predicted_speedup": val[row["name"], "greedy", None]["speedup"]}\n',
      ["test_lean.py::test_each_strategy_row_carries_its_plans_prediction"]),
-    ("models_never_on_val", "plain GPTs and pruned models left out of val's pass, with no forecast to read",
+    ("models_never_on_val", "plain GPTs left out of val's pass, with no forecast to read",
      '        cells |= {(name, None): ("full", model, None, None) for name, (model, _) in more.items()}\n', "",
      ["test_lean.py::test_each_strategy_row_carries_its_plans_prediction",
       "test_frontier.py::test_every_point_of_the_frontier_is_measured_on_the_same_positions_and_workload"]),
@@ -261,6 +261,13 @@ MISTAKES = [
      '    if not math.isfinite(losses["val"][-1]):\n        raise ValueError(f"training diverged',
      '    if False:\n        raise ValueError(f"training diverged',
      ["test_cli.py::test_a_diverged_run_ends_in_one_line"]),
+    ("speedup_every_call", "a speed-up from every call's ratio: a burst of load on one call kept",
+     "    cut = len(ratios) // 4\n", "    cut = 0\n",
+     ["test_strategies.py::test_a_speed_up_pairs_each_call_with_full_depths_and_averages_the_middle_half"]),
+    ("pruned_on_val", "pruned models timed on val though no table shows their forecast",
+     'more.items() if m[1] != "pruned"})', 'more.items()})',
+     ["test_frontier.py::test_every_point_of_the_frontier_is_measured_on_the_same_positions_and_workload",
+      "test_lean.py::test_each_strategy_row_carries_its_plans_prediction"]),
 ]
 
 

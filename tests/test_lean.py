@@ -106,13 +106,16 @@ def test_each_strategy_row_carries_its_plans_prediction(monkeypatch):
             priced = m.priced_saving(d, m.plan_counts(lab.records["val"], plan), plan["measure"], costs)
             assert plan["saved_blocks"] == pytest.approx(priced / costs["block"])
     for row in rows:
+        if row["family"] == "pruned":  # no table shows a pruned model's forecast: none timed on val
+            assert "predicted_speedup" not in row and (row["name"], row["mode"], None) not in val
+            continue
         k = row.get("num_draft") if m.DECODERS[row["decoder"]].drafter else None
         if row["name"] == "full" or (m.DECODERS[row["decoder"]].drafter and not k):
             assert row["predicted_speedup"] == 1.0
         else:
             assert row["predicted_speedup"] == val[row["name"], row["mode"], k]["speedup"], row["name"]
-    smaller = [r for r in rows if r["name"].endswith("GPT") or r["name"].startswith("pruned")]
-    assert {r["name"] for r in smaller} >= {"1-layer GPT", "pruned 1"}
+    smaller = [r for r in rows if r["name"].endswith("GPT")]
+    assert {r["name"] for r in smaller} >= {"1-layer GPT"}
     assert all((r["name"], r["mode"], None) in val for r in smaller)
 
 @pytest.mark.parametrize("terminal", ["stdout", "stderr"])

@@ -213,7 +213,7 @@ def test_output_says_not_same_where_greedy_speculation_differs(monkeypatch):
     """The output column reads the measured comparison: a greedy speculative decoder that differed says so."""
     monkeypatch.setattr(m, "spec_stats", lambda *a: {"identical_to_full": False})
     monkeypatch.setattr(m, "tail", lambda outputs: {})
-    speed = {(n, mode): {"tokens_per_second": 1.0, "outputs": []} for n in ("full", "self_speculative")
+    speed = {(n, mode): {"tokens_per_second": 1.0, "seconds": m.np.ones((1, 1)), "outputs": []} for n in ("full", "self_speculative")
              for mode in m.MODES}
     quality = {"full": {"pred": torch.zeros(3), "test_loss": 1.0, "test_accuracy": 0.5}}
     row = m.table_row("self_speculative", "self_speculative", "full", "greedy", speed, quality, 1)

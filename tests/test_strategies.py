@@ -3,6 +3,7 @@
 import types
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 
@@ -137,6 +138,29 @@ def test_speed_pass_interleaves_the_decoders_a_call_at_a_time():
     # 3 calls a pass, 2 passes; batch i samples from seed + i whichever decoder and pass runs it
     assert calls == [(name, 7 + i) for i in range(3) for name in "ab"] * 2
     assert len(out["a"]["outputs"]) == len(out["b"]["outputs"]) == 3  # the last pass's
+    assert out["a"]["seconds"].shape == (2, 3) and (out["a"]["seconds"] > 0).all()  # a call's time
+
+
+def test_a_speed_up_pairs_each_call_with_full_depths_and_averages_the_middle_half():
+    """Full depth's speed over a decoder's: each call's time over full depth's on the same prompts in
+    the same pass; the quarter of the ratios at each end dropped, so a burst of load on one call moves
+    it little."""
+    full = {"seconds": np.full((2, 4), 0.2)}
+    half = {"seconds": np.full((2, 4), 0.1)}
+    assert m.speedup(half, full) == pytest.approx(2.0)
+    burst = {"seconds": half["seconds"].copy()}
+    burst["seconds"][1, 2] = 5.0  # one call of eight caught a burst of load
+    assert m.speedup(burst, full) == pytest.approx(2.0)
+    slow_full = {"seconds": full["seconds"].copy()}
+    slow_full["seconds"][0, 0] = 5.0  # full depth's call caught it: that prompt's ratio is dropped
+    assert m.speedup(half, slow_full) == pytest.approx(2.0)
+    # ratios 1, 2, 3, 4 (and 5): the middle half is 2 and 3 (2, 3 and 4), paired call by call
+    four = {"seconds": np.array([[0.4, 0.1, 0.3, 0.2]])}
+    assert m.speedup(four, {"seconds": np.full((1, 4), 0.1)}) == pytest.approx(1 / 2.5)
+    five = {"seconds": np.array([[0.4, 0.1, 0.3, 0.2, 0.5]])}
+    assert m.speedup(five, {"seconds": np.full((1, 5), 0.1)}) == pytest.approx(1 / 3.0)
+    three = {"seconds": np.array([[0.1, 0.2, 0.6]])}  # under four calls nothing is dropped
+    assert m.speedup(three, {"seconds": np.full((1, 3), 0.1)}) == pytest.approx(1 / 3.0)
 
 
 def test_quality_pass_and_speed_pass_report_what_they_ran():
