@@ -639,7 +639,7 @@ class LabConfig(Config):
     num_draft: int = 8  # speculative: the most tokens drafted per verify pass
     draft_layers: int = 1  # draft_model: the layers of the plain GPT trained in the run to draft
     # measurement
-    quality_positions: int = 1000  # test positions teacher-forced per decoder; more is steadier
+    quality_positions: int = 5000  # test positions teacher-forced per decoder, spread over test
     bench_prompts: int = 16  # timed workload: prompts evenly spaced in test (val: twice as many)
     bench_prompt_len: int = 32  # characters per workload prompt
     bench_tokens: int = 50  # characters generated per prompt per timed run
@@ -651,7 +651,8 @@ class LabConfig(Config):
     schedule_disagreement: float = 0.03  # SkipDecode: most disagreement with full depth it may cost
     # studies beyond the default run
     bench_batch: bool = False  # also measure every batch design at batch 1, 4 and 16 (minutes)
-    depths: str = ""  # plain GPTs besides the draft model: none (''), 'all' (below n_layer), '1,6'
+    depths: str = ""  # more plain GPTs (besides the draft model's and n_layer's): '', 'all', '2,3'
+    continued: float = 0.0  # > 0: an exit model more, a plain GPT, then this share of steps' recipe
 
 # cautious first: 1.000, 0.999, ..., 0.951 (the learned rule's scores crowd there), 0.95, ..., 0.00
 THRESHOLDS = (*(round(1 - i / 1000, 3) for i in range(50)),
@@ -713,22 +714,39 @@ class RecipeGPT(GPT):
                                                             cfg.distill_temperature)
         return loss
 
+def recipe_from(plain, config, splits, frozen=False):
+    """A RecipeGPT from a trained plain GPT's weights, trained under config (its steps, its batch,
+    its recipe): the whole model, or (frozen) its exit heads alone. Returns (the model, seconds)."""
+    model = RecipeGPT(config).to(splits["train"].device)
+    model.load_state_dict(plain.state_dict())
+    model.requires_grad_(not frozen)
+    model.exit_heads.requires_grad_(True)
+    optimizer = configure_optimizer(model.exit_heads if frozen else model, config)
+    seconds = train(model, optimizer, splits, config, splits["train"].device, evaluate=False)[0]
+    return model.eval(), seconds
+
 def frozen_exit_model(plain, config, splits, world=1):
     """Exit heads trained after, on a trained plain GPT's frozen trunk (EE-Tuning, arXiv:2402.00518;
     Kangaroo, arXiv:2404.18911): the heads learn from the targets (at alpha 1 where the run has no
     exit loss at all) and, distilling, from the final head, which nothing changes, so full depth's
     output is the plain GPT's bit for bit. No dropout: the heads read the states a decoder sees; the
     plain GPT's global batch (world processes'). Returns (the model, seconds)."""
-    cfg = replace(config, dropout=0.0, layer_dropout=0.0,
-                  alpha=config.alpha or float(not config.distill_weight),
-                  batch_size=config.batch_size * world)
-    model = RecipeGPT(cfg).to(splits["train"].device)
-    model.load_state_dict(plain.state_dict())
-    model.requires_grad_(False)
-    model.exit_heads.requires_grad_(True)
-    optimizer = configure_optimizer(model.exit_heads, cfg)
-    seconds = train(model, optimizer, splits, cfg, splits["train"].device, evaluate=False)[0]
-    return model.eval(), seconds
+    return recipe_from(plain, replace(config, dropout=0.0, layer_dropout=0.0, alpha=config.alpha or
+                                      float(not config.distill_weight),
+                                      batch_size=config.batch_size * world), splits, frozen=True)
+
+def continued_exit_model(config, splits, world=1):
+    """LayerSkip's continual setting (arXiv:2404.16710) at the run's budget: a plain GPT of the exit
+    model's shape for (1 - continued) of the steps, then the whole model with the recipe's exit
+    losses for the rest, on a learning-rate schedule of its own (warmup, then decay). Returns (the
+    model, its training in words)."""
+    first = round(config.max_iters * (1 - config.continued))
+    plain, _, trunk = train_plain_gpt(replace(config, max_iters=first), splits, config.n_layer,
+                                      world)
+    rest = replace(config, max_iters=config.max_iters - first, batch_size=config.batch_size * world)
+    model, seconds = recipe_from(plain, rest, splits)
+    return model, (f"a plain GPT for {first} steps ({trunk:.0f} s), then the whole model with "
+                   f"the recipe for {rest.max_iters} ({seconds:.0f} s)")
 
 def count_params(model):
     """(base model, exit heads) parameter counts; unlike nanoGPT's, position embeddings are
@@ -1655,7 +1673,7 @@ def table_row(name, decoder, ref, mode, speed, quality, batch_size):
         row.update(tail(outputs))
     q = quality.get(name, quality.get(ref))
     if q:
-        row.update(test_loss=q["test_loss"], test_accuracy=q["test_accuracy"],
+        row.update(test_loss=q["test_loss"], test_accuracy=q["test_accuracy"], nll=q["nll"],
                    agreement=average(q["pred"] == quality[ref]["pred"]))
         row["output"] = f"agree {row['agreement']:.3f}"
     if d.drafter:  # speculation: acceptance, and the output it equals
@@ -1665,40 +1683,41 @@ def table_row(name, decoder, ref, mode, speed, quality, batch_size):
         row["output"] = {True: "same tokens", None: "same dist.", False: "NOT same"}[same]
     return row
 
-def recipe_cost(points, n_layer):
-    """The joint recipe's cost at full depth: full depth's test loss minus that of the plain GPT of
-    the same shape (points: rows with name and test_loss, the same positions); None where that GPT
-    is not among them."""
-    losses = {p["name"]: p["test_loss"] for p in points}
-    deep = losses.get(f"{n_layer}-layer GPT")
-    return deep and losses["full"] - deep
+def paired_se(nll):
+    """(a, b) -> the standard error of a's test loss minus b's, paired position by position (nll:
+    name -> each position's loss, the same positions)."""
+    return {(a, b): float((x - y).std() / len(x) ** 0.5) for a, x in nll.items()
+            for b, y in nll.items()}
 
 # -----------------------------------------------------------------------------
 # The frontier: the points nothing beats on both loss and speed
 
-def dominated_by(rows, mode):
-    """Each row's better point in one mode: the fastest of those no worse in test loss nor in
-    speed-up and better in one; None where there is none, on the frontier."""
-    def point(r):
-        return r["test_loss"], r[f"speedup_{mode}"]
+def beats(o, r, mode, se):
+    """Whether point o beats r in a mode: at least as fast, and lower in test loss by over twice the
+    paired standard error of the difference (se); or faster, at the same predictions' loss (an
+    error of 0: speculation's, full depth's). Within twice the error the two are tied in loss."""
+    margin, error = r["test_loss"] - o["test_loss"], se[o["name"], r["name"]]
+    faster = o[f"speedup_{mode}"] - r[f"speedup_{mode}"]
+    return faster >= 0 and margin > 2 * error or faster > 0 and margin == error == 0
+
+def dominated_by(rows, mode, se):
+    """Each row's better point in one mode: the fastest of those that beat it; None where there is
+    none, on the frontier."""
     # a stable sort: of equal speed-ups the earlier row comes first, as max would pick it
     fastest_first = sorted(rows, key=lambda o: o[f"speedup_{mode}"], reverse=True)
-    return [next((o["name"] for o in fastest_first if o["test_loss"] <= r["test_loss"]
-                  and o[f"speedup_{mode}"] >= r[f"speedup_{mode}"] and point(o) != point(r)), None)
-            for r in rows]
+    return [next((o["name"] for o in fastest_first if beats(o, r, mode, se)), None) for r in rows]
 
-def frontier_points(rows):
+def frontier_points(rows, se):
     """Decoder-table rows of both modes, one point a name: its first row's figures, its speed-up
-    in each mode (speedup_<mode>) and, in each, the point that beats it (dominated_<mode>)."""
+    in each mode (speedup_<mode>) and, in each, the point that beats it (dominated_<mode>; se:
+    the paired standard errors of the loss differences)."""
     points = {}
     for r in rows:
         point = points.setdefault(r["name"], dict(r))
         point[f"speedup_{r['mode']}"] = r["speedup"]
-        if r.get("peak_bytes"):  # the larger of the two modes' peaks
-            point["peak_bytes"] = max(point["peak_bytes"], r["peak_bytes"])
     points = list(points.values())
     for mode in MODES:
-        for point, better in zip(points, dominated_by(points, mode)):
+        for point, better in zip(points, dominated_by(points, mode, se)):
             point[f"dominated_{mode}"] = better
     return points
 
@@ -1707,19 +1726,20 @@ def frontier_names(points):
     return {mode: ", ".join(p["name"] for p in points if p[f"dominated_{mode}"] is None)
             for mode in MODES}
 
-def quality_pass(decode, data, n_positions, batch_size=1, prompt_len=1):
-    """Teacher-forced decoding of batch_size contiguous pieces of data at once, n_positions in
-    all, each piece after a prompt of prompt_len: every decoder sees the same text, and its own
-    cache's effects. The workload's prompt length puts the positions where the workload's are,
-    at every batch size."""
-    per_row = n_positions // batch_size
-    pieces = data[: batch_size * (prompt_len + per_row)].view(batch_size, -1)  # (B, P + per_row)
-    prompt, targets = pieces.split([prompt_len, per_row], 1)
-    out = decode(prompt, per_row, forced=targets)
-    logits, targets = out.logits.flatten(0, 1), targets.flatten()  # (N, V), (N,)
-    pred = logits.argmax(-1)
-    return {"pred": pred, "mean_layers": out.layers_run / per_row,
-            "test_loss": F.cross_entropy(logits, targets).item(),
+def quality_pass(decode, data, n_positions, rows=1, prompt_len=1, piece=1):
+    """Teacher-forced decoding of n_positions // piece pieces spread evenly over data, each of
+    `piece` positions after a prompt of prompt_len, `rows` pieces a call: every decoder sees the
+    same text, and its own cache's effects (with the workload's prompt length and tokens, its
+    positions where the workload's are). Each position's loss too (nll), to pair decoders by."""
+    n = n_positions // piece
+    starts = torch.linspace(0, len(data) - prompt_len - piece, n).long()
+    windows = data.unfold(0, prompt_len + piece, 1)[starts]  # (n, P + piece)
+    outs = [decode(w[:, :prompt_len], piece, forced=w[:, prompt_len:]) for w in windows.split(rows)]
+    logits = torch.cat([o.logits for o in outs]).flatten(0, 1)  # (n * piece, V)
+    targets = windows[:, prompt_len:].flatten()
+    nll, pred = F.cross_entropy(logits, targets, reduction="none"), logits.argmax(-1)
+    return {"pred": pred, "nll": nll, "test_loss": nll.mean().item(),
+            "mean_layers": sum(o.layers_run * len(o.tokens) for o in outs) / len(targets),
             "test_accuracy": average(pred == targets)}
 
 def in_mode(decode, config, mode):
@@ -1758,8 +1778,6 @@ def workload(data, n_prompts, prompt_len):
     (n_prompts, prompt_len). One prompt proves nothing: a greedy character model soon loops
     ("the the the"), and a loop is easy to draft. Timed figures continue every prompt of test's
     workload; choices use val's."""
-    if len(data) < prompt_len + 2:
-        raise ValueError(f"a {len(data)}-character split is too short for prompts of {prompt_len}")
     starts = torch.linspace(0, len(data) - prompt_len - 1, n_prompts).long()  # (n_prompts,)
     return data[:-1].unfold(0, prompt_len, 1)[starts]  # windows followed by one more character
 
@@ -1774,11 +1792,10 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
     a call at a time (a burst of load on the machine falls on every decoder alike); decoders: key ->
     decode. Per decoder: median over the passes of tokens/s of all rows, each call's seconds
     (passes, calls), block runs per token while decoding (catch-up included) and re-prefilling,
-    the keys and values it holds a row, the device memory it adds at its peak (CUDA's; else
-    None), how repetitive the text is, and the last pass's Generations."""
+    the keys and values it holds a row, how repetitive the text is, and the last pass's
+    Generations."""
     batches, device = prompts.split(batch_size), prompts.device  # each (B, T0)
     seconds = {key: np.zeros((repeats, len(batches))) for key in decoders}  # a call's time
-    peak = dict.fromkeys(decoders)
     gc.disable()  # no garbage collection while timing: it would land on whichever decoder runs
     try:
         for r in range(repeats):
@@ -1787,17 +1804,11 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
                 for key, decode in decoders.items():
                     # batch i samples from seed + i, whichever decoder and pass runs it
                     generator = torch.Generator(device).manual_seed(seed + i)
-                    if prompts.is_cuda:  # the peak a call adds above what was allocated before it
-                        torch.cuda.reset_peak_memory_stats(device)
-                        before = torch.cuda.memory_allocated(device)
                     synchronize(device)
                     t0 = time.perf_counter()
                     outputs[key].append(decode(batch, n_tokens, generator=generator))
                     synchronize(device)
                     seconds[key][r, i] = time.perf_counter() - t0
-                    if prompts.is_cuda:
-                        peak[key] = max(peak[key] or 0,
-                                        torch.cuda.max_memory_allocated(device) - before)
     finally:
         gc.enable()
     steps = len(batches) * n_tokens  # layers_run and prefill_runs count per row
@@ -1805,7 +1816,7 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
                   / float(np.median(seconds[key].sum(1))), "seconds": seconds[key],
                   "mean_layers": sum(o.layers_run for o in outs) / steps,
                   "prefill_layers": sum(o.prefill_runs for o in outs) / steps,
-                  "cache_bytes": outs[0].cache_bytes, "peak_bytes": peak[key],
+                  "cache_bytes": outs[0].cache_bytes,
                   "repetition": float(np.mean([repetition(r[-n_tokens:].tolist())
                                                for o in outs for r in o.tokens])),
                   "outputs": outs} for key, outs in outputs.items()}
@@ -1814,8 +1825,10 @@ def measure_decoders(decoders, test, prompts, config, batch_size=1):
     """The rows of a decoder table at one batch size, both modes: speed on the workload,
     interleaved, and quality teacher-forced on test. decoders: name -> (its declared decoder,
     {mode: decode}, the point its output is compared with); "full" is the baseline."""
-    quality = {name: quality_pass(modes["greedy"], test, config.quality_positions, batch_size,
-                                  config.bench_prompt_len)
+    # an exact cache decodes a row alike in any batch: then every piece in one call
+    quality = {name: quality_pass(modes["greedy"], test, config.quality_positions, batch_size if
+                                  DECODERS[decoder].cache != "exact" else config.quality_positions,
+                                  config.bench_prompt_len, config.bench_tokens)
                for name, (decoder, modes, _) in decoders.items() if not DECODERS[decoder].drafter}
     runs = {(name, mode): in_mode(modes[mode], config, mode)
             for mode in MODES for name, (_, modes, _) in decoders.items()}
@@ -1827,7 +1840,8 @@ def measure_decoders(decoders, test, prompts, config, batch_size=1):
 # -----------------------------------------------------------------------------
 # Tables: each defined once, printed on the console and drawn on the page from that definition
 
-WIDTH = 100  # console tables and their notes fit this many columns
+WIDTH = 120  # console tables and their notes fit this many columns: a point is named by model
+# and decoder ("frozen self_speculative"), and a frontier row names two more
 
 def table(text):
     """A table, defined once: its question on the first line, then a line a column, 'report key |
@@ -1844,7 +1858,8 @@ compute_saved  | val saved         | {:.1%}  | the share of layer runs skipped
 loss           | val loss          | {:.4f}  | the loss of the head each position leaves at
 disagreement   | disagree          | {:.2%}  | the share whose top-1 is not full depth's""")
 CALIBRATION_TABLE = table("""Which exit rule, with a guarantee, and how near the best possible?
-model              | model        | {}     | joint: the exit model; frozen: heads on a plain GPT
+model              | model        | {}     | joint: the exit model; frozen: heads on a plain GPT; \
+continued: a plain GPT, then the recipe
 measure            | rule         | {}     | how sure an exit is (oracle: knows full depth's top-1)
 k                  | k            | {}     | patience: the exits in a row that must agree
 delta              | delta        | {:.3g} | the chance allowed that its threshold breaks epsilon
@@ -1902,8 +1917,7 @@ dominated_greedy  | beaten by | {}      | a point at least as good in loss and s
 speedup_sampled   | sampled   | {:.2f}x | and sampled
 dominated_sampled | beaten by | {}      | sampled ('-': on the frontier)
 weights_mb        | weights   | {:.2f}  | MiB of weights read
-kv_kb             | KV        | {:,.0f} | KiB of keys and values held a sequence
-peak_kb           | peak      | {:,.0f} | KiB a call adds at its peak ('-': not reported)""")
+kv_kb             | KV        | {:,.0f} | KiB of keys and values held a sequence""")
 BATCH_TABLE = table("""Does early exit still save in a batch?
 batch_size        | B         | {}      | rows decoded together, a prompt each
 mode              | mode      | {}      | greedy, or sampled
@@ -1976,7 +1990,8 @@ class Lab:
         self.workloads = [workload(self.splits[s], n * config.bench_prompts,
                                    config.bench_prompt_len) for s, n in (("val", 2), ("test", 1))]
         self.plain_gpts = {}  # depth -> (a plain GPT trained alike, its training seconds)
-        self.frozen = None  # freeze()'s
+        self.exit_models = {}  # freeze()'s and continue_plain()'s
+        self.nll = {}  # (batch size, point) -> each test position's loss, measure()'s
 
     def use(self, sampling):
         """The rules, threshold and schedule of a calibration (None: none; then Part I's
@@ -2014,18 +2029,32 @@ class Lab:
         return self.plain_gpts[d][0]
 
     def freeze(self, names):
-        """The plain GPT of the exit model's depth with exit heads trained on its frozen trunk, its
-        exits read, calibrated and planned as the exit model's (self.frozen: model, records,
-        calibrations, rules, seconds of training, the plain GPT's and its heads'). Returns the
-        source measure() adds: its decoders of names, each beside the plain GPT's output (its
-        full depth, bit for bit: its draft_model drafts for the plain GPT)."""
+        """The plain GPT of the exit model's depth with exit heads trained on its frozen trunk: its
+        decoders of names, each beside that GPT's output (its full depth, bit for bit: its
+        draft_model drafts for the plain GPT)."""
         cfg = self.config
         model, seconds = frozen_exit_model(self.plain(cfg.n_layer), cfg, self.splits, self.world)
-        records, calibrations, sampling = calibrate_exits(model, self.splits, cfg)
+        about = (f"the plain {cfg.n_layer}-layer GPT ({self.plain_gpts[cfg.n_layer][1]:.0f} s of "
+                 f"training), exit heads trained after on its frozen trunk ({seconds:.0f} s); its "
+                 "full depth is that GPT's, bit for bit")
+        return self.exit_model("frozen", model, about, names, f"{cfg.n_layer}-layer GPT")
+
+    def continue_plain(self, names):
+        """The continued exit model (continued_exit_model): its decoders of names, each beside its
+        own full depth."""
+        made = continued_exit_model(self.config, self.splits, self.world)  # (model, about)
+        return self.exit_model("continued", *made, names, "continued full")
+
+    def exit_model(self, name, model, about, names, ref):
+        """An exit model besides the joint one, its exits read, calibrated and planned as the joint
+        one's (self.exit_models[name]: model, records, calibrations, rules, about: what it is and
+        its training's seconds). Returns the source measure() adds: its decoders of names ("name
+        decoder"), each beside ref's output."""
+        records, calibrations, sampling = calibrate_exits(model, self.splits, self.config)
         rules = exit_rules(sampling["weights"])
-        self.frozen = model, records, calibrations, rules, self.plain_gpts[cfg.n_layer][1] + seconds
-        plans = self.plans_for(records, run_threshold(cfg, sampling), sampling["schedule"])
-        return {"frozen ": (model, rules, plans, names, f"{cfg.n_layer}-layer GPT")}
+        self.exit_models[name] = model, records, calibrations, rules, about
+        plans = self.plans_for(records, run_threshold(self.config, sampling), sampling["schedule"])
+        return {name + " ": (model, rules, plans, names, ref)}
 
     def other_models(self):
         """The models decoded at full depth beside the exit model: name -> (model, family), every
@@ -2043,7 +2072,7 @@ class Lab:
         depth, beside full depth. Returns (name, mode, k) -> the speed-up over full depth (k None:
         not a drafter), and (name, mode) -> the plan each point runs on test."""
         cfg, draft = self.config, self.plain(self.config.draft_layers)
-        cells = {("full", None): ("full", self.model, None, None)}
+        cells = {}  # ("full", None), the baseline, first: the exit model's source names it first
         for prefix, (model, rules, plans, points, _) in sources.items():
             for name in points:
                 d = DECODERS[name]
@@ -2052,7 +2081,10 @@ class Lab:
                 elif d.drafter and not d.follows:
                     cells.update(((prefix + name, k), (name, model, draft_plan(
                         name, cfg, k, draft), rules)) for k in ks)
-        cells |= {(name, None): ("full", model, None, None) for name, (model, _) in more.items()}
+                elif not d.drafter:  # full depth
+                    cells[prefix + name, None] = "full", model, None, None
+        cells |= {(name, None): ("full", model, None, None) for name, (model, family) in
+                  more.items() if family != "pruned"}  # no table shows a pruned model's forecast
         runs = {(*cell, mode): in_mode(build(*how), cfg, mode)
                 for cell, how in cells.items() for mode in MODES}
         speed = speed_pass(runs, self.workloads[0], B, val_config.bench_tokens,
@@ -2069,8 +2101,7 @@ class Lab:
         workload runs first (on_val): the forecasts are its speed-ups (a pruned model has none)."""
         # the exit model's decoders of names (no prefix), then others' (freeze's)
         sources = {"": (self.model, self.rules, self.plans, names, "full")} | others
-        val, plans = self.on_val(B, sources, ks, val_config, {
-            name: m for name, m in more.items() if m[1] != "pruned"})
+        val, plans = self.on_val(B, sources, ks, val_config, more)
         decoders, models = {}, dict(more)
         for prefix, (model, rules, _, points, ref) in sources.items():
             for name in points:
@@ -2085,10 +2116,11 @@ class Lab:
             r.update(family=family, weight_bytes=weight_bytes(model, r["decoder"], plan))
             if family != "pruned":
                 r.update(prediction(r, plan, val))
+            self.nll[B, r["name"]] = r.pop("nll", None)
         return rows
 
 def threshold_sweep(lab):
-    """Every threshold on val (for the chart), and the table's every tenth."""
+    """Every threshold on val (report.json's sweep_curve), and the table's every tenth."""
     m, n = lab.config.confidence_measure, recorded(lab, "val")
     val = sweep(lab.records["val"], m, lab.checked)
     return {"sweep": [e for e in val if round(10 * e["threshold"], 6) % 1 == 0],
@@ -2103,7 +2135,7 @@ def recorded(lab, split):
 
 def rule_calibrations(lab):
     """Every rule calibrated on val and reported on test, the rule chosen on val, the oracle: the
-    exit model's, then (--depths with n_layer) the frozen model's."""
+    exit model's, then the frozen model's."""
     cfg = lab.config
     cal = lab.calibrations[cfg.confidence_measure]
     rows, chosen = rule_table(lab.records, lab.calibrations, lab.rules, cfg)
@@ -2116,11 +2148,9 @@ def rule_calibrations(lab):
         f"The chosen rule, {chosen['measure']}: of the {len(lab.rules)}, the one that saves the "
         f"most on val when each is calibrated at delta / {len(lab.rules)} (Bonferroni), so that "
         "the choice keeps the guarantee; a rule picked by its test figures would not."]
-    if lab.frozen:  # (model, records, calibrations, rules, seconds)
-        rows += rule_table(*lab.frozen[1:4], cfg, "frozen")[0]
-        notes.append(f"frozen: the plain {cfg.n_layer}-layer GPT, exit heads trained after on its "
-                     f"frozen trunk ({lab.frozen[4]:.0f} s of training in all); its full loss is "
-                     "that GPT's, bit for bit")
+    for name, (_, records, calibrations, rules, about) in lab.exit_models.items():
+        rows += rule_table(records, calibrations, rules, cfg, name)[0]
+        notes.append(f"{name}: {about}")
     return {"calibration_by_measure": rows, "calibration": cal, "chosen_rule": chosen,
             "notes": notes}
 
@@ -2150,6 +2180,8 @@ def strategies(lab):
     # the full model's decoders: a smaller GPT or a draft model re-prefills fewer layers
     prefill = sorted({round(e["prefill_layers"], 2) for e in rows if e["family"] == "exit model"
                       and DECODERS[e["decoder"]].drafter != "model"})
+    # the table: the exit model's decoders and the plain GPTs (every exit model's: the frontier)
+    rows = [r for r in rows if r["name"] in DECODERS or r["family"] == "plain GPT"]
     return {"strategies": rows, "decode_costs": costs, "plans": lab.plans, "notes": [
         f"{cfg.bench_prompts} test prompts of {cfg.bench_prompt_len} characters, "
         f"{cfg.bench_tokens} more each, batch 1, median of {cfg.bench_repeats} interleaved runs",
@@ -2184,32 +2216,40 @@ def tails(lab):
 
 def frontier(lab):
     """When does early exit pay? Every point by test loss, teacher-forced on the same test
-    positions, against its speed-up in each mode, marked with the point that beats it on both;
-    and what each holds in memory."""
+    positions, against its speed-up in each mode, marked with the point that beats it on both
+    beyond the loss's error bar; and what each holds in memory."""
     cfg, rows = lab.config, []
-    for p in frontier_points(lab.measured):  # peak: None where the device reports none
-        p.update(weights_mb=p["weight_bytes"] / 2**20, kv_kb=p["cache_bytes"] / 2**10,
-                 peak_kb=p["peak_bytes"] and p["peak_bytes"] / 2**10)
+    se = paired_se({r["name"]: lab.nll[1, r["name"]] for r in lab.measured})
+    for p in frontier_points(lab.measured, se):
+        p.update(weights_mb=p["weight_bytes"] / 2**20, kv_kb=p["cache_bytes"] / 2**10)
         family = "speculation" if DECODERS[p["decoder"]].drafter else p["family"]
         rows.append({key: p[key] for key, *_ in FRONTIER_TABLE[1]} | {
             "decoder": p["decoder"], "family": family})
-    on, cost = frontier_names(rows), recipe_cost(rows, cfg.n_layer)
+    # the joint recipe's cost at full depth: against the plain GPT of its shape
+    on, deep, loss = frontier_names(rows), f"{cfg.n_layer}-layer GPT", {
+        r["name"]: r["test_loss"] for r in rows}
     seconds = ", ".join(f"{d}-layer GPT {t:.0f} s" for d, (_, t) in sorted(lab.plain_gpts.items()))
+    # what would beat each point without the error bar (an error of 0)
+    tied = {mode: ", ".join(f"{r['name']} ({o}'s loss)" for r, o in zip(rows, dominated_by(
+        rows, mode, dict.fromkeys(se, 0.0))) if o and not r[f"dominated_{mode}"]) or "none"
+            for mode in MODES}
     notes = [
-        f"Test loss on {cfg.quality_positions:,} test positions, teacher-forced through each "
-        "decoder (speculation: full depth's, by construction); speed-ups on the strategies "
-        "table's workload",
+        f"Test loss on {cfg.quality_positions:,} test positions in pieces of {cfg.bench_tokens} "
+        "spread over test, teacher-forced through each decoder (speculation: full depth's, by "
+        "construction); speed-ups on the strategies table's workload",
         f"On the frontier, greedy: {on['greedy']}; sampled: {on['sampled']}. Every other point is "
-        "beaten on both axes by the one named (no worse on either, better on one).",
+        "beaten by the one named: at least as fast, and lower in test loss by over twice the "
+        "paired standard error of the difference (or faster at the same predictions' loss).",
+        "Within twice that error of the loss of a point at least as fast, so tied in loss and on "
+        f"the frontier: greedy, {tied['greedy']}; sampled, {tied['sampled']}.",
         "Memory: weights a decoder reads (the exit heads it checks; a draft model's too), keys and "
         "values it holds a sequence at the window's full length (speculation: "
-        f"{cfg.num_draft} spare slots), and what a decode call adds to the device's memory at its "
-        f"peak, where the device reports it. Training: the "
-        f"exit model {lab.train_seconds:.0f} s, {seconds}; pruned models, none."]
-    if cost is not None:
-        notes.append(f"The exit recipe's cost at full depth: {cost:+.4f} in test loss against the "
-                     f"plain {cfg.n_layer}-layer GPT of the same shape, steps and data")
-    return {"frontier": rows, "recipe_cost": cost, "notes": notes}
+        f"{cfg.num_draft} spare slots). Training: the exit model {lab.train_seconds:.0f} s, "
+        f"{seconds}; pruned models, none.", "The exit recipe's cost at full depth: "
+        f"{loss['full'] - loss[deep]:+.4f} (paired standard error {se['full', deep]:.4f}) in test "
+        f"loss against the plain {deep} of the same shape, steps and data"]
+    return {"frontier": rows, "recipe_cost": loss["full"] - loss[deep], "notes": notes,
+            "paired_se": {f"{a} - {b}": e for (a, b), e in se.items() if a < b}}
 
 # num_draft tried in batches (11 fills 33 new tokens: half of block 64, plus 1)
 BATCH_DRAFTS = (4, 8, 11, 16)
@@ -2282,11 +2322,9 @@ td, th { padding: .2em .6em; border-bottom: 1px solid var(--grid); text-align: r
   white-space: nowrap; }
 th { color: var(--muted); font-weight: 500; }
 svg text { fill: var(--fg); font: 13px system-ui, sans-serif; } svg .grid { stroke: var(--grid); }
-svg .compute_saved { fill: var(--a); stroke: var(--a); }
-svg .disagreement { fill: var(--b); stroke: var(--b); }
 svg .decoder { fill: var(--a); } svg .speculation { fill: var(--b); } svg .gpt { fill: var(--c); }
 svg .pruned { fill: var(--bg); stroke: var(--fg); } svg .path { stroke: var(--fg); }
-svg .line { fill: none; stroke-width: 2; } svg .mark { stroke: var(--fg); stroke-dasharray: 4 3; }
+svg .line { fill: none; stroke-width: 2; }
 #summary { border: 1px solid var(--grid); border-radius: 6px; padding: 0 1em; }
 """
 
@@ -2333,15 +2371,12 @@ def svg_path(path, ticks):
         parts.append(f'<text x="{plot_x(x) + 5:.1f}" y="{base:.1f}">{esc(name)}</text>')
     return "".join(parts)
 
-def svg_chart(series, x_ticks, titles, y_fmt, mark=None, line=None, top=None, path=()):
-    """Lines from 0 (or under it), or dots with a path. series: (name, class, points), a point (x in
-    [0, 1], y, report key, hover text); x_ticks: {label: x}; titles: the axes'; mark: (x, report
-    key, label), a dashed line up; line: (y, label), one across (at most top); top: the axis's
-    top; path: (x, y, name)s joined, each named."""
+def svg_chart(series, x_ticks, titles, y_fmt, path):
+    """Dots with a path. series: (name, class, points), a point (x in [0, 1], y, report key, hover
+    text); x_ticks: {label: x}; titles: the axes'; path: (x, y, name)s joined, each named."""
     ys = [p[1] for _, _, points in series for p in points]
-    # dots with a path: an axis from a quarter of their span under the lowest point, to name it
-    bottom = min(ys) - (max(ys) - min(ys)) / 4 if path else min(ys + [0])
-    ticks, H = nice_ticks(top or max(ys), bottom), PLOT_HEIGHT
+    # an axis from a quarter of the points' span under the lowest, to name it
+    ticks, H = nice_ticks(max(ys), min(ys) - (max(ys) - min(ys)) / 4), PLOT_HEIGHT
     parts = [f'<div class="scroll"><svg viewBox="0 0 640 {H + 64 + 18 * len(series)}" '
              f'width="100%" role="img"><text transform="translate(14 {H / 2}) rotate(-90)" '
              f'text-anchor="middle">{esc(titles[1])}</text><text x="345" y="{H + 52}" '
@@ -2351,23 +2386,11 @@ def svg_chart(series, x_ticks, titles, y_fmt, mark=None, line=None, top=None, pa
               f'text-anchor="end">{y_fmt.format(t)}</text>' for t in ticks]
     parts += [f'<text x="{plot_x(x):.1f}" y="{H + 18}" text-anchor="middle">{esc(label)}</text>'
               for label, x in x_ticks.items()]
-    if mark:
-        parts.append(f'<line class="mark" x1="{plot_x(mark[0]):.1f}" x2="{plot_x(mark[0]):.1f}" '
-                     f'y1="0" y2="{H}" {datum(mark[1], mark[0])}/><text '
-                     f'x="{plot_x(mark[0]) + (4 if mark[0] < 0.5 else -4):.1f}" y="12" '
-                     f'text-anchor="{"start" if mark[0] < 0.5 else "end"}">{esc(mark[2])}</text>')
-    if path:
-        parts.append(svg_path(path, ticks))
+    parts.append(svg_path(path, ticks))
     for s, (name, cls, points) in enumerate(series):
-        if not path:
-            parts.append(svg_line(cls, points, ticks))
         parts += [svg_point(cls, p, ticks) for p in points]
         parts.append(f'<rect class="{cls}" x="70" y="{H + 66 + 18 * s}" width="12" height="12"/>'
                      f'<text x="88" y="{H + 77 + 18 * s}">{esc(name)}</text>')
-    if line:  # its label at the left end
-        parts.append(f'<line class="mark" x1="64" x2="630" y1="{plot_y(line[0], ticks):.1f}" '
-                     f'y2="{plot_y(line[0], ticks):.1f}"/><text x="72" '
-                     f'y="{plot_y(line[0], ticks) - 4:.1f}">{esc(line[1])}</text>')
     return "".join(parts) + "</svg></div>"
 
 def html_table(columns, rows, key, notes):
@@ -2426,26 +2449,6 @@ def html_generation(report):
         f"{spans}</pre></div><div><h3>full depth</h3><pre "
         f"class='sample'>\n{esc(g['full_depth_sample'])}</pre></div></div>")
 
-def sweep_charts(report):
-    """What each threshold trades on val, compute for disagreement, each on its own axis: the
-    disagreement's zoomed to twice the budget (epsilon drawn); the calibrated threshold marked."""
-    cal = report["calibration"]
-    eps = cal["epsilon"]
-    charts = ""
-    for key, name, line in (("compute_saved", "compute saved (share of layer runs)", None),
-                            ("disagreement", "disagreement with full depth (share of positions)",
-                             (eps, f"epsilon: {100 * eps:g}%"))):
-        points = [(e["threshold"], e[key], f"sweep_curve.{j}.{key}",
-                   f"threshold {e['threshold']:g}: {e[key]:.2%}")
-                  for j, e in enumerate(report["sweep_curve"])]
-        charts += svg_chart([(name, key, points)], {f"{t / 10:.1f}": t / 10 for t in range(11)},
-                            (f"exit threshold ({cal['measure']} confidence)", "share"), "{:.1%}",
-                            mark=(cal["threshold"], "calibration.threshold",
-                                  f"calibrated: {cal['threshold']:g}"),
-                            line=line, top=line and 2 * eps)
-    return charts + ("<p class='muted'>Disagreement over twice epsilon is drawn at the top of its "
-                     "axis; hover for the value.</p>")
-
 def frontier_chart(report):
     """A chart a mode: every point's test loss against its speed-up, coloured by its family; a line
     joins the frontier, the lower right edge, and names its points."""
@@ -2463,7 +2466,7 @@ def frontier_chart(report):
         charts += svg_chart([(*kind, points) for kind, points in families.items()],
                             {f"{t:g}x": t / top for t in nice_ticks(top)},
                             (f"speed-up over full depth, {mode} (line: the frontier)", "test loss"),
-                            "{:.3f}", path=path)
+                            "{:.3f}", path)
     return charts
 
 def html_report(report):
@@ -2694,7 +2697,7 @@ RANGES = {  # the numbers each field takes: [ or ] includes that end, ( or ) lea
     "[10, inf)": "sweep_positions",  # the learned rule is fitted on ten pieces of train
     "[2, inf)": "n_layer block_size bench_tokens",  # bench_tokens: a gap between two tokens
     "(0, inf)": "learning_rate distill_temperature",
-    "[0, 1)": "dropout beta1 beta2 layer_dropout",
+    "[0, 1)": "dropout beta1 beta2 layer_dropout continued",
     "(0, 1)": "epsilon delta",
     "[0, 1]": "schedule_disagreement",
     "[-1, 1]": "exit_threshold",  # -1 calibrates on val; not in (-1, 0)
@@ -2754,10 +2757,11 @@ def parse_args(argv):
     return config, given
 
 def plain_depths(text, draft_layers, n_layer):
-    """--depths: the plain GPTs a run trains besides the draft model: none (''), all below n_layer,
-    or a comma list (n_layer itself: a plain GPT of the exit model's depth, the recipe's cost)."""
+    """The plain GPTs a run trains: the draft model's depth, the exit model's (the undamaged deep
+    model: the recipe's cost; the frozen model's trunk) and --depths: none (''), all below n_layer,
+    or a comma list."""
     depths = range(1, n_layer) if text == "all" else [int(d) for d in text.split(",") if d]
-    return sorted({draft_layers, *depths})
+    return sorted({draft_layers, n_layer, *depths})
 
 def field_rules(config, L):
     """The rules that tie fields together, for a model of L layers: (broken, its message) each."""
@@ -2770,12 +2774,14 @@ def field_rules(config, L):
         (config.draft_exit >= L - 1,
          f"draft_exit={config.draft_exit}: a layer below the last, 0..{L - 2}"),
         (not config.prompt, "--prompt must hold at least one character"),
-        (config.bench_batch and config.quality_positions < max(BATCH_SIZES),
-         f"--bench_batch needs quality_positions >= {max(BATCH_SIZES)}: a position a row"),
+        (config.quality_positions < config.bench_tokens * (
+            max(BATCH_SIZES) if config.bench_batch else 1),
+         f"--quality_positions={config.quality_positions}: at least bench_tokens, a piece (with "
+         f"--bench_batch, {max(BATCH_SIZES)} pieces: one a row)"),
         (not re.fullmatch(r"(all|(\d+,)*\d+)?", config.depths),
          f"--depths={config.depths!r}: '', 'all' or a comma list of layers"),
         (any(not 0 < int(d) <= L for d in re.findall(r"\d+", config.depths)),
-         f"--depths={config.depths!r}: plain GPTs of 1..{L} layers (n_layer: the recipe's cost)"),
+         f"--depths={config.depths!r}: plain GPTs of 1..{L} layers"),
         (config.num_draft > config.block_size and L < math.inf,
          f"--num_draft={config.num_draft}: at most block_size={config.block_size}, as a round "
          "drafts within the window"),
@@ -2789,10 +2795,10 @@ def field_rules(config, L):
          "--exit_layers=auto"),
         (config.lesson_only and any(getattr(config, name) != getattr(LabConfig, name) for name in (
             "init_from", "sample_only", "confidence_measure", "kv_strategy", "exit_layers",
-            "depths", "bench_batch")),
+            "depths", "bench_batch", "continued")),
          "--lesson_only is Part I alone: it trains anew, backfills, exits by top1 at every exit; "
          "no --init_from=resume, --sample_only, --confidence_measure, --kv_strategy, "
-         "--exit_layers, --depths or --bench_batch"),
+         "--exit_layers, --depths, --bench_batch or --continued"),
         (config.sample_only and config.init_from != "resume",
          "--sample_only=1 samples from a checkpoint: add --init_from=resume"))
 
@@ -2829,14 +2835,12 @@ def check_text(config):
     if len(set(text)) < 2:
         raise ValueError(f"--input_path={config.input_path!r} holds {len(set(text))} distinct "
                          "characters: a model needs at least 2 to choose between")
-    # + 2: a character to predict after a window; quality: a piece a row, each after a prompt
-    need = max(config.block_size,
-               config.quality_positions + max(BATCH_SIZES) * config.bench_prompt_len) + 2
+    # + 2: a character to predict after a window; quality: a prompt and a piece
+    need = max(config.block_size, config.bench_prompt_len + config.bench_tokens) + 2
     if min(map(len, split_data(text).values())) < need:
         raise ValueError(f"--input_path={config.input_path!r} ({len(text):,} characters) is too "
                          f"short: each split needs {need} for block_size, bench_prompt_len and "
-                         "quality_positions (a prompt and a piece a row at batch "
-                         f"{max(BATCH_SIZES)})")
+                         "bench_tokens")
     others = {"--prompt": config.prompt}
     if config.shift_path:
         others["--shift_path ('' skips it)"] = read_text(config, "shift_path")
@@ -2890,7 +2894,7 @@ class Analysis(NamedTuple):
 
 # the run's questions, in the order the console prints them and the page shows them
 ANALYSES = (
-    Analysis("sweep", SWEEP_TABLE, threshold_sweep, sweep_charts),
+    Analysis("sweep", SWEEP_TABLE, threshold_sweep),
     Analysis("calibration_by_measure", CALIBRATION_TABLE, rule_calibrations),
     Analysis("shift", SHIFT_TABLE, shifted_text),
     Analysis("strategies", STRATEGY_TABLE, strategies),
@@ -2923,8 +2927,6 @@ def generation_report(lab):
     of both (report.html colours each character by its exit)."""
     cfg = lab.config
     decode, label, threshold = sample_decoder(lab)
-    if cfg.exit_threshold < 0 and lab.schedule and threshold == lab.threshold:  # Learn then Test's
-        print(f"\nthe early-exit sample uses the threshold calibrated on val ({lab.threshold:g})")
     samples = show_samples(lab.model, lab.tokenizer, cfg, lab.device, decode, label)
     full, full_speed = samples["full-depth"]
     early, speed = samples["early-exit"]
@@ -2963,7 +2965,8 @@ def summary(report):
             "fastest with an exact cache: " + ", ".join(
                 f"{fastest[m]['name']} {fastest[m]['speedup']:.2f}x {m}" for m in MODES),
             f"when does early exit pay? On the frontier, greedy: {on['greedy']}; "
-            f"sampled: {on['sampled']}"]
+            f"sampled: {on['sampled']} (the exit recipe's cost at full depth: "
+            f"{report['recipe_cost']:+.4f})"]
 
 def lesson_config(config):
     """Part I's Config from the lab's fields, with Part I's own threshold where the lab's says
@@ -2999,11 +3002,12 @@ def run_lab(lab, report, sampling=None):
     if cfg.sample_only:  # sampling leaves the trained run's report alone: samples.*
         return write_report(report, cfg, "samples")
     lab.plan()  # the unit costs, timed; every exit decoder's plan, chosen on val
-    names, others = [name for name, d in DECODERS.items() if not d.follows], {}
-    if cfg.n_layer in plain_depths(cfg.depths, cfg.draft_layers, cfg.n_layer):
-        # heads on the plain GPT of the exit model's depth; its full depth is that GPT's point,
-        # so it brings every decoder but the first declared, full depth
-        others = lab.freeze(names[1:])
+    names = [name for name, d in DECODERS.items() if not d.follows]
+    # heads on the plain GPT of the exit model's depth; its full depth is that GPT's point, so it
+    # brings every decoder but the first declared, full depth
+    others = lab.freeze(names[1:])
+    if cfg.continued:
+        others |= lab.continue_plain(names)
     lab.measured = lab.measure(1, names, [cfg.num_draft], replace(cfg, bench_repeats=1),
                                lab.other_models(), others)  # every decoder and model, timed
     for analysis in ANALYSES:

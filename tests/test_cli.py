@@ -205,10 +205,17 @@ def test_mismatched_checkpoint(tmp_path, capsys, lab_runs):
 
 def test_report_has_the_strategies_and_calibration(lab_runs):
     r = json.loads((lab_runs(THREE_LAYERS)[2] / "report.json").read_text())
-    names = ["full", "backfill", "deferred", "state_copy", "holes", "skipdecode", "self_speculative", "draft_model",
-             "1-layer GPT"]
+    joint = ["full", "backfill", "deferred", "state_copy", "holes", "skipdecode", "self_speculative", "draft_model"]
+    # the table: the exit model's decoders, then the plain GPTs
+    names = joint + ["1-layer GPT", "3-layer GPT"]
     assert [(row["mode"], row["name"]) for row in r["strategies"]] == [(mode, n) for mode in ("greedy", "sampled")
                                                                       for n in names]
+    # the frontier: every exit model brings every decoder (the frozen model's full depth is the 3-layer GPT's)
+    others = [f"frozen {n}" for n in joint[1:]] + [f"continued {n}" for n in joint]
+    assert [row["name"] for row in r["frontier"]] == joint + others + ["1-layer GPT", "3-layer GPT", "pruned 1", "pruned 2"]
+    acceptance = " ".join(r["notes"]["strategies"])  # every exit model's drafters, in the notes
+    assert all(f"{p}self_speculative {mode}: drafts to layer" in acceptance for p in ("", "frozen ", "continued ")
+               for mode in m.MODES)
     keys = {"name", "mode", "tokens_per_second", "speedup", "mean_layers", "prefill_layers",
             "repetition", "test_loss", "test_accuracy", "agreement"}
     assert all(keys <= set(row) for row in r["strategies"])
@@ -240,16 +247,21 @@ def test_report_has_the_strategies_and_calibration(lab_runs):
     assert {"disagreement", "loss", "full_loss", "accuracy", "compute_saved"} <= set(cal["test"])
     assert len(r["sweep_curve"]) == len(m.THRESHOLDS) and [e["threshold"] for e in r["sweep"]] == [
         t / 10 for t in range(10, -1, -1)]  # the table shows every tenth
-    rules = [c["measure"] for c in r["calibration_by_measure"]]
+    # each exit model's rules, chosen rule and oracle, the joint model's first
+    models = [c["model"] for c in r["calibration_by_measure"]]
+    assert models == [model for model in ("joint", "frozen", "continued") for _ in range(8)]
+    rules = [c["measure"] for c in r["calibration_by_measure"]][:8]
     chosen = r["chosen_rule"]
     assert rules == ["top1", "margin", "entropy", "patience", "saturation", "learned", f"{chosen['measure']}, chosen",
                      "oracle"]
+    notes = r["notes"]["calibration_by_measure"]
+    assert notes[-2].startswith("frozen: the plain 3-layer GPT (") and notes[-1].startswith(
+        "continued: a plain GPT for 1 steps (") and notes[-1].endswith(" s)")
     assert chosen["delta"] == pytest.approx(0.05 / 6) and chosen["measure"] in rules[:6]
-    oracle = r["calibration_by_measure"][-1]["test"]["compute_saved"]
-    for c in r["calibration_by_measure"]:
-        assert c["test"]["oracle_share"] == pytest.approx(c["test"]["compute_saved"] / max(oracle, 1e-9))
+    oracle = {c["model"]: c["test"]["compute_saved"] for c in r["calibration_by_measure"] if c["measure"] == "oracle"}
+    for c in r["calibration_by_measure"]:  # over its own model's oracle
+        assert c["test"]["oracle_share"] == pytest.approx(c["test"]["compute_saved"] / max(oracle[c["model"]], 1e-9))
     assert all({"first_ms", "gap_p50", "gap_p95", "gap_p99", "prompt_ms_p95"} <= set(row) for row in r["strategies"])
-    assert [row["name"] for row in r["frontier"]] == names + ["pruned 1", "pruned 2"]
     shift = r["calibration"]["shift"]
     assert shift["held"] == (shift["disagreement"] <= r["calibration"]["epsilon"])
 

@@ -16,7 +16,7 @@ from conftest import KV_STRATEGIES, ROOT, m, tiny_model
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 TINY = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--eval_iters=1",
-        "--eval_interval=2", "--max_iters=4", "--max_new_tokens=20", "--device=cuda", "--quality_positions=48",
+        "--eval_interval=2", "--max_iters=4", "--max_new_tokens=20", "--device=cuda", "--quality_positions=192",
         "--bench_tokens=12", "--bench_repeats=1", "--bench_prompts=4", "--bench_prompt_len=8",
         "--sweep_positions=500"]
 
@@ -29,7 +29,6 @@ def test_the_default_run_and_every_study_on_cuda(tmp_path, study):
     assert report["config"]["device"] == "cuda" and report["strategies"]
     assert all(r["identical_to_full"] for r in report["strategies"]
                if r["name"] in ("self_speculative", "draft_model") and r["mode"] == "greedy")
-    assert all(r["peak_kb"] is not None for r in report["frontier"]), "CUDA reports each call's peak"
 
 
 def test_resume_and_sample_only_on_cuda(tmp_path):

@@ -1,6 +1,7 @@
 """Figures a reader takes at their word: the positions a quality pass reads, the thresholds a table
-prints, the peaks a frontier point keeps, the counts a note names, a prediction's denominator."""
+prints, the counts a note names, a prediction's denominator."""
 import types
+from functools import partial
 
 import pytest
 import torch
@@ -9,49 +10,48 @@ import torch.nn.functional as F
 from conftest import m, tiny_model
 
 
-@pytest.mark.parametrize("batch_size,prompt_len", [(1, 1), (1, 6), (4, 1), (4, 4), (2, 6)])
-def test_quality_pass_teacher_forces_each_row_after_its_prompt(no_grad, batch_size, prompt_len):
-    """Every row predicts its piece's characters after a prompt, uncached: the same loss, at every
-    batch size, as the whole model run over each piece at once."""
+@pytest.mark.parametrize("rows,prompt_len", [(1, 1), (1, 6), (4, 1), (4, 4), (2, 6), (3, 6)])
+def test_quality_pass_teacher_forces_pieces_spread_over_the_text(no_grad, rows, prompt_len):
+    """n_positions // piece pieces, evenly spread from the text's start to its end, each predicted
+    after its prompt, uncached: the same loss and per-position losses, at any rows a call (3: a call
+    short of rows), as the whole model run over each piece at once."""
     model = tiny_model()
     data = torch.randint(0, 11, (100,), generator=torch.Generator().manual_seed(1))
-    per_row = 10
-    pieces = data[: batch_size * (prompt_len + per_row)].view(batch_size, -1)
-    assert pieces.size(1) <= model.config.block_size  # one window: no re-prefill in the reference
-    logits = model.all_exit_logits(pieces)[-1][:, prompt_len - 1 : -1]  # (B, per_row, V)
-    want = F.cross_entropy(logits.flatten(0, 1), pieces[:, prompt_len:].flatten()).item()
-    got = m.quality_pass(m.build("full", model, None), data, per_row * batch_size + batch_size - 1,
-                         batch_size, prompt_len)  # a remainder under a row is dropped
-    assert got["test_loss"] == pytest.approx(want, abs=1e-5)
-    assert got["pred"].numel() == batch_size * per_row
+    piece, n = 10, 4
+    got = m.quality_pass(m.build("full", model, None), data, piece * n + piece - 1, rows, prompt_len, piece)
+    # a remainder under a piece is dropped; the first piece starts the text, the last ends it
+    starts = torch.linspace(0, 100 - prompt_len - piece, n).long().tolist()
+    assert starts[0] == 0 and starts[-1] + prompt_len + piece == 100 and len(set(starts)) == n
+    windows = torch.stack([data[s : s + prompt_len + piece] for s in starts])
+    assert windows.size(1) <= model.config.block_size  # one window: no re-prefill in the reference
+    logits = model.all_exit_logits(windows)[-1][:, prompt_len - 1 : -1]  # (n, piece, V)
+    nll = F.cross_entropy(logits.flatten(0, 1), windows[:, prompt_len:].flatten(), reduction="none")
+    assert got["test_loss"] == pytest.approx(nll.mean().item(), abs=1e-5)
+    assert torch.allclose(got["nll"], nll, atol=1e-5) and got["pred"].numel() == n * piece
+    assert got["mean_layers"] == 4.0  # full depth, every row of every call
 
 
 def test_the_decoder_tables_read_quality_after_the_workloads_prompt(monkeypatch):
-    """measure_decoders hands quality_pass the workload's prompt length at every batch size."""
+    """measure_decoders hands quality_pass the workload's prompt length and tokens at every batch size;
+    an exact cache decodes a row alike in any batch, so it decodes every piece in one call, while an
+    approximate cache or holes decodes the table's batch a call."""
     seen = []
-    monkeypatch.setattr(m, "quality_pass", lambda *a: seen.append(a[3:]) or {})
+    monkeypatch.setattr(m, "quality_pass", lambda decode, *a: seen.append((decode.args[0], *a[2:])) or {})
     monkeypatch.setattr(m, "speed_pass", lambda *a: {})
-    config = m.LabConfig(bench_prompt_len=7)
+    config = m.LabConfig(bench_prompt_len=7, bench_tokens=9, quality_positions=90)
     for batch_size in (1, 16):
-        decoders = {name: (name, dict.fromkeys(m.MODES, print), "full") for name in ("full", "self_speculative")}
+        names = ("full", "deferred", "state_copy", "holes", "self_speculative")
+        decoders = {name: (name, dict.fromkeys(m.MODES, partial(print, name)), "full") for name in names}
         m.measure_decoders(decoders, "test", None, config, batch_size)
-    assert seen == [(1, 7), (16, 7)]  # speculation: full depth's quality by construction
+    # speculation: full depth's quality by construction
+    assert seen == [(name, rows, 7, 9) for B in (1, 16) for name, rows in
+                    (("full", 90), ("deferred", 90), ("state_copy", B), ("holes", B))]
 
 
 def test_the_strategies_table_prints_the_calibrated_threshold_as_calibrated():
     """Thresholds sit on a 0.001 grid near 1: 0.996 must not print as 1.00, which reads "no exit"."""
     fmt = {key: fmt for key, _, fmt, _ in m.STRATEGY_TABLE[1]}["threshold"]
     assert fmt.format(0.996) == "0.996" and fmt.format(0.5) == "0.5"
-
-
-def test_a_frontier_point_keeps_the_larger_peak_of_its_two_modes():
-    rows = [{"name": "full", "mode": "greedy", "speedup": 1.0, "test_loss": 2.0, "peak_bytes": 10},
-            {"name": "full", "mode": "sampled", "speedup": 1.0, "test_loss": 2.0, "peak_bytes": 30},
-            {"name": "holes", "mode": "greedy", "speedup": 1.5, "test_loss": 2.1, "peak_bytes": None},
-            {"name": "holes", "mode": "sampled", "speedup": 1.2, "test_loss": 2.1, "peak_bytes": None}]
-    points = {p["name"]: p for p in m.frontier_points(rows)}
-    assert points["full"]["peak_bytes"] == 30 and points["holes"]["peak_bytes"] is None
-    assert rows[0]["peak_bytes"] == 10  # the table's rows are left as they were
 
 
 def test_a_notes_position_count_is_what_was_recorded_not_what_was_asked():

@@ -108,8 +108,6 @@ def test_memory_is_read_from_the_tensors_a_decoder_holds(trained):
     assert spec.cache_bytes == 2 * L * C * (T + 4) * 4
     both = m.generate_speculative(model, idx, 5, num_draft=4, draft_model=draft)
     assert both.cache_bytes == 2 * (L + 1) * C * (T + 4) * 4, "the draft model's cache counts for its decoder"
-    speed = m.speed_pass({"full": m.build("full", model, None)}, idx, 1, 5, 1, 0)
-    assert speed["full"]["peak_bytes"] is None, "no peak where the device reports none"
 
 
 def measured_lab(model, config, splits):
@@ -162,9 +160,12 @@ def test_every_point_of_the_frontier_is_measured_on_the_same_positions_and_workl
             assert row["family"] == ("speculation" if d.drafter else "exit model" if name == "full" else
                                      "plain GPT" if name.endswith("GPT") else "pruned"), name
             decode = m.build("full", models.get(name, model), None)
-        assert row["test_loss"] == pytest.approx(m.quality_pass(decode, test, 40, 1, lab.config.bench_prompt_len)["test_loss"], abs=1e-6), name
+        alone = m.quality_pass(decode, test, 40, 1, lab.config.bench_prompt_len, lab.config.bench_tokens)
+        assert row["test_loss"] == pytest.approx(alone["test_loss"], abs=1e-5), name  # exact: any batch
+        assert torch.allclose(lab.nll[1, name], alone["nll"], atol=1e-4), "each position's, kept for pairs"
+    se = m.paired_se({r["name"]: lab.nll[1, r["name"]] for r in lab.measured})
     for mode in m.MODES:
-        assert [r[f"dominated_{mode}"] for r in rows] == m.dominated_by(rows, mode)
+        assert [r[f"dominated_{mode}"] for r in rows] == m.dominated_by(rows, mode, se)
     assert {"full", "backfill", "self_speculative", "draft_model", "1-layer GPT", "pruned 3"} <= {r["name"] for r in rows}
     drafts = {r["name"]: r["draft_exit"] for r in lab.measured if "draft_exit" in r}
     assert drafts == {"self_speculative": 1, "draft_model": 0}  # each draft's own last layer

@@ -44,8 +44,8 @@ def test_full_depth_is_the_plain_gpts_bit_for_bit(plain_and_frozen, batch_size):
     assert torch.equal(a, b), "greedy decoding at full depth: the same tokens"
 
 
-def test_with_the_plain_gpt_of_its_depth_the_frozen_model_joins_every_table_and_the_recipe_has_a_cost():
-    """--depths with n_layer: the frozen model brings every decoder to the same interleaved pass (named
+def test_the_plain_gpt_of_its_depth_and_the_frozen_model_join_every_table_and_the_recipe_has_a_cost():
+    """In every run (no --depths): the plain GPT of the exit model's depth is trained, and the frozen model brings every decoder to the same interleaved pass (named
     "frozen <decoder>", over the exit model's full depth), its exact ones equal to the plain GPT of the
     exit model's shape, itself a point of the frontier table; the recipe's cost is full depth's test loss minus that
     GPT's on the frontier's positions; the frozen model's rules, chosen rule and oracle follow the exit
@@ -56,7 +56,7 @@ def test_with_the_plain_gpt_of_its_depth_the_frozen_model_joins_every_table_and_
     config = m.LabConfig(**{**vars(model.config), "quality_positions": 40, "bench_tokens": 6, "bench_repeats": 1,
                             "bench_prompts": 2, "bench_prompt_len": 6, "sweep_positions": 300, "shift_path": "",
                             "exit_threshold": 0.5, "max_iters": 4, "eval_iters": 1, "batch_size": 2,
-                            "draft_exit": 1, "depths": "4"})
+                            "draft_exit": 1, "depths": ""})
     splits = {name: torch.randint(0, 11, (4000,), generator=torch.Generator().manual_seed(i))
               for i, name in enumerate(("train", "val", "test"))}
     lab = m.Lab(model, m.CharTokenizer("abcdefghijk"), splits, config, "cpu")
@@ -67,7 +67,7 @@ def test_with_the_plain_gpt_of_its_depth_the_frozen_model_joins_every_table_and_
         lab.plan()
         others = lab.freeze(names[1:])
         lab.measured = lab.measure(1, names, [4], m.replace(config, bench_repeats=1), lab.other_models(), others)
-    frozen, records, calibrations, rules, seconds = lab.frozen
+    frozen, records, calibrations, rules, about = lab.exit_models["frozen"]
     plain = lab.plain_gpts[4][0]
     # the frozen model's own calibration: its threshold, its plans on its records, its learned rule
     (source, (model_, rules_, plans, points, ref)), = others.items()
@@ -78,13 +78,14 @@ def test_with_the_plain_gpt_of_its_depth_the_frozen_model_joins_every_table_and_
     lab.config = m.replace(config, exit_threshold=-1)  # calibrated: the frozen model's own threshold
     with torch.enable_grad():
         (_, (_, _, own_plans, _, _)), = lab.freeze(names[1:]).items()
-    assert own_plans["backfill"]["threshold"] == lab.frozen[2]["top1"]["threshold"]
-    assert lab.frozen[2]["top1"]["threshold"] != lab.calibrations["top1"]["threshold"], "they differ here"
+    own = lab.exit_models["frozen"][2]["top1"]["threshold"]
+    assert own_plans["backfill"]["threshold"] == own
+    assert own != lab.calibrations["top1"]["threshold"], "they differ here"
     lab.config = config
     x = splits["test"][:64].view(4, 16)
     with torch.no_grad():
         assert torch.equal(frozen.all_exit_logits(x)[-1], plain.all_exit_logits(x)[-1])
-    assert seconds > lab.plain_gpts[4][1]
+    assert f"the plain 4-layer GPT ({lab.plain_gpts[4][1]:.0f} s of training), exit heads" in about
     rows = {(r["name"], r["mode"]): r for r in lab.measured}
     assert {n for n, _ in rows} >= {"full", "4-layer GPT", *(f"frozen {n}" for n in names[1:])}
     assert "frozen full" not in {n for n, _ in rows}, "its full depth is the plain GPT's point"
@@ -106,9 +107,8 @@ def test_with_the_plain_gpt_of_its_depth_the_frozen_model_joins_every_table_and_
     found = m.frontier(lab)
     losses = {r["name"]: r["test_loss"] for r in found["frontier"]}
     assert found["recipe_cost"] == pytest.approx(losses["full"] - losses["4-layer GPT"])
-    assert f"The exit recipe's cost at full depth: {found['recipe_cost']:+.4f}" in found["notes"][-1]
-    lab.measured = [r for r in lab.measured if r["name"] != "4-layer GPT"]  # without it: no cost
-    assert m.frontier(lab)["recipe_cost"] is None
+    se = m.paired_se({n: lab.nll[1, n] for n in ("full", "4-layer GPT")})["full", "4-layer GPT"]
+    assert f"The exit recipe's cost at full depth: {found['recipe_cost']:+.4f} (paired standard error {se:.4f})" in found["notes"][-1]
 
 
 def test_the_runs_threshold_is_the_flags_or_the_calibrations_or_part_ones():
@@ -131,3 +131,30 @@ def test_frozen_heads_learn_even_where_the_run_trains_no_exit(plain_and_frozen):
     distilling = m.frozen_exit_model(plain, m.replace(config, distill_weight=0.1), splits)[0]
     assert distilling.config.alpha == 0.0, "distillation alone is a loss: the run's recipe, unchanged"
     assert not torch.equal(frozen.state_dict()["exit_heads.0.lm_head.weight"], before["exit_heads.0.lm_head.weight"])
+
+
+def test_the_continued_model_trains_a_plain_gpt_then_the_recipe_within_the_runs_steps():
+    """LayerSkip's continual setting at the same budget: a plain GPT for (1 - continued) of max_iters, then
+    the whole model, trunk and heads, with the recipe for the rest: 10 steps, 7 then 3."""
+    splits = {name: torch.randint(0, 11, (2000,), generator=torch.Generator().manual_seed(i))
+              for i, name in enumerate(("train", "val", "test"))}
+    config = m.LabConfig(**{**vars(tiny_config()), "max_iters": 10, "warmup_iters": 2, "batch_size": 4,
+                            "eval_iters": 1, "continued": 0.3})
+    with torch.enable_grad():
+        model, about = m.continued_exit_model(config, splits)
+        plain = m.train_plain_gpt(m.replace(config, max_iters=7), splits, config.n_layer)[0]
+    assert isinstance(model, m.RecipeGPT) and not model.training and "for 7 steps" in about
+    assert about.endswith(" s)") and "the recipe for 3 (" in about
+    after, before = model.state_dict(), plain.state_dict()  # the same seed: the first stage is this GPT
+    changed = [k for k in before if not torch.equal(after[k], before[k])]
+    assert any(k.startswith("exit_heads.") for k in changed), "the heads learn"
+    assert any(k.startswith("transformer.h.") for k in changed), "and so does the trunk"
+
+
+@pytest.mark.parametrize("continued,first", [(0.2, 8), (0.25, 8), (0.5, 5)])
+def test_the_continued_split_of_steps_rounds_to_the_nearest(continued, first, monkeypatch):
+    seen = []
+    monkeypatch.setattr(m, "train_plain_gpt", lambda cfg, *a: seen.append(cfg.max_iters) or (None, 0.0, 1.0))
+    monkeypatch.setattr(m, "recipe_from", lambda plain, cfg, splits: seen.append(cfg.max_iters) or (None, 2.0))
+    m.continued_exit_model(m.LabConfig(max_iters=10, continued=continued), {})
+    assert seen == [first, 10 - first]

@@ -97,7 +97,7 @@ def test_losses_and_savings_say_their_split_and_positions(default_run):
     out = default_run[0]
     assert "The sweep on 500 val positions" in out and "val saved" in out and "val loss" in out
     assert "reported on 500 test positions" in out and "test saved" in out and "full depth's" in out
-    assert "output's agreement: on 48 test positions, teacher-forced" in " ".join(out.split())
+    assert "output's agreement: on 192 test positions, teacher-forced" in " ".join(out.split())
     assert "each split's mean over 1 batches of 4 random windows of 16 characters" in out
     assert "full depth's val loss on the 500 val positions" in out
     assert default_run[1]["summary"][0].endswith("full depth, on random windows of val")
@@ -122,7 +122,8 @@ def test_the_run_ends_with_its_summary_then_the_page(default_run):
     assert fastest == "fastest with an exact cache: " + ", ".join(
         f"{r['name']} {r['speedup']:.2f}x {r['mode']}" for r in bests), "greedy first, then sampled"
     on = [", ".join(r["name"] for r in report["frontier"] if r[f"dominated_{mode}"] is None) for mode in m.MODES]
-    assert smaller == f"when does early exit pay? On the frontier, greedy: {on[0]}; sampled: {on[1]}"
+    assert smaller == (f"when does early exit pay? On the frontier, greedy: {on[0]}; sampled: {on[1]} (the exit recipe's "
+                       f"cost at full depth: {report['recipe_cost']:+.4f})")
 
 
 def test_summary_names_the_fastest_exact_decoder_of_the_exit_model_never_a_smaller_gpt():
@@ -141,7 +142,7 @@ def test_summary_names_the_fastest_exact_decoder_of_the_exit_model_never_a_small
     rows += [{"name": "frozen draft_model", "mode": mode, "speedup": 20.0, "family": "exit model", "cache": "exact"}
              for mode in m.MODES]
     report = {"val_loss": {"final": 1.5}, "calibration": cal, "chosen_rule": cal, "strategies": rows,
-              "calibration_by_measure": [{}] * 8, "frontier": []}
+              "calibration_by_measure": [{}] * 8, "frontier": [], "recipe_cost": 0.01}
     assert m.summary(report)[2] == "fastest with an exact cache: draft_model 2.00x greedy, skipdecode 9.90x sampled"
 
 
@@ -150,7 +151,7 @@ def summary_report(cal, chosen, frontier=()):
     rows = [{"name": "full", "mode": mode, "speedup": 1.0, "cache": "exact", "family": "exit model"}
             for mode in m.MODES]
     return {"val_loss": {"final": 1.5}, "calibration": cal, "chosen_rule": chosen, "strategies": rows,
-            "calibration_by_measure": [{}] * 8, "frontier": list(frontier)}
+            "calibration_by_measure": [{}] * 8, "frontier": list(frontier), "recipe_cost": 0.0425}
 
 
 @pytest.mark.parametrize("n_bad", [100, 101])
@@ -189,7 +190,7 @@ def test_the_summary_names_the_frontier_from_its_rows():
             {"name": "b", "dominated_greedy": None, "dominated_sampled": None},
             {"name": "c", "dominated_greedy": "a", "dominated_sampled": None}]
     assert m.summary(summary_report(cal, cal, rows))[3] == \
-        "when does early exit pay? On the frontier, greedy: a, b; sampled: b, c"
+        "when does early exit pay? On the frontier, greedy: a, b; sampled: b, c (the exit recipe's cost at full depth: +0.0425)"
 
 
 def test_the_sample_reports_the_threshold_its_decoder_ran_at():
@@ -215,7 +216,7 @@ def test_output_says_not_same_where_greedy_speculation_differs(monkeypatch):
     monkeypatch.setattr(m, "tail", lambda outputs: {})
     speed = {(n, mode): {"tokens_per_second": 1.0, "seconds": m.np.ones((1, 1)), "outputs": []} for n in ("full", "self_speculative")
              for mode in m.MODES}
-    quality = {"full": {"pred": torch.zeros(3), "test_loss": 1.0, "test_accuracy": 0.5}}
+    quality = {"full": {"pred": torch.zeros(3), "nll": torch.ones(3), "test_loss": 1.0, "test_accuracy": 0.5}}
     row = m.table_row("self_speculative", "self_speculative", "full", "greedy", speed, quality, 1)
     assert row["output"] == "NOT same"
     assert m.table_row("full", "full", "full", "greedy", speed, quality, 1)["output"] == "same tokens"

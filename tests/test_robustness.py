@@ -31,7 +31,7 @@ BAD_VALUES = {
     "draft_exit": "5", "num_draft": "0", "quality_positions": "0", "bench_prompts": "0",
     "bench_prompt_len": "0", "bench_tokens": "0", "bench_repeats": "0", "epsilon": "0", "delta": "1",
     "sweep_positions": "0", "depths": "1-3", "shift_path": "/nonexistent/shift.txt", "draft_layers": "0",
-    "bench_batch": "maybe", "schedule_disagreement": "2",
+    "bench_batch": "maybe", "schedule_disagreement": "2", "continued": "1",
 }
 
 
@@ -109,16 +109,28 @@ def test_the_rules_across_fields_hold_one_step_either_side(tmp_path, args, ok):
             m.parse_args(argv)
 
 
-def test_the_text_holds_a_quality_piece_for_every_row_of_the_largest_batch(tmp_path):
-    """quality_pass cuts B pieces of bench_prompt_len + quality_positions / B characters from test: up to
-    B = 16, that is quality_positions + 16 prompts, and the split needs 2 more."""
+def test_the_text_holds_a_prompt_and_a_quality_piece(tmp_path):
+    """quality_pass cuts pieces of bench_prompt_len + bench_tokens characters spread over test (and the
+    workload continues prompts as long): each split needs that and 2 more, one step either side."""
     smallest = min(map(len, m.split_data(open(m.Config.input_path, encoding="utf-8").read()).values()))
-    assert max(m.BATCH_SIZES) == 16
-    need = 16 * 8 + 2  # TINY's bench_prompt_len is 8
-    m.parse_args(TINY + [f"--out_dir={tmp_path}", f"--quality_positions={smallest - need}"])
+    tokens = smallest - 2 - 8  # TINY's bench_prompt_len is 8
+    big = [f"--out_dir={tmp_path}", f"--quality_positions={smallest}"]
+    m.parse_args(TINY + big + [f"--bench_tokens={tokens}"])
     with pytest.raises(ValueError, match="too short"):
-        m.parse_args(TINY + [f"--out_dir={tmp_path}", f"--quality_positions={smallest - need + 1}"])
+        m.parse_args(TINY + big + [f"--bench_tokens={tokens + 1}"])
 
+
+@pytest.mark.parametrize("batch,positions,ok", [(0, 19, False), (0, 20, True), (1, 319, False), (1, 320, True)])
+def test_quality_positions_hold_a_piece_or_with_the_batch_table_a_piece_a_row(tmp_path, batch, positions, ok):
+    """At least bench_tokens (20 here) quality positions, a piece; with --bench_batch, 16 pieces, one a
+    row of the largest batch."""
+    argv = TINY + [f"--out_dir={tmp_path}", "--bench_tokens=20", f"--quality_positions={positions}",
+                   f"--bench_batch={batch}"]
+    if ok:
+        m.parse_args(argv)
+    else:
+        with pytest.raises(ValueError, match="--quality_positions"):
+            m.parse_args(argv)
 
 def test_a_resume_checks_the_rules_again_with_the_checkpoints_architecture(tmp_path, capsys, lab_runs):
     """--draft_exit=1 fits the default 6 layers, not the checkpoint's 2: said in one line, before training."""

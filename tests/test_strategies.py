@@ -170,7 +170,7 @@ def test_quality_pass_and_speed_pass_report_what_they_ran():
     names = ("full", "backfill", "deferred", "state_copy", "holes", "self_speculative")
     spec = m.draft_plan("self_speculative", types.SimpleNamespace(draft_exit=0), 4, None)
     runs = {n: m.build(n, model, spec if m.DECODERS[n].drafter else plan) for n in names}
-    quality = {n: m.quality_pass(runs[n], data, 40) for n in names[:-1]}
+    quality = {n: m.quality_pass(runs[n], data, 40, 1, 1, 40) for n in names[:-1]}  # one piece of 40
     assert quality["full"]["mean_layers"] == 4.0
     assert quality["deferred"]["test_loss"] == pytest.approx(quality["backfill"]["test_loss"], abs=1e-5)
     # state_copy runs as deep as each token needs: its mean exit depth plus one

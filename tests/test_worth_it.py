@@ -136,9 +136,33 @@ def test_a_point_is_beaten_only_by_one_no_worse_on_both_axes():
     rows = [{"name": n, "test_loss": loss, "speedup_greedy": x} for n, loss, x in
             (("full", 2.0, 1.0), ("spec", 2.0, 1.8), ("small", 1.9, 1.5), ("fast", 2.1, 3.0), ("twin", 1.9, 1.5),
              ("slow", 1.95, 1.49), ("quick", 1.98, 2.5))]
+    zero = {(a["name"], b["name"]): 0.0 for a in rows for b in rows}  # no error bar
     # full: spec is as good and faster, small and quick better and faster: the fastest that beats it is named;
     # small and its twin tie, neither beaten; slow loses to small on both by a hair; fast, the fastest, stands
-    assert m.dominated_by(rows, "greedy") == ["quick", "quick", None, None, None, "small", None]
+    assert m.dominated_by(rows, "greedy", zero) == ["quick", "quick", None, None, None, "small", None]
+
+
+@pytest.mark.parametrize("error,beaten", [(0.124, "small"), (0.125, None), (0.126, None)])
+def test_a_faster_point_beats_only_beyond_twice_the_paired_error_of_the_loss_difference(error, beaten):
+    """small is faster and 0.25 lower in loss: it beats big only where 0.25 is over twice the paired
+    standard error; at or under that the two are tied in loss, and big stays on the frontier. A point
+    with the same predictions (an error of 0) beats only where it is faster."""
+    rows = [{"name": "big", "test_loss": 2.0, "speedup_greedy": 1.0},
+            {"name": "small", "test_loss": 1.75, "speedup_greedy": 1.5},
+            {"name": "same", "test_loss": 2.0, "speedup_greedy": 1.0}]
+    se = {(a["name"], b["name"]): error for a in rows for b in rows}
+    se["same", "big"] = se["big", "same"] = 0.0
+    assert m.dominated_by(rows, "greedy", se) == [beaten, None, beaten]
+    rows[2]["speedup_greedy"] = 1.01  # as good, and faster
+    assert m.dominated_by(rows, "greedy", se)[0] == (beaten or "same")
+    assert m.dominated_by(rows, "greedy", {**se, ("small", "big"): 1.0})[0] == "same"
+
+
+def test_a_paired_error_is_the_spread_of_the_differences_over_root_n():
+    a, b = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([1.5, 2.0, 2.5, 4.0])
+    se = m.paired_se({"a": a, "b": b})
+    assert se["a", "a"] == 0.0 and se["a", "b"] == se["b", "a"]
+    assert se["a", "b"] == pytest.approx(float((a - b).std()) / 2)  # n = 4
 
 
 def test_compare_every_depth_as_points_of_the_frontier(tmp_path):
@@ -152,8 +176,10 @@ def test_compare_every_depth_as_points_of_the_frontier(tmp_path):
     names = [r["name"] for r in report["frontier"]]
     assert {"1-layer GPT", "2-layer GPT", "pruned 1", "pruned 2", "draft_model"} <= set(names)
     assert all(r["mean_layers"] == int(r["name"][0]) for r in report["strategies"] if r["name"].endswith("GPT"))
-    assert m.plain_depths("", 1, 6) == [1] and m.plain_depths("2,4", 1, 6) == [1, 2, 4]
-    assert m.plain_depths("all", 2, 4) == [1, 2, 3]
+    # the draft model's depth and the exit model's (the undamaged deep model) always, then --depths
+    assert m.plain_depths("", 1, 6) == [1, 6] and m.plain_depths("2,4", 1, 6) == [1, 2, 4, 6]
+    assert m.plain_depths("all", 2, 4) == [1, 2, 3, 4] and m.plain_depths("6", 1, 6) == [1, 6]
+    assert {"3-layer GPT", "frozen backfill"} <= set(names) and "frozen full" not in names
 
 
 def test_patience_k_is_exact(records):
