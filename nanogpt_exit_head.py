@@ -716,7 +716,8 @@ class RecipeGPT(GPT):
 
 def recipe_from(plain, config, splits, frozen=False):
     """A RecipeGPT from a trained plain GPT's weights, trained under config (its steps, its batch,
-    its recipe): the whole model, or (frozen) its exit heads alone. Returns (the model, seconds)."""
+    its recipe, its seed's batches): the whole model, or (frozen) its exit heads alone. Returns
+    (the model, seconds)."""
     model = RecipeGPT(config).to(splits["train"].device)
     model.load_state_dict(plain.state_dict())
     model.requires_grad_(not frozen)
@@ -743,7 +744,9 @@ def continued_exit_model(config, splits, world=1):
     first = round(config.max_iters * (1 - config.continued))
     plain, _, trunk = train_plain_gpt(replace(config, max_iters=first), splits, config.n_layer,
                                       world)
-    rest = replace(config, max_iters=config.max_iters - first, batch_size=config.batch_size * world)
+    # batches of their own (seed + 1): the plain stage's seed would replay its first batches
+    rest = replace(config, max_iters=config.max_iters - first, batch_size=config.batch_size * world,
+                   seed=config.seed + 1)
     model, seconds = recipe_from(plain, rest, splits)
     return model, (f"a plain GPT for {first} steps ({trunk:.0f} s), then the whole model with "
                    f"the recipe for {rest.max_iters} ({seconds:.0f} s)")
@@ -1683,11 +1686,12 @@ def table_row(name, decoder, ref, mode, speed, quality, batch_size):
         row["output"] = {True: "same tokens", None: "same dist.", False: "NOT same"}[same]
     return row
 
-def paired_se(nll):
+def paired_se(nll, piece):
     """(a, b) -> the standard error of a's test loss minus b's, paired position by position (nll:
-    name -> each position's loss, the same positions)."""
-    return {(a, b): float((x - y).std() / len(x) ** 0.5) for a, x in nll.items()
-            for b, y in nll.items()}
+    name -> each position's loss, the same positions, in pieces of `piece`), over the pieces'
+    means: a piece's characters are not independent of each other, its pieces nearly are."""
+    return {(a, b): float((x - y).view(-1, piece).mean(1).std() / (len(x) // piece) ** 0.5)
+            for a, x in nll.items() for b, y in nll.items()}
 
 # -----------------------------------------------------------------------------
 # The frontier: the points nothing beats on both loss and speed
@@ -1825,9 +1829,9 @@ def measure_decoders(decoders, test, prompts, config, batch_size=1):
     """The rows of a decoder table at one batch size, both modes: speed on the workload,
     interleaved, and quality teacher-forced on test. decoders: name -> (its declared decoder,
     {mode: decode}, the point its output is compared with); "full" is the baseline."""
-    # an exact cache decodes a row alike in any batch: then every piece in one call
+    # an exact cache decodes a row alike in any batch: then 128 pieces a call
     quality = {name: quality_pass(modes["greedy"], test, config.quality_positions, batch_size if
-                                  DECODERS[decoder].cache != "exact" else config.quality_positions,
+                                  DECODERS[decoder].cache != "exact" else 128,
                                   config.bench_prompt_len, config.bench_tokens)
                for name, (decoder, modes, _) in decoders.items() if not DECODERS[decoder].drafter}
     runs = {(name, mode): in_mode(modes[mode], config, mode)
@@ -1909,11 +1913,13 @@ gap_p99       | gap p99    | {:.2f} | and 99%
 prompt_ms_p95 | prompt p95 | {:.0f} | ms for a prompt's whole continuation, 95th percentile""")
 FRONTIER_TABLE = table("""When does early exit pay?
 name              | point     | {}      | a decoder of the exit model (frozen: of heads on the \
-plain GPT of its shape), a pruned model, a plain GPT
+plain GPT of its shape; continued: of that GPT continued with the recipe), a pruned model, a \
+plain GPT
 test_loss         | test loss | {:.4f}  | teacher-forced on the same test positions for every point
 speedup_greedy    | greedy    | {:.2f}x | speed-up over full depth, greedy (as the strategies \
 table's)
-dominated_greedy  | beaten by | {}      | a point at least as good in loss and speed, better in one
+dominated_greedy  | beaten by | {}      | a point at least as fast and lower in test loss by over \
+twice the paired standard error of the difference, or faster at the same predictions' loss
 speedup_sampled   | sampled   | {:.2f}x | and sampled
 dominated_sampled | beaten by | {}      | sampled ('-': on the frontier)
 weights_mb        | weights   | {:.2f}  | MiB of weights read
@@ -2099,7 +2105,7 @@ class Lab:
         reads: each source's decoders at their plans (a drafter at the k of ks that ran fastest on
         val in its mode), and the models of more (name -> (model, family)) at full depth. Val's
         workload runs first (on_val): the forecasts are its speed-ups (a pruned model has none)."""
-        # the exit model's decoders of names (no prefix), then others' (freeze's)
+        # the exit model's decoders of names (no prefix), then others' (freeze's, continue_plain's)
         sources = {"": (self.model, self.rules, self.plans, names, "full")} | others
         val, plans = self.on_val(B, sources, ks, val_config, more)
         decoders, models = {}, dict(more)
@@ -2172,7 +2178,6 @@ def strategies(lab):
     """The strategies table, and under it what it rests on: the drafts, the measured costs."""
     cfg, costs = lab.config, lab.costs
     rows = [r for r in lab.measured if r["family"] != "pruned"]
-    b, check = costs["block"], cfg.confidence_measure
     notes = [f"{e['name']} {e['mode']}: drafts to layer {e['draft_exit']}, num_draft="
              f"{e['num_draft']}, acceptance {e['acceptance_rate']:.3f} (drafts kept over drafts a "
              f"row could keep), {e['tokens_per_verify']:.2f} tokens a verify pass, output: "
@@ -2180,46 +2185,38 @@ def strategies(lab):
     # the full model's decoders: a smaller GPT or a draft model re-prefills fewer layers
     prefill = sorted({round(e["prefill_layers"], 2) for e in rows if e["family"] == "exit model"
                       and DECODERS[e["decoder"]].drafter != "model"})
-    # the table: the exit model's decoders and the plain GPTs (every exit model's: the frontier)
-    rows = [r for r in rows if r["name"] in DECODERS or r["family"] == "plain GPT"]
     return {"strategies": rows, "decode_costs": costs, "plans": lab.plans, "notes": [
         f"{cfg.bench_prompts} test prompts of {cfg.bench_prompt_len} characters, "
-        f"{cfg.bench_tokens} more each, batch 1, median of {cfg.bench_repeats} interleaved runs",
+        f"{cfg.bench_tokens} more each, batch 1, {cfg.bench_repeats} interleaved passes",
         *notes, f"Chosen on val: exits (exit_layers={cfg.exit_layers!r}) at the run's threshold "
-        f"({lab.threshold:g}), priced from the unit costs below, the schedule, and the drafters' "
-        "k (frozen rows: the frozen model's own threshold and plans, output against the plain "
-        "GPT's). predicted: each row's speed-up on val's workload, timed before test's (the same "
-        "decoder, plan and k, or the same model, in the same mode; per round: a round's time over "
-        "the tokens it emits). Prefilling the prompt and re-prefilling the window every "
-        f"block_size/2 tokens adds {' to '.join(f'{p:.2f}' for p in prefill)} per token for "
-        f"every decoder. Sampled: temperature {cfg.temperature:g}, top_k {cfg.top_k}.",
-        f"output's agreement: on {cfg.quality_positions:,} test positions, teacher-forced. The "
+        f"({lab.threshold:g}), priced from the unit costs (report.json's decode_costs), the "
+        "schedule, and the drafters' k (another exit model's rows: its own threshold and plans; "
+        "the frozen model's output against the plain GPT's). predicted: each row's speed-up on "
+        "val's workload, timed before test's (the same decoder, plan and k, or the same model, in "
+        "the same mode; per round: a round's time over the tokens it emits). Prefilling the "
+        "prompt and re-prefilling the window every block_size/2 tokens adds "
+        f"{' to '.join(f'{p:.2f}' for p in prefill)} per token for every decoder. Sampled: "
+        f"temperature {cfg.temperature:g}, top_k {cfg.top_k}.",
+        f"output's agreement: on {len(lab.nll[1, 'full']):,} test positions, teacher-forced. The "
         "guarantee of a calibrated threshold covers every exit checked with an exact cache: not "
-        "a subset of exits, nor an approximate cache or holes.",
-        f"Measured at batch 1, attending to {costs['cache_length']} cached positions: a block "
-        f"{1e6 * b:.0f} us; in blocks, an exit check {costs['check ' + check] / b:.2f} ({check}), "
-        f"a state-copy write {costs['state_copy'] / b:.2f}, the final head "
-        f"{costs['final_head'] / b:.2f}."]}
+        "a subset of exits, nor an approximate cache or holes."]}
 
 def tails(lab):
-    """Average or tail: the strategies rows' latency, and which decoders have a worse tail."""
+    """Average or tail: the strategies rows' latency."""
     rows = [{k: row[k] for k, *_ in TAIL_TABLE[1]} for row in lab.measured
             if row["family"] != "pruned"]
-    full = {r["mode"]: r for r in rows if r["name"] == "full"}
-    worse = [f"{r['name']} {r['mode']}" for r in rows
-             if max(r[p] / full[r["mode"]][p] for p in ("gap_p95", "gap_p99")) > 1.1]
     return {"tail": rows, "notes": [
         "Batch 1, the test workload, every step or round timed with the device synchronised, in "
-        "the last timed pass", "gap p95 or p99 over 10% above full depth's (a worse tail): "
-        f"{', '.join(worse) or 'none'}. A prompt's first step prefills it, and a step that slides "
-        "the window re-prefills it: those steps are the tail of every decoder."]}
+        "the last timed pass", "A prompt's first step prefills it, and a step that slides the "
+        "window re-prefills it: those steps are the tail of every decoder; a round's tokens "
+        "arrive at once, so speculation's gaps p95 and p99 are its rounds."]}
 
 def frontier(lab):
     """When does early exit pay? Every point by test loss, teacher-forced on the same test
     positions, against its speed-up in each mode, marked with the point that beats it on both
     beyond the loss's error bar; and what each holds in memory."""
     cfg, rows = lab.config, []
-    se = paired_se({r["name"]: lab.nll[1, r["name"]] for r in lab.measured})
+    se = paired_se({r["name"]: lab.nll[1, r["name"]] for r in lab.measured}, cfg.bench_tokens)
     for p in frontier_points(lab.measured, se):
         p.update(weights_mb=p["weight_bytes"] / 2**20, kv_kb=p["cache_bytes"] / 2**10)
         family = "speculation" if DECODERS[p["decoder"]].drafter else p["family"]
@@ -2234,7 +2231,7 @@ def frontier(lab):
         rows, mode, dict.fromkeys(se, 0.0))) if o and not r[f"dominated_{mode}"]) or "none"
             for mode in MODES}
     notes = [
-        f"Test loss on {cfg.quality_positions:,} test positions in pieces of {cfg.bench_tokens} "
+        f"Test loss on {len(lab.nll[1, 'full']):,} test positions in pieces of {cfg.bench_tokens} "
         "spread over test, teacher-forced through each decoder (speculation: full depth's, by "
         "construction); speed-ups on the strategies table's workload",
         f"On the frontier, greedy: {on['greedy']}; sampled: {on['sampled']}. Every other point is "
@@ -2268,8 +2265,8 @@ def batches(lab):
              if DECODERS[r["decoder"]].follows]
     plans = [f"{name}: exits {lab.plans[name]['label']}" for name in names if name in lab.plans]
     return {"batched": rows, "notes": [
-        f"The test workload, one prompt per row, batch {', '.join(map(str, sizes))}, median of "
-        f"{cfg.bench_repeats} interleaved runs", f"Chose: {', '.join(chose)} (k drafts a round "
+        f"The test workload, one prompt per row, batch {', '.join(map(str, sizes))}, "
+        f"{cfg.bench_repeats} interleaved passes", f"Chose: {', '.join(chose)} (k drafts a round "
         "where one ran faster than full depth on val, else full depth). "
         f"{'; '.join(plans)} ({cfg.confidence_measure} > {lab.threshold:g}; a schedule: its "
         "layer from a window position on), each step as deep as its deepest row. Drafters "
@@ -2351,21 +2348,11 @@ def plot_y(y, ticks):
     a y over the last tick at the last tick."""
     return PLOT_HEIGHT * (1 - 0.9 * (min(y, ticks[-1]) - ticks[0]) / (ticks[-1] - ticks[0]))
 
-def svg_point(cls, point, ticks):
-    """One dot with its report key; point: (x, y, report key, hover text)."""
-    x, y, key, tip = point
-    return (f'<circle cx="{plot_x(x):.1f}" cy="{plot_y(y, ticks):.1f}" r="3" class="{cls}" '
-            f'{datum(key, y)}><title>{esc(tip)}</title></circle>')
-
-def svg_line(cls, points, ticks):
-    """A line through points (x in [0, 1], y, ...)."""
-    coords = " ".join(f"{plot_x(x):.1f},{plot_y(y, ticks):.1f}" for x, y, *_ in points)
-    return f'<polyline class="{cls} line" points="{coords}"/>'
-
 def svg_path(path, ticks):
     """A line through points (x in [0, 1], y, name), each named under it on its right and at least
     a line under the name on its right (a higher point, on a frontier), so that no two overlap."""
-    parts, base = [svg_line("path", sorted(path), ticks)], 0
+    coords = " ".join(f"{plot_x(x):.1f},{plot_y(y, ticks):.1f}" for x, y, _ in sorted(path))
+    parts, base = [f'<polyline class="path line" points="{coords}"/>'], 0
     for x, y, name in sorted(path, reverse=True):
         base = max(plot_y(y, ticks) + 14, base + 14)  # 13-unit text
         parts.append(f'<text x="{plot_x(x) + 5:.1f}" y="{base:.1f}">{esc(name)}</text>')
@@ -2388,7 +2375,9 @@ def svg_chart(series, x_ticks, titles, y_fmt, path):
               for label, x in x_ticks.items()]
     parts.append(svg_path(path, ticks))
     for s, (name, cls, points) in enumerate(series):
-        parts += [svg_point(cls, p, ticks) for p in points]
+        parts += [f'<circle cx="{plot_x(x):.1f}" cy="{plot_y(y, ticks):.1f}" r="3" '
+                  f'class="{cls}" {datum(key, y)}><title>{esc(tip)}</title></circle>'
+                  for x, y, key, tip in points]
         parts.append(f'<rect class="{cls}" x="70" y="{H + 66 + 18 * s}" width="12" height="12"/>'
                      f'<text x="88" y="{H + 77 + 18 * s}">{esc(name)}</text>')
     return "".join(parts) + "</svg></div>"
@@ -2425,8 +2414,9 @@ def html_summary(report, body):
     return (f"<div id='summary'><p>A {cfg['n_layer']}-layer GPT ({cfg['n_head']} heads, "
             f"{cfg['n_embd']} wide, context {cfg['block_size']} characters) with an exit head "
             f"after every layer but the last, trained on {esc(cfg['input_path'])}.</p><ul>{lines}"
-            "</ul><p class='muted'>Speeds are medians of interleaved runs on the machine that "
-            "wrote this page and move with its load; every number here is in report.json.</p>"
+            "</ul><p class='muted'>Speed-ups pair each call with full depth's, interleaved, on "
+            "the machine that wrote this page, and move with its load; every number here is in "
+            "report.json.</p>"
             f"<p>{links}</p></div>")
 
 def html_generation(report):
@@ -2451,7 +2441,7 @@ def html_generation(report):
 
 def frontier_chart(report):
     """A chart a mode: every point's test loss against its speed-up, coloured by its family; a line
-    joins the frontier, the lower right edge, and names its points."""
+    joins the frontier (the points nothing beats, ties in loss among them) and names its points."""
     rows, charts = report["frontier"], ""
     for mode in MODES:
         # the fastest point at most 4/5 of the way across, so that its name fits on its right
@@ -2799,6 +2789,9 @@ def field_rules(config, L):
          "--lesson_only is Part I alone: it trains anew, backfills, exits by top1 at every exit; "
          "no --init_from=resume, --sample_only, --confidence_measure, --kv_strategy, "
          "--exit_layers, --depths, --bench_batch or --continued"),
+        (config.continued and not 0 < round(config.max_iters * (1 - config.continued))
+         < config.max_iters, f"--continued={config.continued}: a step or more in each stage "
+         f"of max_iters={config.max_iters}"),
         (config.sample_only and config.init_from != "resume",
          "--sample_only=1 samples from a checkpoint: add --init_from=resume"))
 
@@ -2942,7 +2935,7 @@ def generation_report(lab):
 def summary(report):
     """The run's answers in four lines: the model's loss, what early exit skips with a guarantee
     (or that the guarantee did not hold on test), the fastest decoder with an exact cache in each
-    mode, and the points on the frontier."""
+    mode, and the points on the frontier, early exit's among them, and the recipe's cost."""
     cal = report["calibration"]
     chosen = report["chosen_rule"]
     exact = [e for e in report["strategies"]  # the exit model's decoders, no hole, no copy
@@ -2956,6 +2949,10 @@ def summary(report):
                  f"{cal['test']['disagreement']:.2%}, over epsilon {100 * cal['epsilon']:g}%)")
     broken = {True: "", False: ", over epsilon: the guarantee did not hold"}
     on = frontier_names(report["frontier"])
+    # early exit's points (an exit decoder, self-speculation) that nothing beats in a mode
+    early = [p["name"] for p in report["frontier"] if (DECODERS[p["decoder"]].strategy or DECODERS[
+        p["decoder"]].drafter == "exit") and None in (p["dominated_greedy"],
+                                                      p["dominated_sampled"])]
     return [f"val loss {report['val_loss']['final']:.4f}: full depth, on random windows of val",
             f"{saved}: {cal['test']['compute_saved']:.1%} of layer runs on test "
             f"({cal['measure']} > {cal['threshold']:g}); the rule chosen on val, "
@@ -2965,8 +2962,8 @@ def summary(report):
             "fastest with an exact cache: " + ", ".join(
                 f"{fastest[m]['name']} {fastest[m]['speedup']:.2f}x {m}" for m in MODES),
             f"when does early exit pay? On the frontier, greedy: {on['greedy']}; "
-            f"sampled: {on['sampled']} (the exit recipe's cost at full depth: "
-            f"{report['recipe_cost']:+.4f})"]
+            f"sampled: {on['sampled']}; early exit among them: {', '.join(early) or 'none'} (the "
+            f"exit recipe's cost at full depth: {report['recipe_cost']:+.4f})"]
 
 def lesson_config(config):
     """Part I's Config from the lab's fields, with Part I's own threshold where the lab's says
@@ -2987,8 +2984,10 @@ def write_report(report, config, name):
 def run_lab(lab, report, sampling=None):
     """The lab's steps, in order: the calibration on val (--sample_only: the checkpoint's,
     sampling), Part I's samples from the lab's model, threshold and decoder, the unit costs and
-    the plans, the decoder table at batch 1, then every analysis of the list in its order, the
-    summary and the page (--sample_only: the samples alone)."""
+    the plans, the other exit models (minutes: the plain GPT of the model's shape, heads on its
+    frozen trunk, and with --continued a continued model, each trained and calibrated), the
+    decoder table at batch 1, then every analysis of the list in its order, the summary and the
+    page (--sample_only: the samples alone)."""
     cfg = lab.config
     if not cfg.sample_only:
         # the learned rule fitted, every exit read once, every rule calibrated on val
@@ -3003,9 +3002,10 @@ def run_lab(lab, report, sampling=None):
         return write_report(report, cfg, "samples")
     lab.plan()  # the unit costs, timed; every exit decoder's plan, chosen on val
     names = [name for name, d in DECODERS.items() if not d.follows]
-    # heads on the plain GPT of the exit model's depth; its full depth is that GPT's point, so it
-    # brings every decoder but the first declared, full depth
-    others = lab.freeze(names[1:])
+    # heads on the plain GPT of the exit model's depth: its full depth is that GPT's point; with
+    # --continued (the study's runs) every decoder, else those with an exact cache (the run's time)
+    others = lab.freeze([name for name in names[1:] if cfg.continued or DECODERS[name].cache
+                         == "exact"])
     if cfg.continued:
         others |= lab.continue_plain(names)
     lab.measured = lab.measure(1, names, [cfg.num_draft], replace(cfg, bench_repeats=1),

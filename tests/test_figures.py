@@ -33,7 +33,7 @@ def test_quality_pass_teacher_forces_pieces_spread_over_the_text(no_grad, rows, 
 
 def test_the_decoder_tables_read_quality_after_the_workloads_prompt(monkeypatch):
     """measure_decoders hands quality_pass the workload's prompt length and tokens at every batch size;
-    an exact cache decodes a row alike in any batch, so it decodes every piece in one call, while an
+    an exact cache decodes a row alike in any batch, so it decodes 128 pieces a call, while an
     approximate cache or holes decodes the table's batch a call."""
     seen = []
     monkeypatch.setattr(m, "quality_pass", lambda decode, *a: seen.append((decode.args[0], *a[2:])) or {})
@@ -45,7 +45,7 @@ def test_the_decoder_tables_read_quality_after_the_workloads_prompt(monkeypatch)
         m.measure_decoders(decoders, "test", None, config, batch_size)
     # speculation: full depth's quality by construction
     assert seen == [(name, rows, 7, 9) for B in (1, 16) for name, rows in
-                    (("full", 90), ("deferred", 90), ("state_copy", B), ("holes", B))]
+                    (("full", 128), ("deferred", 128), ("state_copy", B), ("holes", B))]
 
 
 def test_the_strategies_table_prints_the_calibrated_threshold_as_calibrated():

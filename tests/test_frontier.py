@@ -163,7 +163,7 @@ def test_every_point_of_the_frontier_is_measured_on_the_same_positions_and_workl
         alone = m.quality_pass(decode, test, 40, 1, lab.config.bench_prompt_len, lab.config.bench_tokens)
         assert row["test_loss"] == pytest.approx(alone["test_loss"], abs=1e-5), name  # exact: any batch
         assert torch.allclose(lab.nll[1, name], alone["nll"], atol=1e-4), "each position's, kept for pairs"
-    se = m.paired_se({r["name"]: lab.nll[1, r["name"]] for r in lab.measured})
+    se = m.paired_se({r["name"]: lab.nll[1, r["name"]] for r in lab.measured}, lab.config.bench_tokens)
     for mode in m.MODES:
         assert [r[f"dominated_{mode}"] for r in rows] == m.dominated_by(rows, mode, se)
     assert {"full", "backfill", "self_speculative", "draft_model", "1-layer GPT", "pruned 3"} <= {r["name"] for r in rows}

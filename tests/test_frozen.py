@@ -45,7 +45,8 @@ def test_full_depth_is_the_plain_gpts_bit_for_bit(plain_and_frozen, batch_size):
 
 
 def test_the_plain_gpt_of_its_depth_and_the_frozen_model_join_every_table_and_the_recipe_has_a_cost():
-    """In every run (no --depths): the plain GPT of the exit model's depth is trained, and the frozen model brings every decoder to the same interleaved pass (named
+    """In every run (no --depths): the plain GPT of the exit model's depth is trained; the frozen model brings
+    the decoders it is given (run_lab: every decoder with --continued) to the same interleaved pass (named
     "frozen <decoder>", over the exit model's full depth), its exact ones equal to the plain GPT of the
     exit model's shape, itself a point of the frontier table; the recipe's cost is full depth's test loss minus that
     GPT's on the frontier's positions; the frozen model's rules, chosen rule and oracle follow the exit
@@ -107,7 +108,7 @@ def test_the_plain_gpt_of_its_depth_and_the_frozen_model_join_every_table_and_th
     found = m.frontier(lab)
     losses = {r["name"]: r["test_loss"] for r in found["frontier"]}
     assert found["recipe_cost"] == pytest.approx(losses["full"] - losses["4-layer GPT"])
-    se = m.paired_se({n: lab.nll[1, n] for n in ("full", "4-layer GPT")})["full", "4-layer GPT"]
+    se = m.paired_se({n: lab.nll[1, n] for n in ("full", "4-layer GPT")}, config.bench_tokens)["full", "4-layer GPT"]
     assert f"The exit recipe's cost at full depth: {found['recipe_cost']:+.4f} (paired standard error {se:.4f})" in found["notes"][-1]
 
 
@@ -153,8 +154,12 @@ def test_the_continued_model_trains_a_plain_gpt_then_the_recipe_within_the_runs_
 
 @pytest.mark.parametrize("continued,first", [(0.2, 8), (0.25, 8), (0.5, 5)])
 def test_the_continued_split_of_steps_rounds_to_the_nearest(continued, first, monkeypatch):
+    """The plain stage's steps and then the recipe's, within max_iters; the recipe draws batches of its own
+    (seed + 1: the plain stage's seed would replay its first batches), at the global batch of 2 processes."""
     seen = []
-    monkeypatch.setattr(m, "train_plain_gpt", lambda cfg, *a: seen.append(cfg.max_iters) or (None, 0.0, 1.0))
-    monkeypatch.setattr(m, "recipe_from", lambda plain, cfg, splits: seen.append(cfg.max_iters) or (None, 2.0))
-    m.continued_exit_model(m.LabConfig(max_iters=10, continued=continued), {})
-    assert seen == [first, 10 - first]
+    monkeypatch.setattr(m, "train_plain_gpt", lambda cfg, splits, n_layer, world: seen.append(
+        (cfg.max_iters, cfg.seed, world)) or (None, 0.0, 1.0))
+    monkeypatch.setattr(m, "recipe_from", lambda plain, cfg, splits: seen.append(
+        (cfg.max_iters, cfg.seed, cfg.batch_size)) or (None, 2.0))
+    m.continued_exit_model(m.LabConfig(max_iters=10, continued=continued, seed=7, batch_size=3), {}, world=2)
+    assert seen == [(first, 7, 2), (10 - first, 8, 6)]

@@ -120,6 +120,17 @@ def test_the_text_holds_a_prompt_and_a_quality_piece(tmp_path):
         m.parse_args(TINY + big + [f"--bench_tokens={tokens + 1}"])
 
 
+@pytest.mark.parametrize("continued,ok", [(0.05, False), (0.1, True), (0.9, True), (0.99, False)])
+def test_continued_needs_a_step_in_each_stage(tmp_path, continued, ok):
+    """Of 10 steps, 0.05 leaves the recipe none (the plain stage rounds to 10) and 0.99 the plain stage none."""
+    argv = TINY + [f"--out_dir={tmp_path}", "--max_iters=10", f"--continued={continued}"]
+    if ok:
+        m.parse_args(argv)
+    else:
+        with pytest.raises(ValueError, match="--continued"):
+            m.parse_args(argv)
+
+
 @pytest.mark.parametrize("batch,positions,ok", [(0, 19, False), (0, 20, True), (1, 319, False), (1, 320, True)])
 def test_quality_positions_hold_a_piece_or_with_the_batch_table_a_piece_a_row(tmp_path, batch, positions, ok):
     """At least bench_tokens (20 here) quality positions, a piece; with --bench_batch, 16 pieces, one a
