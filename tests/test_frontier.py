@@ -125,7 +125,7 @@ def measured_lab(model, config, splits):
 
 
 def test_every_point_of_the_frontier_is_measured_on_the_same_positions_and_workload(monkeypatch):
-    """Each point's test loss is its own decoder teacher-forced on the same first test positions
+    """Each point's test loss is its own decoder teacher-forced on the same test positions (pieces spread over test)
     (speculation: full depth's), and its speed-ups come from one interleaved pass over the same
     prompts; a point beaten on both axes names what beats it."""
     model = tiny_model()

@@ -213,3 +213,33 @@ def test_unit_costs_are_timed_at_the_workloads_typical_cache_length(model):
     model.transformer.h[0].register_forward_pre_hook(lambda mod, args: seen.append(args[1].lengths[0]))
     costs = m.decode_costs(model, 3, 4, m.exit_rules(), repeats=3)
     assert costs["cache_length"] == 3 and seen == [3, 3, 3]  # the block stage, each repeat
+
+
+def tie_lab(near_nll):
+    """A lab whose frontier has full depth (loss 2.0, 1.0x), a faster point "near" with near_nll, and the
+    plain GPT of full depth's shape (slower, far better): 4 pieces of 2 positions."""
+    full = torch.full((8,), 2.0)
+    nll = {"full": full, "near": near_nll, "2-layer GPT": torch.full((8,), 1.0)}
+    speeds = {"full": 1.0, "near": 1.5, "2-layer GPT": 0.5}
+    rows = [{"name": n, "mode": mode, "speedup": speeds[n], "test_loss": float(nll[n].mean()), "weight_bytes": 0,
+             "cache_bytes": 0, "decoder": "full" if n != "near" else "deferred",
+             "family": "plain GPT" if n.endswith("GPT") else "exit model"} for n in nll for mode in m.MODES]
+    config = types.SimpleNamespace(n_layer=2, bench_tokens=2, num_draft=8)
+    return types.SimpleNamespace(config=config, measured=rows, nll={(1, n): x for n, x in nll.items()},
+                                 train_seconds=1.0, plain_gpts={})
+
+
+def test_a_faster_point_within_twice_the_error_is_named_a_tie_and_beyond_it_beats():
+    """near is faster and 0.05 lower in loss: with pieces' mean differences -0.3, 0.2, -0.3, 0.2 (standard error
+    0.144) that is a tie, named in the notes, and full depth stays on the frontier; the same 0.05 on every
+    position (error 0) beats it, and no tie is named."""
+    noisy = torch.tensor([1.7, 1.7, 2.2, 2.2, 1.7, 1.7, 2.2, 2.2])
+    found = m.frontier(tie_lab(noisy))
+    rows = {r["name"]: r for r in found["frontier"]}
+    assert rows["full"]["dominated_greedy"] is None and rows["full"]["dominated_sampled"] is None
+    tie = next(n for n in found["notes"] if n.startswith("Within twice that error"))
+    assert "greedy, full (near's loss); sampled, full (near's loss)." in tie
+    found = m.frontier(tie_lab(torch.full((8,), 1.95)))
+    assert {r["name"]: r["dominated_greedy"] for r in found["frontier"]}["full"] == "near"
+    assert "greedy, none; sampled, none." in next(n for n in found["notes"] if n.startswith("Within twice"))
+    assert found["recipe_cost"] == pytest.approx(1.0)  # full depth 2.0 against the 2-layer GPT's 1.0
