@@ -643,7 +643,7 @@ class LabConfig(Config):
     bench_prompts: int = 16  # timed workload: prompts evenly spaced in test (val: twice as many)
     bench_prompt_len: int = 32  # characters per workload prompt
     bench_tokens: int = 50  # characters generated per prompt per timed run
-    bench_repeats: int = 3  # timed passes per decoder, interleaved; the median is reported
+    bench_repeats: int = 3  # timed passes per decoder, interleaved; their calls pooled, paired
     shift_path: str = "shift.txt"  # text of another kind, read at val's threshold ('' skips it)
     epsilon: float = 0.01  # calibration: tolerated disagreement with full depth; lower is cautious
     delta: float = 0.05  # calibration: allowed chance that the chosen threshold breaks epsilon
