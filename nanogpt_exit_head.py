@@ -2766,15 +2766,14 @@ def field_rules(config, L):
         (not config.prompt, "--prompt must hold at least one character"),
         (config.quality_positions < config.bench_tokens * (
             max(BATCH_SIZES) if config.bench_batch else 1),
-         f"--quality_positions={config.quality_positions}: at least bench_tokens, a piece (with "
+         f"--quality_positions={config.quality_positions}: a piece of bench_tokens or more (with "
          f"--bench_batch, {max(BATCH_SIZES)} pieces: one a row)"),
         (not re.fullmatch(r"(all|(\d+,)*\d+)?", config.depths),
          f"--depths={config.depths!r}: '', 'all' or a comma list of layers"),
         (any(not 0 < int(d) <= L for d in re.findall(r"\d+", config.depths)),
          f"--depths={config.depths!r}: plain GPTs of 1..{L} layers"),
         (config.num_draft > config.block_size and L < math.inf,
-         f"--num_draft={config.num_draft}: at most block_size={config.block_size}, as a round "
-         "drafts within the window"),
+         f"--num_draft={config.num_draft}: at most block_size={config.block_size} (the window)"),
         (0 < config.temperature < 1e-6,
          f"--temperature={config.temperature}: 0 (greedy) or at least 1e-6 (logits / it overflow)"),
         (config.draft_layers >= L,
