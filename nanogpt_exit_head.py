@@ -1735,8 +1735,7 @@ def quality_pass(decode, data, n_positions, rows=1, prompt_len=1, piece=1):
     `piece` positions after a prompt of prompt_len, `rows` pieces a call: every decoder sees the
     same text, and its own cache's effects (with the workload's prompt length and tokens, its
     positions where the workload's are). Each position's loss too (nll), to pair decoders by."""
-    n = n_positions // piece
-    starts = torch.linspace(0, len(data) - prompt_len - piece, n).long()
+    starts = torch.linspace(0, len(data) - prompt_len - piece, n_positions // piece).long()
     windows = data.unfold(0, prompt_len + piece, 1)[starts]  # (n, P + piece)
     outs = [decode(w[:, :prompt_len], piece, forced=w[:, prompt_len:]) for w in windows.split(rows)]
     logits = torch.cat([o.logits for o in outs]).flatten(0, 1)  # (n * piece, V)
@@ -1767,6 +1766,7 @@ import inspect
 import json
 import os
 import pickle
+import random
 import re
 import signal
 import textwrap
@@ -1800,12 +1800,15 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
     Generations."""
     batches, device = prompts.split(batch_size), prompts.device  # each (B, T0)
     seconds = {key: np.zeros((repeats, len(batches))) for key in decoders}  # a call's time
+    order = random.Random(seed)
     gc.disable()  # no garbage collection while timing: it would land on whichever decoder runs
     try:
         for r in range(repeats):
             outputs = {key: [] for key in decoders}
             for i, batch in enumerate(batches):
-                for key, decode in decoders.items():
+                # the decoders in a new random order each time: none always runs after the same
+                # one (a model whose weights the one before left in the CPU's cache runs faster)
+                for key, decode in order.sample(list(decoders.items()), len(decoders)):
                     # batch i samples from seed + i, whichever decoder and pass runs it
                     generator = torch.Generator(device).manual_seed(seed + i)
                     synchronize(device)
@@ -2290,9 +2293,7 @@ def swatch(layer, n_layer):
     ink = "#000" if colour in VIRIDIS[8:] else "#fff"  # dark ink on viridis' lighter colours
     return f'style="background:{colour};color:{ink}"'
 
-def esc(text):
-    """Text made safe inside HTML and its attributes."""
-    return html.escape(text)
+esc = html.escape  # text made safe inside HTML and its attributes
 
 def datum(key, value):
     """The attributes that tie a number on the page to its place in report.json (a test checks)."""
@@ -2835,8 +2836,8 @@ def check_text(config):
                          "bench_tokens")
     others = {"--prompt": config.prompt}
     if config.shift_path:
-        others["--shift_path ('' skips it)"] = read_text(config, "shift_path")
-        if len(others["--shift_path ('' skips it)"]) < 2:  # a character to read, one to predict
+        shift = others["--shift_path ('' skips it)"] = read_text(config, "shift_path")
+        if len(shift) < 2:  # a character to read, one to predict
             raise ValueError(f"--shift_path={config.shift_path!r} holds under 2 characters")
     for name, other in others.items():
         unknown = "".join(sorted(set(other) - set(text)))

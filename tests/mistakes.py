@@ -290,6 +290,10 @@ MISTAKES = [
     ("frozen_every_decoder", "the default run's frozen model timing every decoder, past the run's time",
      "if cfg.continued or DECODERS[name].cache", "if True or DECODERS[name].cache",
      ["test_worth_it.py::test_compare_every_depth_as_points_of_the_frontier"]),
+    ("one_fixed_order", "timed calls in one fixed order, each decoder after the same one every time",
+     "for key, decode in order.sample(list(decoders.items()), len(decoders)):",
+     "for key, decode in decoders.items():",
+     ["test_strategies.py::test_speed_pass_interleaves_the_decoders_a_call_at_a_time_in_a_new_order_each_time"]),
 ]
 
 
