@@ -643,7 +643,7 @@ class LabConfig(Config):
     bench_prompts: int = 16  # timed workload: prompts evenly spaced in test (val: twice as many)
     bench_prompt_len: int = 32  # characters per workload prompt
     bench_tokens: int = 50  # characters generated per prompt per timed run
-    bench_repeats: int = 3  # timed passes per decoder, interleaved; their calls pooled, paired
+    bench_repeats: int = 2  # timed passes per decoder, interleaved; their calls pooled, paired
     shift_path: str = "shift.txt"  # text of another kind, read at val's threshold ('' skips it)
     epsilon: float = 0.01  # calibration: tolerated disagreement with full depth; lower is cautious
     delta: float = 0.05  # calibration: allowed chance that the chosen threshold breaks epsilon
@@ -1668,9 +1668,9 @@ def table_row(name, decoder, ref, mode, speed, quality, batch_size):
     """One row of a decoder table: speed over full depth at the same batch size and mode, and
     quality beside it, teacher-forced, against ref's, the point whose output its model's is at
     full depth (a drafter's quality is ref's by construction; no quality: none measured)."""
-    d, s, full = DECODERS[decoder], speed[name, mode], speed["full", mode]
+    d, s = DECODERS[decoder], speed[name, mode]
     row = {"batch_size": batch_size, "name": name, "decoder": decoder, "mode": mode, **s,
-           "speedup": speedup(s, full), "cache": d.cache}
+           "speedup": speedup(s, speed["full", mode]), "cache": d.cache}
     outputs, _ = row.pop("outputs"), row.pop("seconds")
     if batch_size == 1:
         row.update(tail(outputs))
@@ -2222,9 +2222,8 @@ def frontier(lab):
     se = paired_se({r["name"]: lab.nll[1, r["name"]] for r in lab.measured}, cfg.bench_tokens)
     for p in frontier_points(lab.measured, se):
         p.update(weights_mb=p["weight_bytes"] / 2**20, kv_kb=p["cache_bytes"] / 2**10)
-        family = "speculation" if DECODERS[p["decoder"]].drafter else p["family"]
-        rows.append({key: p[key] for key, *_ in FRONTIER_TABLE[1]} | {
-            "decoder": p["decoder"], "family": family})
+        rows.append({key: p[key] for key, *_ in FRONTIER_TABLE[1]} | {"decoder": p["decoder"],
+                    "family": "speculation" if DECODERS[p["decoder"]].drafter else p["family"]})
     # the joint recipe's cost at full depth: against the plain GPT of its shape
     on, deep, loss = frontier_names(rows), f"{cfg.n_layer}-layer GPT", {
         r["name"]: r["test_loss"] for r in rows}
@@ -3003,9 +3002,9 @@ def run_lab(lab, report, sampling=None):
     lab.plan()  # the unit costs, timed; every exit decoder's plan, chosen on val
     names = [name for name, d in DECODERS.items() if not d.follows]
     # heads on the plain GPT of the exit model's depth: its full depth is that GPT's point; with
-    # --continued (the study's runs) every decoder, else those with an exact cache (the run's time)
+    # --continued (the study's runs) every decoder, else those with an exact cache, no schedule
     others = lab.freeze([name for name in names[1:] if cfg.continued or DECODERS[name].cache
-                         == "exact"])
+                         == "exact" and not DECODERS[name].schedule])  # (the run's time)
     if cfg.continued:
         others |= lab.continue_plain(names)
     lab.measured = lab.measure(1, names, [cfg.num_draft], replace(cfg, bench_repeats=1),
