@@ -64,8 +64,8 @@ def test_a_notes_position_count_is_what_was_recorded_not_what_was_asked():
     conf = torch.rand(L - 1, n, generator=torch.Generator().manual_seed(0))
     pred = torch.randint(0, 3, (L, n), generator=torch.Generator().manual_seed(1))
     recs = m.ExitRecords({"top1": conf}, pred, torch.rand(L, n), torch.zeros(n, dtype=torch.long))
-    lab = types.SimpleNamespace(records={"val": recs}, checked=[0, 1, 2],
-                                config=m.LabConfig(sweep_positions=100_000, confidence_measure="top1"))
+    lab = types.SimpleNamespace(records={"val": recs}, config=m.LabConfig(
+        n_layer=L, sweep_positions=100_000, confidence_measure="top1"))
     notes = m.threshold_sweep(lab)["notes"]
     assert "on 1,234 val positions" in notes[0] and "on the 1,234 val positions" in notes[1]
     assert m.rule_calibrations.__code__.co_names.count("recorded") == 1

@@ -28,6 +28,7 @@ def test_the_trunk_and_final_head_are_unchanged_and_only_the_heads_learn(plain_a
     heads = [k for k in before if k.startswith("exit_heads.")]
     assert all(not torch.equal(after[k], before[k]) for k in heads if k.endswith("weight")), "every head learned"
     assert seconds > 0 and not frozen.training and (frozen.config.dropout, frozen.config.layer_dropout) == (0, 0)
+    assert frozen.config.max_iters == 6, "the heads train for half the run's 12 steps"
     # no gradient reaches the trunk: a head step costs a forward pass and the heads' backward
     assert [n for n, p in frozen.named_parameters() if p.requires_grad] == [
         n for n, _ in frozen.named_parameters() if n.startswith("exit_heads.")]
@@ -129,6 +130,7 @@ def test_frozen_heads_learn_even_where_the_run_trains_no_exit(plain_and_frozen):
     config = tiny_config(max_iters=3, warmup_iters=1, batch_size=4, alpha=0.0, distill_weight=0.0)
     frozen, _ = m.frozen_exit_model(plain, config, splits, world=2)
     assert frozen.config.alpha == 1.0 and frozen.config.batch_size == 8, "and the plain GPT's global batch"
+    assert frozen.config.max_iters == 1, "half of 3 steps, rounded down"
     distilling = m.frozen_exit_model(plain, m.replace(config, distill_weight=0.1), splits)[0]
     assert distilling.config.alpha == 0.0, "distillation alone is a loss: the run's recipe, unchanged"
     assert not torch.equal(frozen.state_dict()["exit_heads.0.lm_head.weight"], before["exit_heads.0.lm_head.weight"])
