@@ -2743,10 +2743,9 @@ def parse_args(argv):
         raise ValueError(f"unknown argument {unknown[0]!r}: arguments are --name=value; did you "
                          f"mean {close[0]}?")
     config = LabConfig(**vars(known))
-    given = set(vars(known))
     # a resume's architecture is the checkpoint's: load_checkpoint checks the rules again with it
     validate(config, math.inf if config.init_from == "resume" else None)
-    return config, given
+    return config, set(vars(known))
 
 def plain_depths(text, draft_layers, n_layer):
     """The plain GPTs a run trains: the draft model's depth, the exit model's (the undamaged deep
@@ -3004,9 +3003,10 @@ def run_lab(lab, report, sampling=None):
     lab.plan()  # the unit costs, timed; every exit decoder's plan, chosen on val
     names = [name for name, d in DECODERS.items() if not d.follows]
     # heads on the plain GPT of the exit model's depth: its full depth is that GPT's point; with
-    # --continued (the study's runs) every decoder, else those with an exact cache, no schedule
+    # --continued (the study's runs) every decoder, else (the run's time) those with an exact
+    # cache that skip by a threshold: deferred and both drafters (backfill skips nothing)
     others = lab.freeze([name for name in names[1:] if cfg.continued or DECODERS[name].cache
-                         == "exact" and not DECODERS[name].schedule])  # (the run's time)
+                         == "exact" and DECODERS[name].skips and not DECODERS[name].schedule])
     if cfg.continued:
         others |= lab.continue_plain(names)
     lab.measured = lab.measure(1, names, [cfg.num_draft], replace(cfg, bench_repeats=1),
@@ -3035,8 +3035,8 @@ def run(config, overridden):
     report, sampling = {}, None
     if config.sample_only:  # no training, no calibration: the checkpoint's
         model = new_or_resumed(config, tokenizer, device, overridden)[0]
-        path = os.path.join(config.out_dir, "ckpt.pt")
-        sampling = torch.load(path, map_location="cpu", weights_only=True).get("sampling")
+        sampling = torch.load(os.path.join(config.out_dir, "ckpt.pt"), map_location="cpu",
+                              weights_only=True).get("sampling")
     else:
         model = train_or_resume(config, tokenizer, splits, device, overridden, rank, world, report)
     if world > 1:

@@ -169,11 +169,11 @@ def test_compare_every_depth_as_points_of_the_frontier(tmp_path):
     # the draft model's depth and the exit model's (the undamaged deep model) always, then --depths
     assert m.plain_depths("", 1, 6) == [1, 6] and m.plain_depths("2,4", 1, 6) == [1, 2, 4, 6]
     assert m.plain_depths("all", 2, 4) == [1, 2, 3, 4] and m.plain_depths("6", 1, 6) == [1, 6]
-    assert {"3-layer GPT", "frozen backfill"} <= set(names) and "frozen full" not in names
-    # without --continued, the frozen model brings its decoders with an exact cache and no schedule, to keep
-    # the run's time: full depth (the plain GPT's point), backfill, deferred and both drafters
+    assert {"3-layer GPT", "frozen deferred"} <= set(names) and "frozen full" not in names
+    # without --continued, the frozen model brings (the run's time) its decoders with an exact cache that skip
+    # layers by a threshold: deferred and both drafters (its full depth is the plain GPT's point)
     assert [n for n in names if n.startswith("frozen ")] == [
-        "frozen backfill", "frozen deferred", "frozen self_speculative", "frozen draft_model"]
+        "frozen deferred", "frozen self_speculative", "frozen draft_model"]
 
 
 def test_patience_k_is_exact(records):
