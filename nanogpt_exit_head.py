@@ -652,7 +652,7 @@ class LabConfig(Config):
     # studies beyond the default run
     bench_batch: bool = False  # also measure every batch design at batch 1, 4 and 16 (minutes)
     depths: str = ""  # more plain GPTs (besides the draft model's and n_layer's): '', 'all', '2,3'
-    continued: float = 0.0  # > 0: an exit model more, a plain GPT, then this share of steps' recipe
+    continued: float = 0.0  # > 0: a plain GPT, then this share of steps' recipe; frozen: all
 
 # cautious first: 1.000, 0.999, ..., 0.951 (the learned rule's scores crowd there), 0.95, ..., 0.00
 THRESHOLDS = (*(round(1 - i / 1000, 3) for i in range(50)),
@@ -1739,9 +1739,9 @@ def quality_pass(decode, data, n_positions, rows=1, prompt_len=1, piece=1):
     same text, and its own cache's effects (with the workload's prompt length and tokens, its
     positions where the workload's are). Each position's loss too (nll), to pair decoders by."""
     starts = torch.linspace(0, len(data) - prompt_len - piece, n_positions // piece).long()
-    windows = data.unfold(0, prompt_len + piece, 1)[starts]  # (n, P + piece)
+    windows = data.unfold(0, prompt_len + piece, 1)[starts]  # (pieces, P + piece)
     outs = [decode(w[:, :prompt_len], piece, forced=w[:, prompt_len:]) for w in windows.split(rows)]
-    logits = torch.cat([o.logits for o in outs]).flatten(0, 1)  # (n * piece, V)
+    logits = torch.cat([o.logits for o in outs]).flatten(0, 1)  # (pieces * piece, V)
     targets = windows[:, prompt_len:].flatten()
     nll, pred = F.cross_entropy(logits, targets, reduction="none"), logits.argmax(-1)
     return {"pred": pred, "nll": nll, "test_loss": nll.mean().item(),
@@ -2046,15 +2046,15 @@ class Lab:
         cfg = self.config
         model, seconds = frozen_exit_model(self.plain(cfg.n_layer), cfg, self.splits, self.world)
         about = (f"the plain {cfg.n_layer}-layer GPT ({self.plain_gpts[cfg.n_layer][1]:.0f} s of "
-                 f"training), exit heads trained after on its frozen trunk ({seconds:.0f} s); its "
-                 "full depth is that GPT's, bit for bit")
+                 f"training), exit heads trained after on its frozen trunk for {cfg.max_iters // 2}"
+                 f" steps ({seconds:.0f} s); its full depth is that GPT's, bit for bit")
         return self.exit_model("frozen", model, about, names, f"{cfg.n_layer}-layer GPT")
 
     def continue_plain(self, names):
         """The continued exit model (continued_exit_model): its decoders of names, each beside its
         own full depth."""
-        made = continued_exit_model(self.config, self.splits, self.world)  # (model, about)
-        return self.exit_model("continued", *made, names, "continued full")
+        return self.exit_model("continued", *continued_exit_model(  # (model, about)
+            self.config, self.splits, self.world), names, "continued full")
 
     def exit_model(self, name, model, about, names, ref):
         """An exit model besides the joint one, its exits read, calibrated and planned as the joint
@@ -2224,8 +2224,9 @@ def frontier(lab):
     se = paired_se({r["name"]: lab.nll[1, r["name"]] for r in lab.measured}, cfg.bench_tokens)
     for p in frontier_points(lab.measured, se):
         p.update(weights_mb=p["weight_bytes"] / 2**20, kv_kb=p["cache_bytes"] / 2**10)
+        family = "speculation" if DECODERS[p["decoder"]].drafter else p["family"]
         rows.append({key: p[key] for key, *_ in FRONTIER_TABLE[1]} | {"decoder": p["decoder"],
-                    "family": "speculation" if DECODERS[p["decoder"]].drafter else p["family"]})
+                                                                     "family": family})
     # the joint recipe's cost at full depth: against the plain GPT of its shape
     on, deep, loss = frontier_names(rows), f"{cfg.n_layer}-layer GPT", {
         r["name"]: r["test_loss"] for r in rows}
@@ -3004,7 +3005,7 @@ def run_lab(lab, report, sampling=None):
     names = [name for name, d in DECODERS.items() if not d.follows]
     # heads on the plain GPT of the exit model's depth: its full depth is that GPT's point; with
     # --continued (the study's runs) every decoder, else (the run's time) those with an exact
-    # cache that skip by a threshold: deferred and both drafters (backfill skips nothing)
+    # cache and no schedule but backfill, which runs every block: deferred and both drafters
     others = lab.freeze([name for name in names[1:] if cfg.continued or DECODERS[name].cache
                          == "exact" and DECODERS[name].skips and not DECODERS[name].schedule])
     if cfg.continued:
