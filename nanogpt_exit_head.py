@@ -652,7 +652,7 @@ class LabConfig(Config):
     # studies beyond the default run
     bench_batch: bool = False  # also measure every batch design at batch 1, 4 and 16 (minutes)
     depths: str = ""  # more plain GPTs (besides the draft model's and n_layer's): '', 'all', '2,3'
-    continued: float = 0.0  # > 0: a plain GPT, then this share of steps' recipe; frozen: all
+    continued: float = 0.0  # > 0: a plain GPT, then this share of steps with the recipe (a study)
 
 # cautious first: 1.000, 0.999, ..., 0.951 (the learned rule's scores crowd there), 0.95, ..., 0.00
 THRESHOLDS = (*(round(1 - i / 1000, 3) for i in range(50)),
