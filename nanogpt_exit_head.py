@@ -124,7 +124,7 @@ class CausalSelfAttention(nn.Module):
     def heads(self, t):
         return t.unflatten(2, (self.n_head, -1)).transpose(1, 2)  # (B, T, C) -> (B, nh, T, hs)
 
-    def forward(self, x, cache=None, layer=0):
+    def forward(self, x, cache, layer):
         q, k, v = map(self.heads, self.c_attn(x).chunk(3, dim=2))  # (B, nh, T, hs) each
         if cache is None:
             p = self.attn_dropout if self.training else 0.0
@@ -261,7 +261,7 @@ class KVCache:
         self.layer_evals = [0] * config.n_layer  # how many (position, layer) block runs, per layer
         self.start = 0  # absolute position of window position 0
 
-    def reset(self, start=0):
+    def reset(self, start):
         self.lengths = [0] * len(self.lengths)
         self.start = start
 
@@ -649,6 +649,8 @@ class LabConfig(Config):
     delta: float = 0.05  # calibration: allowed chance that the chosen threshold breaks epsilon
     sweep_positions: int = 20000  # val and test positions recorded for the sweep and calibration
     schedule_disagreement: float = 0.03  # SkipDecode: most disagreement with full depth it may cost
+    adapt_credit: int = 15  # a moving threshold: disagreements over target before it moves
+    adapt_horizon: int = 20000  # and the positions after which its disagreement is <= epsilon
     # studies beyond the default run
     bench_batch: bool = False  # also measure every batch design at batch 1, 4 and 16 (minutes)
     depths: str = ""  # more plain GPTs (besides the draft model's and n_layer's): '', 'all', '2,3'
@@ -718,12 +720,13 @@ def recipe_from(plain, config, splits, frozen=False):
     """A RecipeGPT from a trained plain GPT's weights, trained under config (its steps, its batch,
     its recipe, its seed's batches): the whole model, or (frozen) its exit heads alone. Returns
     (the model, seconds)."""
-    model = RecipeGPT(config).to(splits["train"].device)
+    device = splits["train"].device
+    model = RecipeGPT(config).to(device)
     model.load_state_dict(plain.state_dict())
     model.requires_grad_(not frozen)
     model.exit_heads.requires_grad_(True)
     optimizer = configure_optimizer(model.exit_heads if frozen else model, config)
-    seconds = train(model, optimizer, splits, config, splits["train"].device, evaluate=False)[0]
+    seconds = train(model, optimizer, splits, config, device, evaluate=False)[0]
     return model.eval(), seconds
 
 def frozen_exit_model(plain, config, splits, world=1):
@@ -868,7 +871,7 @@ def choose_schedule(records, n_layer, block_size, budget):
                 best = {"checked_exits": [last] * a + [e] * (block_size - a), "from_position": a,
                         "exit_layer": e, "compute_saved": figures["compute_saved"],
                         "disagreement": figures["disagreement"], "label": f"{e} from {a}"}
-    return {**best, "measure": "top1", "threshold": 0.0}
+    return best | {"measure": "top1", "threshold": 0.0}
 
 # -----------------------------------------------------------------------------
 # Speculative decoding: early layers draft (LayerSkip) or a small model; one decoder, any batch
@@ -1118,7 +1121,7 @@ def spec_stats(outputs, full_outputs, mode):
         same = all(torch.equal(a.tokens, b.tokens) for a, b in zip(outputs, full_outputs))
     if not runs:
         return {"identical_to_full": same}
-    rounds, drafted, accepted = (sum(s[k] for s in runs) for k in ("rounds", "drafted", "accepted"))
+    rounds, drafted, accepted = (sum(s[k] for s in runs) for k in "rounds drafted accepted".split())
     return {"acceptance_rate": accepted / drafted, "rounds": rounds,
             "tokens_per_verify": sum(o.exited_at.numel() for o in outputs) / rounds,
             "num_draft": runs[0]["num_draft"], "identical_to_full": same}
@@ -1150,8 +1153,8 @@ def saturation(probs, state):
     return F.cosine_similarity(state["h"], state["below"], dim=-1).clamp(max=1.0)
 
 # the lab's rules: Part I's, and four more (a dict of its own: Part I's is left as it is)
-EXIT_RULES = {**CONFIDENCE_MEASURES, "margin": margin, "entropy": normalised_entropy,
-              "patience": patience, "saturation": saturation}
+EXIT_RULES = CONFIDENCE_MEASURES | {"margin": margin, "entropy": normalised_entropy,
+                                    "patience": patience, "saturation": saturation}
 
 def exit_features(probs, state):
     """The learned rule's features (..., F): four rules' confidences, agreement with the exit
@@ -1159,7 +1162,7 @@ def exit_features(probs, state):
     pred = probs.argmax(-1)
     agree = (pred == state.get("pred", -1)).float()
     state["pred"] = pred
-    cheap = [EXIT_RULES[m](probs, state) for m in ("top1", "margin", "entropy", "saturation")]
+    cheap = [EXIT_RULES[m](probs, state) for m in "top1 margin entropy saturation".split()]
     one_hot = F.one_hot(pred, probs.size(-1)).to(probs.dtype)
     return torch.cat([torch.stack([*cheap, agree, torch.ones_like(agree)], -1), one_hot], -1)
 
@@ -1171,7 +1174,7 @@ def exit_rules(weights=None):
     """name -> rule: EXIT_RULES, and the learned rule with its weights (L, F) when given them."""
     if weights is None:
         return dict(EXIT_RULES)
-    return {**EXIT_RULES, "learned": partial(learned, weights)}
+    return EXIT_RULES | {"learned": partial(learned, weights)}
 
 # -----------------------------------------------------------------------------
 # Recording, the sweep, calibration and the oracle: every exit read once, then no model needed
@@ -1222,9 +1225,8 @@ def record_exits(model, data, n_positions, rules, batch_size=64):
     n_positions = min(n_positions, len(data) - 1)
     # every window is block_size long but perhaps the last: run the others batch_size at a time
     *full, last = decoder_windows(n_positions, model.config.block_size)
-    groups = [full[b : b + batch_size] for b in range(0, len(full), batch_size)] + [[last]]
     parts = []
-    for group in groups:
+    for group in [full[b : b + batch_size] for b in range(0, len(full), batch_size)] + [[last]]:
         x = torch.stack([data[s:e] for s, e, _ in group])  # (b, W)
         read = read_exits(model, x, rules)  # logits (L, b, W, V), then (L, b, W) per rule
         parts += [[t[:, r, first - s :] for t in read] for r, (s, _, first) in enumerate(group)]
@@ -1328,9 +1330,8 @@ def calibrate(records, measure, checked_exits, epsilon, delta):
     disagree = records.pred != records.pred[-1]  # (L, N): each exit against full depth
     exits = [exits_at_threshold(records, measure, t, checked_exits) for t in THRESHOLDS]  # (N,)s
     failures = [int(disagree.gather(0, e[None]).sum()) for e in exits]  # counted exactly
-    n = disagree.size(1)
     # THRESHOLDS[0] is 1.0: full depth when none is certified (the test returns -1)
-    return THRESHOLDS[max(fixed_sequence_test(failures, n, epsilon, delta), 0)]
+    return THRESHOLDS[max(fixed_sequence_test(failures, disagree.size(1), epsilon, delta), 0)]
 
 def oracle(records, checked_exits, epsilon):
     """The most any rule could skip at disagreement <= epsilon: each position leaves at the first
@@ -1352,7 +1353,7 @@ def calibration_report(records, measure, checked_exits, epsilon, delta):
         report["k"] = next(k for k in itertools.count(1) if 1 - 0.5**k > threshold)
     for name, split in records.items():
         figures = exit_summary(split, exits_at_threshold(split, measure, threshold, checked_exits))
-        report[name] = {**figures, "held": figures["disagreement"] <= epsilon}
+        report[name] = figures | {"held": figures["disagreement"] <= epsilon}
     best = oracle(records["test"], checked_exits, epsilon)["compute_saved"]
     report["test"]["oracle_share"] = report["test"]["compute_saved"] / max(best, 1e-9)
     return report
@@ -1367,10 +1368,10 @@ def choose_rule(records, rules, checked_exits, epsilon, delta):
 def rule_table(records, calibrations, rules, config, model="joint"):
     """An exit model's rule table on test, every exit checked: each rule at its threshold
     calibrated on val, the rule chosen on val, the oracle; and the chosen rule's report."""
-    checked = list(range(config.n_layer - 1))
+    checked = range(config.n_layer - 1)
     chosen = choose_rule(records, rules, checked, config.epsilon, config.delta)
-    best = {**oracle(records["test"], checked, config.epsilon), "oracle_share": 1.0}
-    rows = [*calibrations.values(), {**chosen, "measure": f"{chosen['measure']}, chosen"},
+    best = oracle(records["test"], checked, config.epsilon) | {"oracle_share": 1.0}
+    rows = [*calibrations.values(), chosen | {"measure": f"{chosen['measure']}, chosen"},
             {"measure": "oracle", "test": best}]
     return [{"model": model, **row} for row in rows], chosen
 
@@ -1383,14 +1384,69 @@ def calibrate_exits(model, splits, config):
     rules = exit_rules(weights)
     records = {s: record_exits(model, text, config.sweep_positions, rules)
                for s, text in splits.items() if s != "train"}
-    checked = list(range(config.n_layer - 1))
-    calibrations = {m: calibration_report(records, m, checked, config.epsilon, config.delta)
-                    for m in rules}
+    # every rule calibrated with every exit checked
+    calibrations = {m: calibration_report(records, m, range(config.n_layer - 1), config.epsilon,
+                                          config.delta) for m in rules}
     schedule = choose_schedule(records["val"], config.n_layer, config.block_size,
                                config.schedule_disagreement)
-    thresholds = {m: c["threshold"] for m, c in calibrations.items()}
-    return records, calibrations, {"weights": weights, "schedule": schedule,
-                                   "thresholds": thresholds}
+    return records, calibrations, {"weights": weights, "schedule": schedule, "thresholds": {
+        m: c["threshold"] for m, c in calibrations.items()}}
+
+# -----------------------------------------------------------------------------
+# A threshold that moves: Learn then Test certifies text like val. Given each position's label
+# (full depth's top-1: backfill has it at once, deferred in its chunk), a decoder can move its
+# threshold when its disagreement runs high, and watch its rate with a bound valid at every token
+
+def moving_threshold(wrong, start, epsilon, credit, horizon, climb=4):
+    """Adaptive conformal inference (Gibbs and Candes, arXiv:2106.00170) on THRESHOLDS' grid.
+
+    wrong[i][t]: does position t, leaving at the i-th threshold (most cautious first: the 0th,
+    1.0, never leaves early), disagree with full depth? u counts the disagreements over a target
+    rate, epsilon - (credit + climb + 1) / horizon: it starts at -credit, and after each position
+    u <- max(u + wrong - target, -2 credit). The threshold's index is start (the calibrated one)
+    while u <= 0, and falls linearly to 0 (full depth) as u rises to climb. So it moves once
+    credit disagreements more than the target are seen, and comes back as the text runs under it.
+
+    The guarantee, for any text, shifted or not: at u >= climb nothing leaves early, so u stays
+    below climb + 1, and the floor only raises u; so of T positions at most
+    target * T + credit + climb + 1 disagree: at most epsilon once T >= horizon. It needs every
+    position's label (labels d positions late add d). Returns each position's index."""
+    target, u, path = epsilon - (credit + climb + 1) / horizon, -credit, []
+    for t in range(len(wrong[0])):
+        path.append(round(start * (1 - min(max(u, 0) / climb, 1))))
+        u = max(u + wrong[path[-1]][t] - target, -2 * credit)
+    return path
+
+def rate_bounds(k, n, alpha, bets=(0.1, 0.3, 1.0, 3.0)):
+    """A confidence sequence for the mean chance of disagreeing over n positions, k of which
+    disagreed: (lower, upper), both valid at every n at once with probability >= 1 - alpha, for
+    any shift (each position's chance may differ). For a bet b, exp(b k - (e^b - 1) P) and
+    exp((1 - e^-b) P - b k), P the sum of the chances, are supermartingales; Ville's inequality
+    bounds each, alpha split among them."""
+    a = math.log(2 * len(bets) / alpha)
+    lower = torch.stack([(b * k - a) / math.expm1(b) for b in bets]).amax(0) / n
+    upper = torch.stack([(b * k + a) / -math.expm1(-b) for b in bets]).amin(0) / n
+    return lower.clamp(0, 1), upper.clamp(0, 1)
+
+def fixed_and_moving(records, measure, threshold, checked, config):
+    """A rule at its calibrated threshold on a recorded text, fixed and moving (every label
+    fed back): each one's figures, the moving one's upper bound at the end and its share of
+    positions at the calibrated threshold, and the positions the fixed one runs before its lower
+    bound shows its disagreement above epsilon (None: it never does)."""
+    start, cols = THRESHOLDS.index(threshold), torch.arange(records.targets.numel())
+    exits = torch.stack([exits_at_threshold(records, measure, t, checked)
+                         for t in THRESHOLDS[: start + 1]])  # (start + 1, N)
+    wrong = (records.pred != records.pred[-1]).gather(0, exits)
+    path = torch.tensor(moving_threshold(wrong.tolist(), start, config.epsilon,
+                                         config.adapt_credit, config.adapt_horizon))
+    n = cols + 1.0
+    lower = rate_bounds(wrong[start].cumsum(0), n, config.delta)[0]
+    upper = rate_bounds(wrong[path, cols].sum(), n[-1], config.delta)[1]
+    noticed = (lower > config.epsilon).nonzero()
+    return {"fixed": exit_summary(records, exits[start]),
+            "moving": {**exit_summary(records, exits[path, cols]), "upper": float(upper),
+                       "at_start": average(path == start)},
+            "noticed": int(noticed[0]) + 1 if len(noticed) else None}
 
 # -----------------------------------------------------------------------------
 # The cost model: measured unit costs, and the blocks each exit plan saves
@@ -1430,7 +1486,7 @@ def decode_costs(model, prompt_len, n_tokens, rules, repeats=200):
             stage()
             synchronize(device)  # each timer reads finished work
             t[key].append(time.perf_counter() - t0)
-    return {**{key: float(np.median(v)) for key, v in t.items()}, "cache_length": typical}
+    return {key: float(np.median(v)) for key, v in t.items()} | {"cache_length": typical}
 
 def plan_counts(records, plan):
     """What an exit plan's decode steps do at a threshold on recorded positions (teacher-forced),
@@ -1461,7 +1517,7 @@ def best_plan(records, decoder, measure, threshold, costs, checked=None):
         plan = {"measure": measure, "threshold": threshold, "checked_exits": exits,
                 "label": ",".join(map(str, exits)) or "-"}
         saving = priced_saving(decoder, plan_counts(records, plan), measure, costs)
-        return {**plan, "saved_blocks": saving / costs["block"]}
+        return plan | {"saved_blocks": saving / costs["block"]}
     if threshold >= 1 or checked is not None:
         return priced([] if threshold >= 1 else checked)
     exits, path = [], []
@@ -1474,14 +1530,9 @@ def best_plan(records, decoder, measure, threshold, costs, checked=None):
 def exit_plans(records, costs, config, threshold, schedule, checked=None):
     """Every exit decoder's plan, chosen on val: its checked exits at the threshold (None: the
     fastest the search finds), or the schedule SkipDecode's decoders follow."""
-    plans = {}
-    for name, d in DECODERS.items():
-        if d.schedule:
-            plans[name] = schedule
-        elif d.strategy:
-            plans[name] = best_plan(records, d, config.confidence_measure, threshold, costs,
-                                    checked)
-    return plans
+    return {name: schedule if d.schedule else best_plan(records, d, config.confidence_measure,
+                                                        threshold, costs, checked)
+            for name, d in DECODERS.items() if d.strategy}
 
 # -----------------------------------------------------------------------------
 # The tail: latency as a streaming reader sees it, a speculation round's tokens at once
@@ -1529,9 +1580,8 @@ def block_distances(model, x):
     """Each block's angular distance between its input and its output, arccos(cosine) / pi,
     averaged over the positions of x (b, T): a list of n_layer, 0 where a block changes nothing
     (Gromov et al. 2024, arXiv:2403.17887, for one block)."""
-    states = [model.embed(x), *model.hidden_states(x)]
     return [average(torch.arccos(F.cosine_similarity(a, b, dim=-1).clamp(-1, 1)) / math.pi)
-            for a, b in itertools.pairwise(states)]
+            for a, b in itertools.pairwise([model.embed(x), *model.hidden_states(x)])]
 
 def pruned(model, distances, k):
     """A copy of the model without its k blocks of least angular distance, no retraining: decoded
@@ -1620,8 +1670,8 @@ def choose_drafts(entries):
     that follows a drafter its k, or None (full depth) where no k ran faster than full depth."""
     drafts = {}
     for key in dict.fromkeys((e["name"], e["mode"]) for e in entries):
-        runs = [e for e in entries if (e["name"], e["mode"]) == key]
-        best = max(runs, key=lambda e: e["speedup"])
+        best = max((e for e in entries if (e["name"], e["mode"]) == key),
+                   key=lambda e: e["speedup"])
         drafts[key] = best["num_draft"]
         for name, d in DECODERS.items():
             if d.follows == key[0]:
@@ -1643,15 +1693,16 @@ def val_figures(speed):
                               "num_draft": k, "name": name, "mode": mode}
             for (name, k, mode), s in speed.items()}
 
-def run_plans(names, plans, val, config, draft, prefix=""):
-    """(prefix + name, mode) -> the plan each decoder of names runs (its points are named prefix +
-    name): an exit decoder's, chosen on val; a drafter at the k that ran fastest on val in that
-    mode (a follower: its drafter's k, or full depth)."""
+def run_plans(sources, val, config, draft):
+    """(prefix + name, mode) -> the plan each decoder of each source runs (sources: prefix ->
+    (model, rules, plans, decoder names, ref); its points are named prefix + name): an exit
+    decoder's, chosen on val; a drafter at the k that ran fastest on val in that mode (a follower:
+    its drafter's k, or full depth)."""
     drafts = choose_drafts([e for e in val.values() if e["num_draft"]])
     return {(prefix + name, mode): plans.get(name) or draft_plan(
                 DECODERS[name].follows or name, config, drafts.get((prefix + name, mode)), draft)
-            for name in names for mode in MODES
-            if DECODERS[name].strategy or DECODERS[name].drafter}
+            for prefix, (_, _, plans, names, _) in sources.items() for name in names
+            for mode in MODES if DECODERS[name].strategy or DECODERS[name].drafter}
 
 def prediction(row, plan, val):
     """The forecast beside a decoder-table row, made on val: the speed-up the same decoder at the
@@ -1674,7 +1725,8 @@ def table_row(name, decoder, ref, mode, speed, quality, batch_size):
     d, s = DECODERS[decoder], speed[name, mode]
     row = {"batch_size": batch_size, "name": name, "decoder": decoder, "mode": mode, **s,
            "speedup": speedup(s, speed["full", mode]), "cache": d.cache}
-    outputs, _ = row.pop("outputs"), row.pop("seconds")
+    outputs = row.pop("outputs")
+    del row["seconds"]
     if batch_size == 1:
         row.update(tail(outputs))
     q = quality.get(name, quality.get(ref))
@@ -1733,7 +1785,7 @@ def frontier_names(points):
     return {mode: ", ".join(p["name"] for p in points if p[f"dominated_{mode}"] is None)
             for mode in MODES}
 
-def quality_pass(decode, data, n_positions, rows=1, prompt_len=1, piece=1):
+def quality_pass(decode, data, n_positions, rows, prompt_len, piece):
     """Teacher-forced decoding of n_positions // piece pieces spread evenly over data, each of
     `piece` positions after a prompt of prompt_len, `rows` pieces a call: every decoder sees the
     same text, and its own cache's effects (with the workload's prompt length and tokens, its
@@ -1831,7 +1883,7 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
                                                for o in outs for r in o.tokens])),
                   "outputs": outs} for key, outs in outputs.items()}
 
-def measure_decoders(decoders, test, prompts, config, batch_size=1):
+def measure_decoders(decoders, test, prompts, config, batch_size):
     """The rows of a decoder table at one batch size, both modes: speed on the workload,
     interleaved, and quality teacher-forced on test. decoders: name -> (its declared decoder,
     {mode: decode}, the point its output is compared with); "full" is the baseline."""
@@ -1858,7 +1910,7 @@ def table(text):
     header | format | help'. print_table prints it, html_table renders it, and both write its
     legend from the help."""
     question, *columns = text.strip().split("\n")
-    return question, [[part.strip() for part in column.split("|")] for column in columns]
+    return question, [re.split(r"\s*\|\s*", column) for column in columns]
 
 SWEEP_TABLE = table("""Which threshold?
 threshold      | threshold         | {:.2f}  | a position leaves at the first exit this sure
@@ -1889,6 +1941,18 @@ shift.disagreement  | shift dis.  | {:.2%} | and on the shifted text
 shift.held          | held        | {}     | shift dis. within epsilon
 shift.loss          | shift loss  | {:.4f} | the loss of the exits on the shifted text
 shift.full_loss     | full depth's| {:.4f} | full depth's loss there""")
+MOVING_TABLE = table("""Does a threshold that moves keep epsilon where the fixed one broke?
+model                | model        | {}     | as in the rule table
+measure              | rule         | {}     | the rule, from its threshold calibrated on val
+text                 | text         | {}     | test, or the shifted text
+fixed.disagreement   | fixed dis.   | {:.2%} | the calibrated threshold's disagreement
+noticed              | noticed      | {}     | positions the monitor reads before its lower \
+bound on fixed dis. passes epsilon ('-': never)
+fixed.compute_saved  | fixed saved  | {:.1%} | the share of layer runs it skips
+moving.disagreement  | moving dis.  | {:.2%} | the moving threshold's disagreement
+moving.upper         | bound        | {:.2%} | the monitor's upper bound on it at the end
+moving.compute_saved | moving saved | {:.1%} | the share of layer runs it skips
+moving.at_start      | calibrated   | {:.0%} | its share of positions at the calibrated one""")
 STRATEGY_TABLE = table("""What does each KV strategy buy?
 mode              | mode      | {}      | greedy, or sampled
 name              | decoder   | {}      | how the skipped layers' cache is filled
@@ -2073,8 +2137,8 @@ class Lab:
         cfg = self.config
         more = {f"{d}-layer GPT": (self.plain(d), "plain GPT")
                 for d in plain_depths(cfg.depths, cfg.draft_layers, cfg.n_layer)}
-        pruned = pruned_models(self.model, self.splits["val"])
-        return more | {f"pruned {k}": (p, "pruned") for k, p in pruned.items()}
+        return more | {f"pruned {k}": (p, "pruned")
+                       for k, p in pruned_models(self.model, self.splits["val"]).items()}
 
     def on_val(self, B, sources, ks, val_config, more):
         """Val's workload at batch size B, timed under val_config: each source's exit decoders at
@@ -2082,27 +2146,24 @@ class Lab:
         decoder names, the point its output is compared with)), and the models of more at full
         depth, beside full depth. Returns (name, mode, k) -> the speed-up over full depth (k None:
         not a drafter), and (name, mode) -> the plan each point runs on test."""
-        cfg, draft = self.config, self.plain(self.config.draft_layers)
+        cfg = self.config
+        draft = self.plain(cfg.draft_layers)
         cells = {}  # ("full", None), the baseline, first: the exit model's source names it first
         for prefix, (model, rules, plans, points, _) in sources.items():
             for name in points:
                 d = DECODERS[name]
-                if d.strategy:
-                    cells[prefix + name, None] = name, model, plans[name], rules
-                elif d.drafter and not d.follows:
+                if not d.drafter:  # an exit decoder at its plan, or full depth (no plan)
+                    cells[prefix + name, None] = name, model, plans.get(name), rules
+                elif not d.follows:
                     cells.update(((prefix + name, k), (name, model, draft_plan(
-                        name, cfg, k, draft), rules)) for k in ks)
-                elif not d.drafter:  # full depth
-                    cells[prefix + name, None] = "full", model, None, None
-        cells |= {(name, None): ("full", model, None, None) for name, (model, family) in
+                        name, cfg, k, draft))) for k in ks)
+        cells |= {(name, None): ("full", model, None) for name, (model, family) in
                   more.items() if family != "pruned"}  # no table shows a pruned model's forecast
         runs = {(*cell, mode): in_mode(build(*how), cfg, mode)
                 for cell, how in cells.items() for mode in MODES}
-        speed = speed_pass(runs, self.workloads[0], B, val_config.bench_tokens,
-                           val_config.bench_repeats, cfg.seed)
-        val = val_figures(speed)
-        return val, {key: plan for prefix, (_, _, plans, points, _) in sources.items()
-                     for key, plan in run_plans(points, plans, val, cfg, draft, prefix).items()}
+        val = val_figures(speed_pass(runs, self.workloads[0], B, val_config.bench_tokens,
+                                     val_config.bench_repeats, cfg.seed))
+        return val, run_plans(sources, val, cfg, draft)
 
     def measure(self, B, names, ks, val_config, more, others):
         """The rows of a decoder table at batch size B on the test workload, both modes, quality
@@ -2133,7 +2194,7 @@ class Lab:
 def threshold_sweep(lab):
     """Every threshold on val (report.json's sweep_curve), and the table's every tenth."""
     m, n = lab.config.confidence_measure, recorded(lab, "val")
-    val = sweep(lab.records["val"], m, list(range(lab.config.n_layer - 1)))  # every exit
+    val = sweep(lab.records["val"], m, range(lab.config.n_layer - 1))  # every exit
     return {"sweep": [e for e in val if round(10 * e["threshold"], 6) % 1 == 0],
             "sweep_curve": val,
             "notes": [f"The sweep on {n} val positions, teacher-forced ({m}): compute saved "
@@ -2179,6 +2240,26 @@ def shifted_text(lab):
         f"{sh['disagreement']:.2%} disagreement against {100 * cal['epsilon']:g}%. The "
         "guarantee covers text like val, and nothing else."]}
 
+def moving_thresholds(lab):
+    """Each exit model's run rule and learned rule on test and the shifted text, teacher-forced:
+    the calibrated threshold fixed, and moving with every label fed back (as backfill can)."""
+    cfg, rows = lab.config, []
+    models = {"joint": (lab.records, lab.calibrations)} | {
+        name: found[1:3] for name, found in lab.exit_models.items()}
+    for (model, (records, calibrations)), measure, text in itertools.product(
+            models.items(), (cfg.confidence_measure, "learned"), ("test", "shift")):
+        if text in records:
+            rows.append({"model": model, "measure": measure, "text": text, **fixed_and_moving(
+                records[text], measure, calibrations[measure]["threshold"],
+                range(cfg.n_layer - 1), cfg)})
+    return {"moving": rows, "notes": [
+        f"on the positions of the rule table and the shift table",
+        f"Moving: from the calibrated threshold, credit {cfg.adapt_credit}, horizon "
+        f"{cfg.adapt_horizon:,} (moving_threshold): for any text, at most epsilon disagree once "
+        "the horizon's positions are decoded, given each one's label. The bounds hold at every "
+        f"position with probability >= {1 - cfg.delta:.0%} (rate_bounds). Self-speculation "
+        "needs none of this: a shift costs it speed, never its output."]}
+
 def strategies(lab):
     """The strategies table, and under it what it rests on: the drafts, the measured costs."""
     cfg = lab.config
@@ -2208,9 +2289,8 @@ def strategies(lab):
 
 def tails(lab):
     """Average or tail: the strategies rows' latency."""
-    rows = [{k: row[k] for k, *_ in TAIL_TABLE[1]} for row in lab.measured
-            if row["family"] != "pruned"]
-    return {"tail": rows, "notes": [
+    return {"tail": [{k: row[k] for k, *_ in TAIL_TABLE[1]} for row in lab.measured
+                     if row["family"] != "pruned"], "notes": [
         "Batch 1, the test workload, every step or round timed with the device synchronised, in "
         "the last timed pass", "A prompt's first step prefills it, and a step that slides the "
         "window re-prefills it: those steps are the tail of every decoder; a round's tokens "
@@ -2235,7 +2315,7 @@ def frontier(lab):
     tied = {mode: ", ".join(f"{r['name']} ({o}'s loss)" for r, o in zip(rows, dominated_by(
         rows, mode, dict.fromkeys(se, 0.0))) if o and not r[f"dominated_{mode}"]) or "none"
             for mode in MODES}
-    notes = [
+    return {"frontier": rows, "recipe_cost": loss["full"] - loss[deep], "notes": [
         f"Test loss on {len(lab.nll[1, 'full']):,} test positions in pieces of {cfg.bench_tokens} "
         "spread over test, teacher-forced through each decoder (speculation: full depth's, by "
         "construction); speed-ups on the strategies table's workload",
@@ -2249,9 +2329,8 @@ def frontier(lab):
         f"{cfg.num_draft} spare slots). Training: the exit model {lab.train_seconds:.0f} s, "
         f"{seconds}; pruned models, none.", "The exit recipe's cost at full depth: "
         f"{loss['full'] - loss[deep]:+.4f} (paired standard error {se['full', deep]:.4f}) in test "
-        f"loss against the plain {deep} of the same shape, steps and data"]
-    return {"frontier": rows, "recipe_cost": loss["full"] - loss[deep], "notes": notes,
-            "paired_se": {f"{a} - {b}": e for (a, b), e in se.items() if a < b}}
+        f"loss against the plain {deep} of the same shape, steps and data"],
+        "paired_se": {f"{a} - {b}": e for (a, b), e in se.items() if a < b}}
 
 # num_draft tried in batches (11 fills 33 new tokens: half of block 64, plus 1)
 BATCH_DRAFTS = (4, 8, 11, 16)
@@ -2353,13 +2432,14 @@ def plot_y(y, ticks):
 
 def svg_path(path, ticks):
     """A line through points (x in [0, 1], y, name), each named under it on its right and at least
-    a line under the name on its right (a higher point, on a frontier), so that no two overlap."""
+    a line under the name on its right (a higher point, on a frontier), so that no two overlap:
+    its SVG elements, a list."""
     coords = " ".join(f"{plot_x(x):.1f},{plot_y(y, ticks):.1f}" for x, y, _ in sorted(path))
     parts, base = [f'<polyline class="path line" points="{coords}"/>'], 0
     for x, y, name in sorted(path, reverse=True):
         base = max(plot_y(y, ticks) + 14, base + 14)  # 13-unit text
         parts.append(f'<text x="{plot_x(x) + 5:.1f}" y="{base:.1f}">{esc(name)}</text>')
-    return "".join(parts)
+    return parts
 
 def svg_chart(series, x_ticks, titles, y_fmt, path):
     """Dots with a path. series: (name, class, points), a point (x in [0, 1], y, report key, hover
@@ -2376,7 +2456,7 @@ def svg_chart(series, x_ticks, titles, y_fmt, path):
               f'text-anchor="end">{y_fmt.format(t)}</text>' for t in ticks]
     parts += [f'<text x="{plot_x(x):.1f}" y="{H + 18}" text-anchor="middle">{esc(label)}</text>'
               for label, x in x_ticks.items()]
-    parts.append(svg_path(path, ticks))
+    parts += svg_path(path, ticks)
     for s, (name, cls, points) in enumerate(series):
         parts += [f'<circle cx="{plot_x(x):.1f}" cy="{plot_y(y, ticks):.1f}" r="3" '
                   f'class="{cls}" {datum(key, y)}><title>{esc(tip)}</title></circle>'
@@ -2394,10 +2474,9 @@ def html_table(columns, rows, key, notes):
         out.append("</tr><tr>")
         for k, _, fmt, _ in columns:
             value = field(row, k)
-            if type(value) in (int, float):  # a number (not a bool): tie it to report.json
-                out.append(f"<td {datum(f'{key}.{i}.{k}', value)}>{esc(fmt.format(value))}</td>")
-            else:
-                out.append(f"<td>{esc(format_cell(value, fmt))}</td>")
+            # a number (not a bool): tie it to report.json
+            tie = f" {datum(f'{key}.{i}.{k}', value)}" if type(value) in (int, float) else ""
+            out.append(f"<td{tie}>{esc(format_cell(value, fmt))}</td>")
     out += ["</tr></table></div>"] + [f"<p class='muted'>{esc(note)}</p>"
                                       for note in (legend(columns), *notes)]
     return "".join(out)
@@ -2419,8 +2498,7 @@ def html_summary(report, body):
             f"after every layer but the last, trained on {esc(cfg['input_path'])}.</p><ul>{lines}"
             "</ul><p class='muted'>Speed-ups pair each call with full depth's, interleaved, on "
             "the machine that wrote this page, and move with its load; every number here is in "
-            "report.json.</p>"
-            f"<p>{links}</p></div>")
+            f"report.json.</p><p>{links}</p></div>")
 
 def html_generation(report):
     """The early-exit sample on the colours of its exit layers, full depth's beside it; the legend
@@ -2487,7 +2565,15 @@ TRAINING_FIELDS = ("seed dropout alpha batch_size max_iters learning_rate min_lr
                    "weight_decay beta1 beta2 grad_clip eval_interval eval_iters distill_weight "
                    "distill_temperature layer_dropout").split()
 PROGRESS = "vocab iter_num train_seconds train_log".split()  # a run's plain data
-CHECKPOINT_KEYS = {"model", "optimizer", "config", "rng", *PROGRESS}
+CHECKPOINT_KEYS = set("model optimizer config rng".split() + PROGRESS)
+
+def checkpoint_path(config):
+    """Where a run's checkpoint lives: out_dir/ckpt.pt."""
+    return os.path.join(config.out_dir, "ckpt.pt")
+
+def read_checkpoint(path):
+    """A checkpoint's dict, on the CPU; weights_only: a checkpoint is data, never code to run."""
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 def write_text(text, path):
     """Written to path.tmp, then renamed: a crash leaves the old file or the new, never half."""
@@ -2506,15 +2592,14 @@ def set_random_states(states):
 def save_checkpoint(path, model, optimizer, config, progress):
     """Tensors and plain data only, so torch.load(weights_only=True) reads it back. progress: the
     vocabulary, iter_num (steps done), train_seconds and train_log. Atomic, as in write_text."""
-    torch.save({**progress, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "config": asdict(config), "rng": random_states()}, path + ".tmp")
+    torch.save(progress | {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                           "config": asdict(config), "rng": random_states()}, path + ".tmp")
     os.replace(path + ".tmp", path)
 
 def add_to_checkpoint(path, **entries):
     """The checkpoint at path with entries added (the calibration that sampling reads), written
     as save_checkpoint writes."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    torch.save({**ckpt, **entries}, path + ".tmp")
+    torch.save(read_checkpoint(path) | entries, path + ".tmp")
     os.replace(path + ".tmp", path)
 
 def load_checkpoint(path, config, overridden, tokenizer):
@@ -2524,8 +2609,8 @@ def load_checkpoint(path, config, overridden, tokenizer):
     if not zipfile.is_zipfile(path):  # torch.save writes a zip; a truncated one lost its directory
         raise ValueError(f"no readable checkpoint at {path!r} (none, truncated, or not a zip); "
                          "train one with --init_from=scratch")
-    try:  # weights_only: a checkpoint is data, never code to run
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        ckpt = read_checkpoint(path)
     except (RuntimeError, pickle.UnpicklingError) as e:  # a zip not torch's, or objects not data
         raise ValueError(f"{path!r} is not a readable checkpoint: {type(e).__name__}") from None
     if not isinstance(ckpt, dict) or not CHECKPOINT_KEYS <= set(ckpt):
@@ -2535,7 +2620,7 @@ def load_checkpoint(path, config, overridden, tokenizer):
         raise ValueError(f"checkpoint vocabulary ({len(ckpt['vocab'])} chars) does not match "
                          f"{config.input_path!r}")
     overrides = []
-    for name in (*ARCH_FIELDS, *TRAINING_FIELDS):
+    for name in ARCH_FIELDS + TRAINING_FIELDS:
         given = getattr(config, name)
         saved = ckpt["config"].get(name, given)  # a field newer than the checkpoint: as given
         if name not in overridden:
@@ -2583,10 +2668,9 @@ def new_or_resumed(config, tokenizer, device, overridden, rank=0):
     line changes of the checkpoint's recipe."""
     ckpt = {"vocab": tokenizer.chars, "iter_num": 0, "train_seconds": 0.0, "train_log": []}
     if config.init_from == "resume":  # before the model is built: it sets the architecture
-        ckpt, overrides = load_checkpoint(os.path.join(config.out_dir, "ckpt.pt"), config,
-                                          overridden, tokenizer)
+        ckpt, overrides = load_checkpoint(checkpoint_path(config), config, overridden, tokenizer)
         if overrides and rank == 0:
-            print("resumed with the checkpoint's recipe but " + ", ".join(overrides))
+            print(f"resumed with the checkpoint's recipe but {', '.join(overrides)}")
     torch.manual_seed(config.seed)
     model = RecipeGPT(config).to(device)
     optimizer = configure_optimizer(model, config)
@@ -2608,7 +2692,7 @@ def new_or_resumed(config, tokenizer, device, overridden, rank=0):
 def train_with_checkpoints(model, optimizer, splits, config, device, progress, rank, world):
     """Train from progress's step to max_iters; rank 0 saves a checkpoint at every evaluation and
     on Ctrl-C, which then raises Interrupted. Updates progress; returns (seconds, ms a step)."""
-    path = os.path.join(config.out_dir, "ckpt.pt")
+    path = checkpoint_path(config)
     done = progress["iter_num"]
     seconds = progress["train_seconds"]
     log = progress["train_log"]
@@ -2645,16 +2729,17 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
     into report."""
     model, optimizer, progress = new_or_resumed(config, tokenizer, device, overridden, rank)
     done = progress["iter_num"]
-    path = os.path.join(config.out_dir, "ckpt.pt")
+    path = checkpoint_path(config)
     base, heads = count_params(model)
     if rank == 0:
         os.makedirs(config.out_dir, exist_ok=True)
         sizes = "/".join(f"{len(split):,}" for split in splits.values())
+        # three lines: the run, the parameters, what the losses while training are
         print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: "
-              f"{sizes} characters | processes: {world}")
-        print(f"parameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in "
-              f"{config.n_layer - 1} exit heads ({100 * heads / base:.2f}% overhead)")
-        print(f"losses while training: each split's mean over {config.eval_iters} batches of "
+              f"{sizes} characters | processes: {world}\n"
+              f"parameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in "
+              f"{config.n_layer - 1} exit heads ({100 * heads / base:.2f}% overhead)\n"
+              f"losses while training: each split's mean over {config.eval_iters} batches of "
               f"{config.batch_size} random windows of {config.block_size} characters; 'val loss' "
               "is full depth's")
     took, ms = train_with_checkpoints(model, optimizer, splits, config, device, progress, rank,
@@ -2683,10 +2768,11 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
 
 RANGES = {  # the numbers each field takes: [ or ] includes that end, ( or ) leaves it out
     "[0, inf)": "max_iters warmup_iters top_k draft_exit alpha min_lr weight_decay grad_clip "
-                "temperature distill_weight",
+                "temperature distill_weight adapt_credit",
     "[0, 4294967295]": "seed",  # numpy's range; seed + 1_000_003 * rank + step fits 64 bits
     "[1, inf)": "n_head n_embd batch_size eval_interval eval_iters max_new_tokens num_draft "
-                "quality_positions bench_prompts bench_prompt_len bench_repeats draft_layers",
+                "quality_positions bench_prompts bench_prompt_len bench_repeats draft_layers "
+                "adapt_horizon",
     "[10, inf)": "sweep_positions",  # the learned rule is fitted on ten pieces of train
     "[2, inf)": "n_layer block_size bench_tokens",  # bench_tokens: a gap between two tokens
     "(0, inf)": "learning_rate distill_temperature",
@@ -2701,14 +2787,14 @@ CHOICES = {"init_from": ("scratch", "resume"),
 
 def boolean(text):
     """An argparse type: true/false or 1/0."""
-    if text.lower() not in ("true", "false", "1", "0"):
+    if text.lower() not in "true false 1 0".split():
         raise ValueError(text)
     return text.lower() in ("true", "1")
 
 def in_range(value, rule):
     """Whether value lies in an interval of RANGES, e.g. '[0, 1)'."""
     low, high = map(float, rule[1:-1].split(","))
-    ends = (value == low and rule[0] == "[") or (value == high and rule[-1] == "]")
+    ends = value == low and rule[0] == "[" or value == high and rule[-1] == "]"
     return low < value < high or ends
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -2784,12 +2870,13 @@ def field_rules(config, L):
             config.lesson_only or config.exit_layers not in ("auto", "all")),
          "patience and the learned rule read every exit, in the lab: no --lesson_only, and "
          "--exit_layers=auto"),
-        (config.lesson_only and any(getattr(config, name) != getattr(LabConfig, name) for name in (
-            "init_from", "sample_only", "confidence_measure", "kv_strategy", "exit_layers",
-            "depths", "bench_batch", "continued")),
-         "--lesson_only is Part I alone: it trains anew, backfills, exits by top1 at every exit; "
-         "no --init_from=resume, --sample_only, --confidence_measure, --kv_strategy, "
-         "--exit_layers, --depths, --bench_batch or --continued"),
+        (config.lesson_only and any(getattr(config, name) != getattr(LabConfig, name) for name in
+            "init_from sample_only confidence_measure kv_strategy exit_layers depths bench_batch "
+            "continued".split()),
+         "--lesson_only is Part I alone: no --init_from=resume, --sample_only, --kv_strategy, "
+         "--confidence_measure, --exit_layers, --depths, --bench_batch or --continued"),
+        (config.epsilon * config.adapt_horizon <= config.adapt_credit + 5,
+         f"--adapt_horizon={config.adapt_horizon}: over (adapt_credit + 5) / epsilon"),
         (config.continued and not 0 < round(config.max_iters * (1 - config.continued))
          < config.max_iters, f"--continued={config.continued}: a step or more in each stage "
          f"of max_iters={config.max_iters}"),
@@ -2891,6 +2978,7 @@ ANALYSES = (
     Analysis("sweep", SWEEP_TABLE, threshold_sweep),
     Analysis("calibration_by_measure", CALIBRATION_TABLE, rule_calibrations),
     Analysis("shift", SHIFT_TABLE, shifted_text),
+    Analysis("moving", MOVING_TABLE, moving_thresholds),
     Analysis("strategies", STRATEGY_TABLE, strategies),
     Analysis("tail", TAIL_TABLE, tails),
     Analysis("frontier", FRONTIER_TABLE, frontier, frontier_chart),
@@ -2982,7 +3070,7 @@ def write_report(report, config, name):
     write_text(page, path + ".html")
     print(f"page: {path}.html (its numbers: {name}.json beside it)")
 
-def run_lab(lab, report, sampling=None):
+def run_lab(lab, report, sampling):
     """The lab's steps, in order: the calibration on val (--sample_only: the checkpoint's,
     sampling), Part I's samples from the lab's model, threshold and decoder, the unit costs and
     the plans, the other exit models (minutes: the plain GPT of the model's shape, heads on its
@@ -2993,7 +3081,7 @@ def run_lab(lab, report, sampling=None):
     if not cfg.sample_only:
         # the learned rule fitted, every exit read once, every rule calibrated on val
         lab.records, lab.calibrations, sampling = calibrate_exits(lab.model, lab.splits, cfg)
-        add_to_checkpoint(os.path.join(cfg.out_dir, "ckpt.pt"), sampling=sampling)
+        add_to_checkpoint(checkpoint_path(cfg), sampling=sampling)
     lab.use(sampling)
     if cfg.sample_only and sampling is None and cfg.exit_threshold < 0:
         print("the checkpoint holds no calibration (its run stopped before one): an exit decoder "
@@ -3015,9 +3103,8 @@ def run_lab(lab, report, sampling=None):
     for analysis in ANALYSES:
         found = analysis.compute(lab)
         if found:
-            report["notes"][analysis.key] = found.pop("notes")
+            conditions, *notes = report["notes"][analysis.key] = found.pop("notes")
             report.update(found)
-            conditions, *notes = report["notes"][analysis.key]
             print_table(analysis.table, report[analysis.key], conditions, notes)
     report["summary"] = summary(report)
     print("\nsummary:\n  " + "\n  ".join(report["summary"]))
@@ -3036,8 +3123,7 @@ def run(config, overridden):
     report, sampling = {}, None
     if config.sample_only:  # no training, no calibration: the checkpoint's
         model = new_or_resumed(config, tokenizer, device, overridden)[0]
-        sampling = torch.load(os.path.join(config.out_dir, "ckpt.pt"), map_location="cpu",
-                              weights_only=True).get("sampling")
+        sampling = read_checkpoint(checkpoint_path(config)).get("sampling")
     else:
         model = train_or_resume(config, tokenizer, splits, device, overridden, rank, world, report)
     if world > 1:
