@@ -347,7 +347,14 @@ class Backfill:
 
     Part II's strategies subclass it: exit_checks says which exits a token checks, run_layer runs a
     block for the newest token, and skip_layers what the layers above get once every row has
-    left."""
+    left; a watched one moves its exit_threshold by what each step emitted."""
+    def exit_threshold(self, threshold):
+        """The threshold this step's tokens leave at: the run's."""
+        return threshold
+
+    def emitted(self, logits, exit_layer):
+        """What a step emitted: each row's logits and exit layer."""
+
     def exit_checks(self, pos, checked_exits):
         """The exits checked for a token at window position pos."""
         return checked_exits
@@ -367,9 +374,8 @@ def decode_step(model, cache, idx, pos, strategy, exit_threshold=1.0, checked_ex
     layers (B,), exit checks run). Each row exits on its own confidence; the step runs as deep as
     its deepest row, and once every row has left, the strategy decides what the layers above get."""
     L, B = model.config.n_layer, idx.size(0)
-    checks = ()
-    if exit_threshold < 1:  # a confidence never exceeds 1: at threshold 1 no exit is checked
-        checks = strategy.exit_checks(pos, checked_exits)
+    # a confidence never exceeds 1: at threshold 1 no exit is checked
+    checks = strategy.exit_checks(pos, checked_exits) if exit_threshold < 1 else ()
     x = model.embed(idx, pos)  # (B, 1, C)
     emitted = x.new_zeros(B, model.config.vocab_size)  # (B, V): each row's, once it exits
     exit_layer = torch.full((B,), L - 1, device=idx.device)  # (B,) int64
@@ -431,7 +437,9 @@ def generate(model, idx, max_new_tokens, strategy=Backfill, exit_threshold=1.0, 
         start, runs = slide_window(model, cache, tokens, start, n)
         prefilled += runs
         logits, exits[:, i], ran = decode_step(model, cache, tokens[:, n - 1 : n], n - 1 - start,
-                                               kv, exit_threshold, checked_exits, measure)
+                                               kv, kv.exit_threshold(exit_threshold),
+                                               checked_exits, measure)
+        kv.emitted(logits, exits[:, i])
         checks += ran
         if forced is not None:
             tokens[:, n] = forced[:, i]
@@ -559,13 +567,18 @@ def train(model, optimizer, splits, config, device, start_iter=0, generator=None
 # -----------------------------------------------------------------------------
 # The lesson's run: data, a trained model, two samples, and where the tokens left
 
-def train_new_model(config, splits, device):
-    """A new model trained for max_iters steps (Part II's train_or_resume adds checkpoints)."""
+def train_new_model(config, splits, device, evaluate=True):
+    """A new model trained for max_iters steps: (the model, its losses, seconds). evaluate=False
+    trains and evaluates silently (Part II's plain GPTs; its train_or_resume adds checkpoints)."""
     torch.manual_seed(config.seed)
     model = GPT(config).to(device)
-    train(model, configure_optimizer(model, config), splits, config, device)
-    print(format_eval(config.max_iters, estimate_loss(model, splits, config, device)))
-    return model.eval()
+    seconds = train(model, configure_optimizer(model, config), splits, config, device,
+                    evaluate=evaluate)[0]
+    losses = estimate_loss(model, splits, config, device)
+    line = format_eval(config.max_iters, losses)  # a diverged model stops the run here
+    if evaluate:
+        print(line)
+    return model.eval(), losses, seconds
 
 def speed_note(samples, n_layer):
     """Why the early-exit sample ran faster or slower than full depth: the work it did per token."""
@@ -582,9 +595,8 @@ def show_samples(model, tokenizer, config, device, early_exit, label):
     idx = torch.tensor([tokenizer.encode(config.prompt)], device=device)  # (1, T0)
     print("\n=== What does early exit look like? Two samples from the same prompt and seed ===")
     samples = {}
-    decoders = (("full-depth", "", partial(generate, model)),
-                ("early-exit", f": {label}", early_exit))
-    for name, how, decode in decoders:
+    for name, how, decode in (("full-depth", "", partial(generate, model)),
+                              ("early-exit", f": {label}", early_exit)):
         gen = torch.Generator(device=device).manual_seed(config.seed)
         t0 = time.perf_counter()
         out = decode(idx, config.max_new_tokens, generator=gen, temperature=config.temperature,
@@ -602,7 +614,7 @@ def run_lesson(config, device):
     """Part I end to end: train, then a full-depth and an early-exit sample (backfill, the config's
     threshold), and where the tokens left. Returns the model and the samples."""
     tokenizer, splits = load_data(config)
-    model = train_new_model(config, splits, device)
+    model = train_new_model(config, splits, device)[0]
     early_exit = partial(generate, model, exit_threshold=config.exit_threshold,
                          measure=config.confidence_measure)
     label = f"backfill, {config.confidence_measure} > {config.exit_threshold:g}"
@@ -651,6 +663,7 @@ class LabConfig(Config):
     schedule_disagreement: float = 0.03  # SkipDecode: most disagreement with full depth it may cost
     adapt_credit: int = 15  # a moving threshold: disagreements over target before it moves
     adapt_horizon: int = 20000  # and the positions after which its disagreement is <= epsilon
+    spot_share: float = 0.25  # of steps a watched decoder that skips layers runs at full depth
     # studies beyond the default run
     bench_batch: bool = False  # also measure every batch design at batch 1, 4 and 16 (minutes)
     depths: str = ""  # more plain GPTs (besides the draft model's and n_layer's): '', 'all', '2,3'
@@ -1116,15 +1129,14 @@ def spec_stats(outputs, full_outputs, mode):
     that ran, and (greedy) whether every row's output equals full depth's. Outputs of full depth
     (auto's choice where speculation does not pay) count no drafts."""
     runs = [o.stats for o in outputs if isinstance(o, SpeculativeGeneration)]
-    same = None  # sampled: tested, not compared
-    if mode == "greedy":
-        same = all(torch.equal(a.tokens, b.tokens) for a, b in zip(outputs, full_outputs))
+    same = {"identical_to_full": all(torch.equal(a.tokens, b.tokens) for a, b in zip(
+        outputs, full_outputs)) if mode == "greedy" else None}  # sampled: tested, not compared
     if not runs:
-        return {"identical_to_full": same}
+        return same
     rounds, drafted, accepted = (sum(s[k] for s in runs) for k in "rounds drafted accepted".split())
     return {"acceptance_rate": accepted / drafted, "rounds": rounds,
             "tokens_per_verify": sum(o.exited_at.numel() for o in outputs) / rounds,
-            "num_draft": runs[0]["num_draft"], "identical_to_full": same}
+            "num_draft": runs[0]["num_draft"]} | same
 
 # -----------------------------------------------------------------------------
 # The exit rules: how sure an exit is, five ways beyond top-1, and a rule learned from data
@@ -1172,9 +1184,7 @@ def learned(weights, probs, state):
 
 def exit_rules(weights=None):
     """name -> rule: EXIT_RULES, and the learned rule with its weights (L, F) when given them."""
-    if weights is None:
-        return dict(EXIT_RULES)
-    return EXIT_RULES | {"learned": partial(learned, weights)}
+    return EXIT_RULES | ({} if weights is None else {"learned": partial(learned, weights)})
 
 # -----------------------------------------------------------------------------
 # Recording, the sweep, calibration and the oracle: every exit read once, then no model needed
@@ -1387,35 +1397,88 @@ def calibrate_exits(model, splits, config):
     # every rule calibrated with every exit checked
     calibrations = {m: calibration_report(records, m, range(config.n_layer - 1), config.epsilon,
                                           config.delta) for m in rules}
-    schedule = choose_schedule(records["val"], config.n_layer, config.block_size,
-                               config.schedule_disagreement)
-    return records, calibrations, {"weights": weights, "schedule": schedule, "thresholds": {
-        m: c["threshold"] for m, c in calibrations.items()}}
+    return records, calibrations, {"weights": weights, "schedule": choose_schedule(
+        records["val"], config.n_layer, config.block_size, config.schedule_disagreement),
+        "thresholds": {m: c["threshold"] for m, c in calibrations.items()}}
 
 # -----------------------------------------------------------------------------
 # A threshold that moves: Learn then Test certifies text like val. Given each position's label
 # (full depth's top-1: backfill has it at once, deferred in its chunk), a decoder can move its
 # threshold when its disagreement runs high, and watch its rate with a bound valid at every token
 
-def moving_threshold(wrong, start, epsilon, credit, horizon, climb=4):
-    """Adaptive conformal inference (Gibbs and Candes, arXiv:2106.00170) on THRESHOLDS' grid.
+class Monitor:
+    """Adaptive conformal inference (Gibbs and Candes, arXiv:2106.00170) on THRESHOLDS' grid: a
+    threshold that moves, and what a watched decoder has seen (wrong of seen labelled positions
+    disagreed; heads: the final heads it ran for labels).
 
-    wrong[i][t]: does position t, leaving at the i-th threshold (most cautious first: the 0th,
-    1.0, never leaves early), disagree with full depth? u counts the disagreements over a target
-    rate, epsilon - (credit + climb + 1) / horizon: it starts at -credit, and after each position
-    u <- max(u + wrong - target, -2 credit). The threshold's index is start (the calibrated one)
-    while u <= 0, and falls linearly to 0 (full depth) as u rises to climb. So it moves once
-    credit disagreements more than the target are seen, and comes back as the text runs under it.
+    update(k, n): n positions were decoded, and k disagreements with full depth's top-1 came to
+    light (leaving at the thresholds index() gave). u counts disagreements over a target rate,
+    epsilon - (credit + climb + batch) / horizon: it starts at -credit, and u <- max(u + k -
+    n target, -2 credit). index() is start (the calibrated threshold's) while u <= 0, and falls
+    linearly to 0 (1.0: full depth) as u rises to climb. So it moves once credit disagreements
+    more than the target are seen, and comes back as the text runs under it.
 
-    The guarantee, for any text, shifted or not: at u >= climb nothing leaves early, so u stays
-    below climb + 1, and the floor only raises u; so of T positions at most
-    target * T + credit + climb + 1 disagree: at most epsilon once T >= horizon. It needs every
-    position's label (labels d positions late add d). Returns each position's index."""
-    target, u, path = epsilon - (credit + climb + 1) / horizon, -credit, []
-    for t in range(len(wrong[0])):
-        path.append(round(start * (1 - min(max(u, 0) / climb, 1))))
-        u = max(u + wrong[path[-1]][t] - target, -2 * credit)
-    return path
+    The guarantee, for any text, shifted or not, when every label comes at once: at u >= climb
+    nothing leaves early, so u stays below climb + batch (batch: the most one update brings),
+    and the floor only raises u; so of T positions at most target * T + credit + climb + batch
+    disagree: at most epsilon once T >= horizon. Labels on a random share r of positions, each
+    disagreement counted 1 / r, keep it in expectation."""
+    def __init__(self, start, config, batch=1, climb=4):
+        self.start, self.climb, self.credit = start, climb, config.adapt_credit
+        self.target = config.epsilon - (self.credit + climb + batch) / config.adapt_horizon
+        self.u, self.wrong, self.seen, self.heads = -self.credit, 0, 0, 0
+
+    def index(self):
+        return round(self.start * (1 - min(max(self.u, 0) / self.climb, 1)))
+
+    def update(self, k, n=1):
+        self.u = max(self.u + k - n * self.target, -2 * self.credit)
+
+class Watched:
+    """A monitor on an exit decoder, put before its KV strategy: on a random share of steps, spot
+    checks, the layers above an exit run as backfill runs them, and the final head on their state
+    gives each row's label, full depth's top-1. Each disagreement found is counted 1 / share by a
+    Monitor shared by every generation it watches, which sets the threshold each step leaves at.
+    Backfill runs those layers anyway: its share is 1, every exit labelled at once."""
+    def __init__(self, model, monitor, share, generator):
+        self.model, self.monitor, self.share, self.generator = model, monitor, share, generator
+
+    def exit_threshold(self, threshold):
+        self.spot = torch.rand(1, generator=self.generator).item() < self.share
+        return THRESHOLDS[self.monitor.index()]
+
+    def skip_layers(self, model, cache, x, pos, layer):
+        if self.spot:  # the layers above run, as backfill's do (deferred's: its parked chunk too)
+            return Backfill.skip_layers(self, model, cache, x, pos, layer)
+        super().skip_layers(model, cache, x, pos, layer)
+
+    def run_layer(self, block, cache, layer, x, pos):
+        x = super().run_layer(block, cache, layer, x, pos)
+        # (B, C): the last layer run's state (on a spot check the top's: full depth's head reads it)
+        self.last = x[:, 0]
+        return x
+
+    def emitted(self, logits, exit_layer):
+        m, L, k = self.monitor, self.model.config.n_layer, 0
+        left = exit_layer < L - 1  # (B,)
+        if self.spot and left.any():
+            label = self.model.exit_logits(self.last, L - 1).argmax(-1)
+            k, m.heads = int((left & (logits.argmax(-1) != label)).sum()), m.heads + 1
+        m.wrong, m.seen = m.wrong + k, m.seen + self.spot * len(left)
+        m.update(k / (self.share or 1), len(left))  # share 0: nothing labelled
+
+STREAMS = 64  # the rows the watched decoders' table decodes together, one Monitor for them
+
+def watched(name, model, plan, rules, config, rows=1, seed=0):
+    """Exit decoder `name` at its plan, watched by a new Monitor for `rows` rows a step, from the
+    grid's threshold at or below the plan's: (decode, the monitor). Spot checks on
+    config.spot_share of steps, where the decoder skips the layers above an exit."""
+    d = DECODERS[name]
+    monitor = Monitor(next(i for i, t in enumerate(THRESHOLDS) if t <= plan["threshold"]), config,
+                      rows)
+    kv = partial(type("Watched" + d.strategy.__name__, (Watched, d.strategy), {}), model, monitor,
+                 config.spot_share if d.skips else 1.0, torch.Generator().manual_seed(seed))
+    return partial(build(name, model, plan, rules), strategy=kv), monitor
 
 def rate_bounds(k, n, alpha, bets=(0.1, 0.3, 1.0, 3.0)):
     """A confidence sequence for the mean chance of disagreeing over n positions, k of which
@@ -1427,26 +1490,6 @@ def rate_bounds(k, n, alpha, bets=(0.1, 0.3, 1.0, 3.0)):
     lower = torch.stack([(b * k - a) / math.expm1(b) for b in bets]).amax(0) / n
     upper = torch.stack([(b * k + a) / -math.expm1(-b) for b in bets]).amin(0) / n
     return lower.clamp(0, 1), upper.clamp(0, 1)
-
-def fixed_and_moving(records, measure, threshold, checked, config):
-    """A rule at its calibrated threshold on a recorded text, fixed and moving (every label
-    fed back): each one's figures, the moving one's upper bound at the end and its share of
-    positions at the calibrated threshold, and the positions the fixed one runs before its lower
-    bound shows its disagreement above epsilon (None: it never does)."""
-    start, cols = THRESHOLDS.index(threshold), torch.arange(records.targets.numel())
-    exits = torch.stack([exits_at_threshold(records, measure, t, checked)
-                         for t in THRESHOLDS[: start + 1]])  # (start + 1, N)
-    wrong = (records.pred != records.pred[-1]).gather(0, exits)
-    path = torch.tensor(moving_threshold(wrong.tolist(), start, config.epsilon,
-                                         config.adapt_credit, config.adapt_horizon))
-    n = cols + 1.0
-    lower = rate_bounds(wrong[start].cumsum(0), n, config.delta)[0]
-    upper = rate_bounds(wrong[path, cols].sum(), n[-1], config.delta)[1]
-    noticed = (lower > config.epsilon).nonzero()
-    return {"fixed": exit_summary(records, exits[start]),
-            "moving": {**exit_summary(records, exits[path, cols]), "upper": float(upper),
-                       "at_start": average(path == start)},
-            "noticed": int(noticed[0]) + 1 if len(noticed) else None}
 
 # -----------------------------------------------------------------------------
 # The cost model: measured unit costs, and the blocks each exit plan saves
@@ -1564,13 +1607,8 @@ def train_plain_gpt(config, splits, n_layer, world=1):
     processes): (the model, its val loss on random windows, seconds). A diverged one stops the run,
     as format_eval says."""
     cfg = replace(config, n_layer=n_layer, alpha=0.0, batch_size=config.batch_size * world)
-    device = splits["train"].device
-    torch.manual_seed(cfg.seed)
-    model = GPT(cfg).to(device)
-    seconds = train(model, configure_optimizer(model, cfg), splits, cfg, device, evaluate=False)[0]
-    losses = estimate_loss(model, splits, cfg, device)
-    format_eval(cfg.max_iters, losses)
-    return model.eval(), losses["val"][-1], seconds
+    model, losses, seconds = train_new_model(cfg, splits, splits["train"].device, evaluate=False)
+    return model, losses["val"][-1], seconds
 
 # -----------------------------------------------------------------------------
 # Depth pruning: the blocks that change the residual stream least, removed for every input
@@ -1771,9 +1809,8 @@ def frontier_points(rows, se):
     in each mode (speedup_<mode>) and, in each, the point that beats it (dominated_<mode>; se:
     the paired standard errors of the loss differences)."""
     points = {}
-    for r in rows:
-        point = points.setdefault(r["name"], dict(r))
-        point[f"speedup_{r['mode']}"] = r["speedup"]
+    for r in rows:  # a name's first row, with its speed-up in each mode
+        points.setdefault(r["name"], dict(r))[f"speedup_{r['mode']}"] = r["speedup"]
     points = list(points.values())
     for mode in MODES:
         for point, better in zip(points, dominated_by(points, mode, se)):
@@ -1797,6 +1834,7 @@ def quality_pass(decode, data, n_positions, rows, prompt_len, piece):
     targets = windows[:, prompt_len:].flatten()
     nll, pred = F.cross_entropy(logits, targets, reduction="none"), logits.argmax(-1)
     return {"pred": pred, "nll": nll, "test_loss": nll.mean().item(),
+            "exits": torch.cat([o.exited_at for o in outs]).flatten(),
             "mean_layers": sum(o.layers_run * len(o.tokens) for o in outs) / len(targets),
             "test_accuracy": average(pred == targets)}
 
@@ -1941,18 +1979,21 @@ shift.disagreement  | shift dis.  | {:.2%} | and on the shifted text
 shift.held          | held        | {}     | shift dis. within epsilon
 shift.loss          | shift loss  | {:.4f} | the loss of the exits on the shifted text
 shift.full_loss     | full depth's| {:.4f} | full depth's loss there""")
-MOVING_TABLE = table("""Does a threshold that moves keep epsilon where the fixed one broke?
+MOVING_TABLE = table("""Does a decoder that watches itself keep epsilon where the fixed one broke?
 model                | model        | {}     | as in the rule table
-measure              | rule         | {}     | the rule, from its threshold calibrated on val
+decoder              | decoder      | {}     | an exit decoder at its plan
 text                 | text         | {}     | test, or the shifted text
-fixed.disagreement   | fixed dis.   | {:.2%} | the calibrated threshold's disagreement
-noticed              | noticed      | {}     | positions the monitor reads before its lower \
-bound on fixed dis. passes epsilon ('-': never)
-fixed.compute_saved  | fixed saved  | {:.1%} | the share of layer runs it skips
-moving.disagreement  | moving dis.  | {:.2%} | the moving threshold's disagreement
-moving.upper         | bound        | {:.2%} | the monitor's upper bound on it at the end
-moving.compute_saved | moving saved | {:.1%} | the share of layer runs it skips
-moving.at_start      | calibrated   | {:.0%} | its share of positions at the calibrated one""")
+fixed.disagreement   | fixed dis.   | {:.2%} | at its calibrated threshold: positions whose \
+top-1 is not full depth's
+fixed.compute_saved  | fixed saved  | {:.1%} | the share of layer runs its exits skip (as in \
+the rule table; a batch runs as deep as its deepest row)
+moving.disagreement  | watched dis. | {:.2%} | watched, its threshold moved by its monitor
+moving.compute_saved | saved        | {:.1%} | and less the layers its spot checks run again, \
+in expectation
+labelled             | labelled     | {:.0%} | positions whose label it saw (spot checks)
+heads                | heads        | {:.2f} | final heads it ran for labels, a step
+upper                | bound        | {:.2%} | the monitor's upper bound on its labelled \
+positions' disagreement""")
 STRATEGY_TABLE = table("""What does each KV strategy buy?
 mode              | mode      | {}      | greedy, or sampled
 name              | decoder   | {}      | how the skipped layers' cache is filled
@@ -2058,8 +2099,8 @@ class Lab:
         self.train_seconds = train_seconds  # the exit model's
         self.splits = {name: text.to(device) for name, text in splits.items()}
         if config.shift_path:  # text of another kind, beside the splits
-            shift = tokenizer.encode(read_text(config, "shift_path"))
-            self.splits["shift"] = torch.tensor(shift, device=device)
+            self.splits["shift"] = torch.tensor(tokenizer.encode(read_text(config, "shift_path")),
+                                                device=device)
         # the val workload (to choose and forecast by: twice the prompts, so that its sampled text
         # varies less) and the test workload (to report)
         self.workloads = [workload(self.splits[s], n * config.bench_prompts,
@@ -2135,10 +2176,10 @@ class Lab:
         """The models decoded at full depth beside the exit model: name -> (model, family), every
         plain GPT the run trains (the draft model among them), then the pruned models."""
         cfg = self.config
-        more = {f"{d}-layer GPT": (self.plain(d), "plain GPT")
-                for d in plain_depths(cfg.depths, cfg.draft_layers, cfg.n_layer)}
-        return more | {f"pruned {k}": (p, "pruned")
-                       for k, p in pruned_models(self.model, self.splits["val"]).items()}
+        return {f"{d}-layer GPT": (self.plain(d), "plain GPT")
+                for d in plain_depths(cfg.depths, cfg.draft_layers, cfg.n_layer)} | {
+            f"pruned {k}": (p, "pruned")
+            for k, p in pruned_models(self.model, self.splits["val"]).items()}
 
     def on_val(self, B, sources, ks, val_config, more):
         """Val's workload at batch size B, timed under val_config: each source's exit decoders at
@@ -2172,7 +2213,7 @@ class Lab:
         val in its mode), and the models of more (name -> (model, family)) at full depth. Val's
         workload runs first (on_val): the forecasts are its speed-ups (a pruned model has none)."""
         # the exit model's decoders of names (no prefix), then others' (freeze's, continue_plain's)
-        sources = {"": (self.model, self.rules, self.plans, names, "full")} | others
+        self.sources = sources = {"": (self.model, self.rules, self.plans, names, "full")} | others
         val, plans = self.on_val(B, sources, ks, val_config, more)
         decoders, models = {}, dict(more)
         for prefix, (model, rules, _, points, ref) in sources.items():
@@ -2230,35 +2271,51 @@ def shifted_text(lab):
     """Did epsilon hold on the shifted text? Every rule at its threshold calibrated on val."""
     if "shift" not in lab.records:
         return {}
-    path, cal = lab.config.shift_path, lab.calibrations[lab.config.confidence_measure]
-    sh = cal["shift"]
+    cal = lab.calibrations[lab.config.confidence_measure]
     return {"shift": list(lab.calibrations.values()), "notes": [
-        f"{path}, {recorded(lab, 'shift')} positions",
+        f"{lab.config.shift_path}, {recorded(lab, 'shift')} positions",
         f"share leaving at layer 0 ({cal['measure']}): test {cal['test']['exit_fractions'][0]:.1%}"
-        f", shifted {sh['exit_fractions'][0]:.1%}",
-        f"On {path}, epsilon {'held' if sh['held'] else 'was BROKEN'} for {cal['measure']}: "
-        f"{sh['disagreement']:.2%} disagreement against {100 * cal['epsilon']:g}%. The "
+        f", shifted {cal['shift']['exit_fractions'][0]:.1%}",
+        f"On {lab.config.shift_path}, epsilon {'held' if cal['shift']['held'] else 'was BROKEN'} "
+        f"for {cal['measure']}: {cal['shift']['disagreement']:.2%} disagreement against "
+        f"{100 * cal['epsilon']:g}%. The "
         "guarantee covers text like val, and nothing else."]}
 
-def moving_thresholds(lab):
-    """Each exit model's run rule and learned rule on test and the shifted text, teacher-forced:
-    the calibrated threshold fixed, and moving with every label fed back (as backfill can)."""
-    cfg, rows = lab.config, []
-    models = {"joint": (lab.records, lab.calibrations)} | {
-        name: found[1:3] for name, found in lab.exit_models.items()}
-    for (model, (records, calibrations)), measure, text in itertools.product(
-            models.items(), (cfg.confidence_measure, "learned"), ("test", "shift")):
-        if text in records:
-            rows.append({"model": model, "measure": measure, "text": text, **fixed_and_moving(
-                records[text], measure, calibrations[measure]["threshold"],
-                range(cfg.n_layer - 1), cfg)})
-    return {"moving": rows, "notes": [
-        f"on the positions of the rule table and the shift table",
-        f"Moving: from the calibrated threshold, credit {cfg.adapt_credit}, horizon "
-        f"{cfg.adapt_horizon:,} (moving_threshold): for any text, at most epsilon disagree once "
-        "the horizon's positions are decoded, given each one's label. The bounds hold at every "
-        f"position with probability >= {1 - cfg.delta:.0%} (rate_bounds). Self-speculation "
-        "needs none of this: a shift costs it speed, never its output."]}
+def watched_decoders(lab, rows=STREAMS):
+    """The exit model's exit decoders but SkipDecode's (its schedule is no threshold), and with
+    --continued every exit model's, teacher-forced on sweep_positions of test and of the shifted
+    text in `rows` pieces decoded together: at the calibrated threshold, fixed and watched (one
+    Monitor for the rows)."""
+    cfg, found = lab.config, []
+    rows = min(rows, cfg.sweep_positions)  # a piece a position at least
+    target = Monitor(0, cfg, rows).target
+    for text, (prefix, (model, rules, plans, names, _)) in itertools.product(
+            [text for text in ("test", "shift") if text in lab.splits],
+            list(lab.sources.items())[: None if cfg.continued else 1]):
+        def run(decode):  # teacher-forced on `rows` pieces of the text, decoded together
+            return quality_pass(decode, lab.splits[text], cfg.sweep_positions, rows,
+                                cfg.bench_prompt_len, cfg.sweep_positions // rows)
+        full = run(build("full", model, None))["pred"]
+        for name in [n for n in names if DECODERS[n].strategy and not DECODERS[n].schedule]:
+            decode, monitor = watched(name, model, plans[name], rules, cfg, rows)
+            ran = {"fixed": run(build(name, model, plans[name], rules)), "moving": run(decode)}
+            upper = rate_bounds(torch.tensor(monitor.wrong + 0.0), max(monitor.seen, 1), cfg.delta)
+            # a spot check runs the layers its exit skipped: in expectation, share of them
+            spot = {"fixed": 0.0, "moving": cfg.spot_share * DECODERS[name].skips}
+            found.append({"model": prefix.strip() or "joint", "decoder": name, "text": text} | {
+                kind: {"disagreement": average(q["pred"] != full), "compute_saved": (1 - spot[
+                    kind]) * (1 - average(q["exits"] + 1) / cfg.n_layer)}
+                for kind, q in ran.items()} | {"labelled": monitor.seen / len(full),
+                "heads": monitor.heads * rows / len(full), "upper": float(upper[1])})
+    return {"moving": found, "notes": [
+        f"{cfg.sweep_positions:,} positions of each text, in {rows} pieces spread over it",
+        f"Watched: a Monitor a decoder for its {rows} rows, from the calibrated threshold, credit "
+        f"{cfg.adapt_credit}, horizon {cfg.adapt_horizon:,}, target {target:.3%}. Backfill labels "
+        f"every exit at once: for any text, at most target T + credit + 4 + {rows} of T positions "
+        "disagree, so at most epsilon once T reaches the horizon. The others spot-check "
+        f"{cfg.spot_share:.0%} of steps and count each disagreement found 1 / share: epsilon in "
+        "expectation. Self-speculation needs none of this: a shift costs it speed, never its "
+        "output."]}
 
 def strategies(lab):
     """The strategies table, and under it what it rests on: the drafts, the measured costs."""
@@ -2304,9 +2361,8 @@ def frontier(lab):
     se = paired_se({r["name"]: lab.nll[1, r["name"]] for r in lab.measured}, cfg.bench_tokens)
     for p in frontier_points(lab.measured, se):
         p.update(weights_mb=p["weight_bytes"] / 2**20, kv_kb=p["cache_bytes"] / 2**10)
-        family = "speculation" if DECODERS[p["decoder"]].drafter else p["family"]
         rows.append({key: p[key] for key, *_ in FRONTIER_TABLE[1]} | {"decoder": p["decoder"],
-                                                                     "family": family})
+            "family": "speculation" if DECODERS[p["decoder"]].drafter else p["family"]})
     # the joint recipe's cost at full depth: against the plain GPT of its shape
     on, deep, loss = frontier_names(rows), f"{cfg.n_layer}-layer GPT", {
         r["name"]: r["test_loss"] for r in rows}
@@ -2733,8 +2789,8 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
     base, heads = count_params(model)
     if rank == 0:
         os.makedirs(config.out_dir, exist_ok=True)
-        sizes = "/".join(f"{len(split):,}" for split in splits.values())
         # three lines: the run, the parameters, what the losses while training are
+        sizes = "/".join(f"{len(split):,}" for split in splits.values())
         print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: "
               f"{sizes} characters | processes: {world}\n"
               f"parameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in "
@@ -2777,8 +2833,8 @@ RANGES = {  # the numbers each field takes: [ or ] includes that end, ( or ) lea
     "[2, inf)": "n_layer block_size bench_tokens",  # bench_tokens: a gap between two tokens
     "(0, inf)": "learning_rate distill_temperature",
     "[0, 1)": "dropout beta1 beta2 layer_dropout continued",
+    "[0, 1]": "schedule_disagreement spot_share",
     "(0, 1)": "epsilon delta",
-    "[0, 1]": "schedule_disagreement",
     "[-1, 1]": "exit_threshold",  # -1 calibrates on val; not in (-1, 0)
 }
 CHOICES = {"init_from": ("scratch", "resume"),
@@ -2794,8 +2850,8 @@ def boolean(text):
 def in_range(value, rule):
     """Whether value lies in an interval of RANGES, e.g. '[0, 1)'."""
     low, high = map(float, rule[1:-1].split(","))
-    ends = value == low and rule[0] == "[" or value == high and rule[-1] == "]"
-    return low < value < high or ends
+    return (low < value < high or value == low and rule[0] == "["
+            or value == high and rule[-1] == "]")
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, with a bad argument raised as a ValueError: main prints one line, exits with 2."""
@@ -2849,8 +2905,7 @@ def field_rules(config, L):
         (config.min_lr > config.learning_rate,
          f"min_lr={config.min_lr} is above learning_rate={config.learning_rate}"),
         (-1 < config.exit_threshold < 0, "exit_threshold: -1 (calibrate on val) or in [0, 1]"),
-        (config.draft_exit >= L - 1,
-         f"draft_exit={config.draft_exit}: a layer below the last, 0..{L - 2}"),
+        (config.draft_exit >= L - 1, f"draft_exit={config.draft_exit}: below the last, 0..{L - 2}"),
         (not config.prompt, "--prompt must hold at least one character"),
         (config.quality_positions < config.bench_tokens * (
             max(BATCH_SIZES) if config.bench_batch else 1),
@@ -2875,8 +2930,8 @@ def field_rules(config, L):
             "continued".split()),
          "--lesson_only is Part I alone: no --init_from=resume, --sample_only, --kv_strategy, "
          "--confidence_measure, --exit_layers, --depths, --bench_batch or --continued"),
-        (config.epsilon * config.adapt_horizon <= config.adapt_credit + 5,
-         f"--adapt_horizon={config.adapt_horizon}: over (adapt_credit + 5) / epsilon"),
+        (config.epsilon * config.adapt_horizon <= config.adapt_credit + 4 + STREAMS, "--adapt_"
+         f"horizon={config.adapt_horizon}: over (adapt_credit + {4 + STREAMS}) / epsilon"),
         (config.continued and not 0 < round(config.max_iters * (1 - config.continued))
          < config.max_iters, f"--continued={config.continued}: a step or more in each stage "
          f"of max_iters={config.max_iters}"),
@@ -2978,7 +3033,7 @@ ANALYSES = (
     Analysis("sweep", SWEEP_TABLE, threshold_sweep),
     Analysis("calibration_by_measure", CALIBRATION_TABLE, rule_calibrations),
     Analysis("shift", SHIFT_TABLE, shifted_text),
-    Analysis("moving", MOVING_TABLE, moving_thresholds),
+    Analysis("moving", MOVING_TABLE, watched_decoders),
     Analysis("strategies", STRATEGY_TABLE, strategies),
     Analysis("tail", TAIL_TABLE, tails),
     Analysis("frontier", FRONTIER_TABLE, frontier, frontier_chart),
@@ -3032,10 +3087,9 @@ def summary(report):
     # each mode's fastest: the last of its rows sorted by speed (full depth: none is faster)
     fastest = {e["mode"]: e for e in sorted(exact, key=lambda e: e["speedup"])}
     saved = (f"saved at the guarantee (disagreement <= {100 * cal['epsilon']:g}% with probability "
-             f"{100 * (1 - cal['delta']):g}%)")
-    if not cal["test"]["held"]:
-        saved = (f"saved, but the guarantee did not hold on test (disagreement "
-                 f"{cal['test']['disagreement']:.2%}, over epsilon {100 * cal['epsilon']:g}%)")
+             f"{100 * (1 - cal['delta']):g}%)" if cal["test"]["held"] else
+             f"saved, but the guarantee did not hold on test (disagreement "
+             f"{cal['test']['disagreement']:.2%}, over epsilon {100 * cal['epsilon']:g}%)")
     broken = {True: "", False: ", over epsilon: the guarantee did not hold"}
     on = frontier_names(report["frontier"])
     # early exit's points (an exit decoder, self-speculation) that nothing beats in a mode

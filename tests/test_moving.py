@@ -1,9 +1,11 @@
 """A threshold that moves: its guarantee holds on any stream and is tight at its horizon, it follows a
-jump in disagreement and brings the rate back, it stays put on a stream like its calibration, and the
+jump in disagreement and brings the rate back, it stays put on a stream like its calibration; a watched
+decoder moves it as the rule does on the records, spot checks cost layers and find what backfill finds; the
 monitor's bounds hold at every position under shift."""
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,6 +14,17 @@ from conftest import THREE_LAYER_RUN, m
 
 EPS, CREDIT, CLIMB, HORIZON = 0.01, 15, 4, 20000
 TARGET = EPS - (CREDIT + CLIMB + 1) / HORIZON
+CONFIG = m.LabConfig(epsilon=EPS, adapt_credit=CREDIT, adapt_horizon=HORIZON)
+
+
+def moving_path(wrong, start, config=CONFIG):
+    """The Monitor on a recorded stream, every label fed back at once: wrong[i][t], does position t disagree
+    with full depth leaving at the i-th threshold (the 0th, 1.0, never does)? Each position's index."""
+    monitor, path = m.Monitor(start, config), []
+    for t in range(len(wrong[0])):
+        path.append(monitor.index())
+        monitor.update(wrong[path[-1]][t])
+    return path
 
 
 def coupled(chances, start, seed=0):
@@ -24,7 +37,7 @@ def coupled(chances, start, seed=0):
 
 
 def run(wrong, start):
-    return m.moving_threshold(wrong, start, EPS, CREDIT, HORIZON)
+    return moving_path(wrong, start)
 
 
 def disagreements(wrong, path, a=0, b=None):
@@ -65,6 +78,18 @@ def test_a_jump_to_three_epsilon_raises_the_threshold_and_the_rate_comes_back():
     assert fixed > 2.5 * EPS * after
 
 
+def test_a_monitor_for_a_batch_keeps_its_bound_when_a_step_brings_every_rows_disagreement():
+    """32 rows a step, each disagreeing wherever it may leave early: the target leaves room for a step's 32, so
+    at the horizon's 20,000 positions at most epsilon disagree; a target that leaves room for one would not."""
+    for batch, keeps in ((32, True), (1, False)):
+        monitor, k = m.Monitor(40, CONFIG, batch), 0
+        for _ in range(HORIZON // 32):
+            wrong = 32 if monitor.index() > 0 else 0
+            k += wrong
+            monitor.update(wrong, 32)
+        assert (k <= EPS * HORIZON) == keeps
+
+
 def exit_records(n, seed, q=0.1):
     """Two layers: exit 0's confidence is uniform, and it disagrees with full depth with chance
     q * (1 - confidence); full depth always agrees with itself."""
@@ -86,8 +111,7 @@ def test_on_streams_like_its_calibration_the_threshold_stays_unless_epsilon_brok
         start = m.THRESHOLDS.index(threshold)
         exits = torch.stack([m.exits_at_threshold(records, "top1", t, [0]) for t in m.THRESHOLDS[: start + 1]])
         wrong = (records.pred != records.pred[-1]).gather(0, exits)
-        path = m.moving_threshold(wrong.tolist(), start, config.epsilon, config.adapt_credit,
-                                  config.adapt_horizon)
+        path = moving_path(wrong.tolist(), start, config)
         stays = sum(i >= start - 1 for i in path) / len(path)
         if wrong[start].float().mean() <= config.epsilon:
             kept += 1
@@ -97,20 +121,70 @@ def test_on_streams_like_its_calibration_the_threshold_stays_unless_epsilon_brok
     assert kept >= 7
 
 
-def test_the_monitor_notices_a_threshold_that_breaks_epsilon_and_not_one_that_keeps_it():
-    """The calibrated threshold on text like its calibration: the lower bound never passes epsilon. On text that
-    disagrees three times as often, it passes within a few thousand positions, and the moving threshold keeps
-    epsilon there while the fixed one runs over twice epsilon."""
-    config = m.LabConfig()
-    threshold = m.calibrate(exit_records(20000, 100), "top1", [0], config.epsilon, config.delta)
-    like = m.fixed_and_moving(exit_records(20000, 0), "top1", threshold, [0], config)
-    assert like["noticed"] is None and like["fixed"]["disagreement"] <= config.epsilon
-    shifted = m.fixed_and_moving(exit_records(20000, 0, q=0.3), "top1", threshold, [0], config)
-    assert 200 < shifted["noticed"] < 3000
-    assert shifted["fixed"]["disagreement"] > 2 * config.epsilon
-    assert shifted["moving"]["disagreement"] <= config.epsilon
-    assert shifted["moving"]["upper"] > shifted["moving"]["disagreement"]
-    assert 0 < shifted["moving"]["at_start"] < 0.5 and like["moving"]["at_start"] == 1
+@pytest.fixture(scope="module")
+def watched_text(trained):
+    """The trained tiny model, 1,200 positions of text recorded, a threshold (0.2) whose disagreement there is
+    over four times epsilon (2%), and full depth's top-1 as the decoder makes it."""
+    model, data = trained
+    text, n = data[5000:6201], 1200
+    records = m.record_exits(model, text, n, {"top1": m.EXIT_RULES["top1"]})
+    full = m.generate(model, text[None, :1], n, forced=text[None, 1:]).logits[0].argmax(-1)
+    config = m.LabConfig(epsilon=0.02, adapt_credit=3, adapt_horizon=1000)
+    plan = {"measure": "top1", "threshold": 0.2, "checked_exits": range(3)}
+    return model, text, records, full, config, plan
+
+
+def decode(model, text, name, plan, config):
+    decoder, monitor = m.watched(name, model, plan, m.EXIT_RULES, config)
+    return decoder(text[None, :1], len(text) - 1, forced=text[None, 1:]), monitor
+
+
+@pytest.mark.usefixtures("no_grad")
+def test_a_watched_backfill_leaves_where_the_moving_rule_does_on_the_records(watched_text):
+    """Backfill labels every exit at once: decoding, it leaves at every position where the Monitor run on the
+    records of the same text leaves, and keeps epsilon where the fixed threshold is four times over it."""
+    model, text, records, full, config, plan = watched_text
+    start, cols = m.THRESHOLDS.index(0.2), torch.arange(len(full))
+    exits = torch.stack([m.exits_at_threshold(records, "top1", t, range(3)) for t in m.THRESHOLDS[: start + 1]])
+    wrong = (records.pred != records.pred[-1]).gather(0, exits)
+    path = torch.tensor(moving_path(wrong.tolist(), start, config))
+    out, monitor = decode(model, text, "backfill", plan, config)
+    assert torch.equal(out.exited_at[0], exits[path, cols])
+    assert len(set(path.tolist())) > 10  # it moved
+    assert wrong[start].float().mean() > 4 * config.epsilon
+    assert monitor.seen == len(full) and monitor.wrong == int(wrong[path, cols].sum())
+    assert int((out.logits[0].argmax(-1) != full).sum()) == monitor.wrong <= config.epsilon * len(full)
+
+
+@pytest.mark.usefixtures("no_grad")
+@pytest.mark.parametrize("name", ["deferred", "state_copy", "holes"])
+def test_spot_checks_label_their_share_and_keep_epsilon(watched_text, name):
+    """A decoder that skips layers sees labels on its spot checks alone, about spot_share of positions; they
+    run layers (none at share 0, which never moves); and its disagreement with full depth stays near epsilon,
+    where its fixed threshold is four times over it."""
+    model, text, _, full, config, plan = watched_text
+    fixed = m.build(name, model, plan)(text[None, :1], len(full), forced=text[None, 1:])
+    for share in (0.0, 0.25, 0.5):
+        out, monitor = decode(model, text, name, plan, replace(config, spot_share=share))
+        assert abs(monitor.seen / len(full) - share) < 0.05
+        if share == 0:
+            assert torch.equal(out.exited_at, fixed.exited_at) and out.layers_run == fixed.layers_run
+        else:
+            assert out.layers_run > fixed.layers_run
+            assert (out.logits[0].argmax(-1) != full).float().mean() < 1.5 * config.epsilon
+    assert (fixed.logits[0].argmax(-1) != full).float().mean() > 4 * config.epsilon
+
+
+@pytest.mark.usefixtures("no_grad")
+@pytest.mark.parametrize("name", ["deferred", "state_copy", "holes"])
+def test_a_spot_check_on_every_step_is_backfill(watched_text, name):
+    """At share 1 every step is a spot check: the layers above every exit run, as backfill's do, so the
+    decoder leaves where a watched backfill leaves and finds the same disagreements."""
+    model, text, _, _, config, plan = watched_text
+    ref, ref_monitor = decode(model, text, "backfill", plan, config)
+    out, monitor = decode(model, text, name, plan, replace(config, spot_share=1.0))
+    assert torch.equal(out.exited_at, ref.exited_at)
+    assert monitor.wrong == ref_monitor.wrong > 0 and monitor.seen == ref_monitor.seen
 
 
 def test_the_bounds_hold_at_every_position_under_shift():
@@ -148,14 +222,15 @@ def test_the_bounds_are_the_tightest_of_their_bets_one_step_either_side():
     assert 0.005 < float(lower) < 0.02 < float(upper) < 0.04
 
 
-def test_the_report_holds_each_exit_models_fixed_and_moving_threshold(lab_runs):
+def test_the_report_holds_each_exit_models_watched_decoders(lab_runs):
     r = json.loads((lab_runs(THREE_LAYER_RUN)[2] / "report.json").read_text())
     rows = r["moving"]
-    assert [(row["model"], row["measure"], row["text"]) for row in rows] == [
-        (model, measure, text) for model in ("joint", "frozen", "continued") for measure in ("top1", "learned")
-        for text in ("test", "shift")]
-    for row in rows:
-        assert row["moving"]["compute_saved"] <= row["fixed"]["compute_saved"] + 1e-9
-        assert row["moving"]["disagreement"] <= row["moving"]["upper"]
-        assert 0 <= row["moving"]["at_start"] <= 1
+    assert [(row["model"], row["decoder"], row["text"]) for row in rows] == [
+        (model, decoder, text) for text in ("test", "shift") for model in ("joint", "frozen", "continued")
+        for decoder in ("backfill", "deferred", "state_copy", "holes")]
+    for row in rows:  # an exact cache leaves at the same thresholds or more cautious ones
+        if row["decoder"] in ("backfill", "deferred"):
+            assert row["moving"]["compute_saved"] <= row["fixed"]["compute_saved"] + 1e-9
+        assert 0 <= row["labelled"] <= 1 and row["upper"] >= 0
+        assert (row["labelled"] == 1) == (row["decoder"] == "backfill")
     assert "Self-speculation needs none of this" in " ".join(r["notes"]["moving"])

@@ -32,7 +32,7 @@ BAD_VALUES = {
     "bench_prompt_len": "0", "bench_tokens": "0", "bench_repeats": "0", "epsilon": "0", "delta": "1",
     "sweep_positions": "0", "depths": "1-3", "shift_path": "/nonexistent/shift.txt", "draft_layers": "0",
     "bench_batch": "maybe", "schedule_disagreement": "2", "continued": "1",
-    "adapt_credit": "-1", "adapt_horizon": "0",
+    "adapt_credit": "-1", "adapt_horizon": "0", "spot_share": "1.5",
 }
 
 
@@ -101,7 +101,7 @@ def trained_checkpoint(lab_runs, tmp_path):
     (["--lesson_only=1", "--kv_strategy=deferred"], False), (["--lesson_only=1", "--depths=1"], False),
     (["--lesson_only=1", "--bench_batch=1"], False), (["--lesson_only=1", "--exit_layers=0"], False),
     (["--bench_tokens=2"], True), (["--bench_tokens=1"], False),  # one gap between two tokens
-    (["--adapt_horizon=2001"], True), (["--adapt_horizon=2000"], False)])  # epsilon 0.01, credit 15
+    (["--adapt_horizon=8301"], True), (["--adapt_horizon=8300"], False)])  # epsilon 0.01: 15 + 4 + 64
 def test_the_rules_across_fields_hold_one_step_either_side(tmp_path, args, ok):
     argv = TINY + [f"--out_dir={tmp_path}", *args]
     if ok:
