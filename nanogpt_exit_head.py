@@ -1403,8 +1403,8 @@ def calibrate_exits(model, splits, config):
 
 # -----------------------------------------------------------------------------
 # A threshold that moves: Learn then Test certifies text like val. Given each position's label
-# (full depth's top-1: backfill has it at once, deferred in its chunk), a decoder can move its
-# threshold when its disagreement runs high, and watch its rate with a bound valid at every token
+# (full depth's top-1: backfill has it at once, the others from spot checks), a decoder can move
+# its threshold when its disagreement runs high, and watch its rate with a bound valid at any token
 
 class Monitor:
     """Adaptive conformal inference (Gibbs and Candes, arXiv:2106.00170) on THRESHOLDS' grid: a
@@ -1467,17 +1467,18 @@ class Watched:
         m.wrong, m.seen = m.wrong + k, m.seen + self.spot * len(left)
         m.update(k / (self.share or 1), len(left))  # share 0: nothing labelled
 
-STREAMS = 64  # the rows the watched decoders' table decodes together, one Monitor for them
+STREAMS = 32  # the rows the watched decoders' table decodes together, one Monitor for them
 
 def watched(name, model, plan, rules, config, rows=1, seed=0):
     """Exit decoder `name` at its plan, watched by a new Monitor for `rows` rows a step, from the
-    grid's threshold at or below the plan's: (decode, the monitor). Spot checks on
+    grid's threshold at or above the plan's: (decode, the monitor). Spot checks on
     config.spot_share of steps, where the decoder skips the layers above an exit."""
-    d = DECODERS[name]
-    monitor = Monitor(next(i for i, t in enumerate(THRESHOLDS) if t <= plan["threshold"]), config,
-                      rows)
+    d, share = DECODERS[name], config.spot_share if DECODERS[name].skips else 1.0
+    # a spot check's update may bring rows / share; the grid's threshold at or above the plan's
+    monitor = Monitor(max(i for i, t in enumerate(THRESHOLDS) if t >= plan["threshold"]), config,
+                      rows / (share or 1))
     kv = partial(type("Watched" + d.strategy.__name__, (Watched, d.strategy), {}), model, monitor,
-                 config.spot_share if d.skips else 1.0, torch.Generator().manual_seed(seed))
+                 share, torch.Generator().manual_seed(seed))
     return partial(build(name, model, plan, rules), strategy=kv), monitor
 
 def rate_bounds(k, n, alpha, bets=(0.1, 0.3, 1.0, 3.0)):
@@ -1985,8 +1986,8 @@ decoder              | decoder      | {}     | an exit decoder at its plan
 text                 | text         | {}     | test, or the shifted text
 fixed.disagreement   | fixed dis.   | {:.2%} | at its calibrated threshold: positions whose \
 top-1 is not full depth's
-fixed.compute_saved  | fixed saved  | {:.1%} | the share of layer runs its exits skip (as in \
-the rule table; a batch runs as deep as its deepest row)
+fixed.compute_saved  | fixed saved  | {:.1%} | the share of layer runs its exits skip, a row \
+at a time, as in the rule table (backfill runs them anyway; a batch as deep as its deepest row)
 moving.disagreement  | watched dis. | {:.2%} | watched, its threshold moved by its monitor
 moving.compute_saved | saved        | {:.1%} | and less the layers its spot checks run again, \
 in expectation
@@ -2282,21 +2283,24 @@ def shifted_text(lab):
         "guarantee covers text like val, and nothing else."]}
 
 def watched_decoders(lab, rows=STREAMS):
-    """The exit model's exit decoders but SkipDecode's (its schedule is no threshold), and with
-    --continued every exit model's, teacher-forced on sweep_positions of test and of the shifted
-    text in `rows` pieces decoded together: at the calibrated threshold, fixed and watched (one
-    Monitor for the rows)."""
+    """Backfill and deferred (--continued: every exit model's) on sweep_positions of test and of
+    the shifted text in `rows` pieces decoded together, fixed and watched by one Monitor. Rows run
+    as deep as the deepest, so state copy and holes would run as backfill: see the notes."""
     cfg, found = lab.config, []
     rows = min(rows, cfg.sweep_positions)  # a piece a position at least
-    target = Monitor(0, cfg, rows).target
+    targets = [Monitor(0, cfg, rows / share).target for share in (1, cfg.spot_share or 1)]
     for text, (prefix, (model, rules, plans, names, _)) in itertools.product(
             [text for text in ("test", "shift") if text in lab.splits],
             list(lab.sources.items())[: None if cfg.continued else 1]):
+        piece = min(cfg.sweep_positions // rows, len(lab.splits[text]) - cfg.bench_prompt_len)
+        if piece < 1:  # a text shorter than a prompt and a position
+            continue
         def run(decode):  # teacher-forced on `rows` pieces of the text, decoded together
-            return quality_pass(decode, lab.splits[text], cfg.sweep_positions, rows,
-                                cfg.bench_prompt_len, cfg.sweep_positions // rows)
+            return quality_pass(decode, lab.splits[text], piece * rows, rows,
+                                cfg.bench_prompt_len, piece)
         full = run(build("full", model, None))["pred"]
-        for name in [n for n in names if DECODERS[n].strategy and not DECODERS[n].schedule]:
+        for name in [n for n in names if DECODERS[n].strategy and DECODERS[n].cache == "exact"
+                     and not DECODERS[n].schedule]:
             decode, monitor = watched(name, model, plans[name], rules, cfg, rows)
             ran = {"fixed": run(build(name, model, plans[name], rules)), "moving": run(decode)}
             upper = rate_bounds(torch.tensor(monitor.wrong + 0.0), max(monitor.seen, 1), cfg.delta)
@@ -2310,12 +2314,14 @@ def watched_decoders(lab, rows=STREAMS):
     return {"moving": found, "notes": [
         f"{cfg.sweep_positions:,} positions of each text, in {rows} pieces spread over it",
         f"Watched: a Monitor a decoder for its {rows} rows, from the calibrated threshold, credit "
-        f"{cfg.adapt_credit}, horizon {cfg.adapt_horizon:,}, target {target:.3%}. Backfill labels "
-        f"every exit at once: for any text, at most target T + credit + 4 + {rows} of T positions "
-        "disagree, so at most epsilon once T reaches the horizon. The others spot-check "
-        f"{cfg.spot_share:.0%} of steps and count each disagreement found 1 / share: epsilon in "
-        "expectation. Self-speculation needs none of this: a shift costs it speed, never its "
-        "output."]}
+        f"{cfg.adapt_credit}, horizon {cfg.adapt_horizon:,}, target {targets[0]:.3%} (backfill) "
+        f"and {targets[1]:.3%} (the others: a spot check may bring rows / spot_share). Backfill "
+        "labels every exit at once: for any text, at most target T + credit + 4 + rows of T "
+        "positions disagree, so at most epsilon once T reaches the horizon. Deferred spot-checks "
+        f"{cfg.spot_share:.0%} of steps and counts each disagreement found 1 / share: epsilon in "
+        "expectation. State copy and holes (not here: rows decoded together run every layer) "
+        "spot-check against their own deep layers over their own cache, not full depth's. "
+        "Self-speculation needs none of this: a shift costs it speed, never its output."]}
 
 def strategies(lab):
     """The strategies table, and under it what it rests on: the drafts, the measured costs."""
@@ -2909,8 +2915,7 @@ def field_rules(config, L):
         (not config.prompt, "--prompt must hold at least one character"),
         (config.quality_positions < config.bench_tokens * (
             max(BATCH_SIZES) if config.bench_batch else 1),
-         f"--quality_positions={config.quality_positions}: a piece of bench_tokens or more (with "
-         f"--bench_batch, {max(BATCH_SIZES)} pieces: one a row)"),
+         f"--quality_positions={config.quality_positions}: bench_tokens, x16 with --bench_batch"),
         (not re.fullmatch(r"(all|(\d+,)*\d+)?", config.depths),
          f"--depths={config.depths!r}: '', 'all' or a comma list of layers"),
         (any(not 0 < int(d) <= L for d in re.findall(r"\d+", config.depths)),
@@ -2930,8 +2935,9 @@ def field_rules(config, L):
             "continued".split()),
          "--lesson_only is Part I alone: no --init_from=resume, --sample_only, --kv_strategy, "
          "--confidence_measure, --exit_layers, --depths, --bench_batch or --continued"),
-        (config.epsilon * config.adapt_horizon <= config.adapt_credit + 4 + STREAMS, "--adapt_"
-         f"horizon={config.adapt_horizon}: over (adapt_credit + {4 + STREAMS}) / epsilon"),
+        (config.epsilon * config.adapt_horizon <= config.adapt_credit + 4 + STREAMS / (
+            config.spot_share or 1), f"--adapt_horizon={config.adapt_horizon}: over (adapt_credit"
+         f" + 4 + {STREAMS} / spot_share) / epsilon"),
         (config.continued and not 0 < round(config.max_iters * (1 - config.continued))
          < config.max_iters, f"--continued={config.continued}: a step or more in each stage "
          f"of max_iters={config.max_iters}"),

@@ -227,7 +227,7 @@ def test_the_report_holds_each_exit_models_watched_decoders(lab_runs):
     rows = r["moving"]
     assert [(row["model"], row["decoder"], row["text"]) for row in rows] == [
         (model, decoder, text) for text in ("test", "shift") for model in ("joint", "frozen", "continued")
-        for decoder in ("backfill", "deferred", "state_copy", "holes")]
+        for decoder in ("backfill", "deferred")]  # exact caches: rows decoded together run every layer
     for row in rows:  # an exact cache leaves at the same thresholds or more cautious ones
         if row["decoder"] in ("backfill", "deferred"):
             assert row["moving"]["compute_saved"] <= row["fixed"]["compute_saved"] + 1e-9
