@@ -187,6 +187,20 @@ def test_a_spot_check_on_every_step_is_backfill(watched_text, name):
     assert monitor.wrong == ref_monitor.wrong > 0 and monitor.seen == ref_monitor.seen
 
 
+@pytest.mark.parametrize("name,share", [("backfill", 1.0), ("deferred", 0.25), ("holes", 0.5)])
+def test_a_watched_decoders_monitor_leaves_room_for_what_one_update_brings(model, name, share):
+    """A spot check finds disagreements counted 1 / share, so one update of `rows` rows may bring rows / share:
+    the target leaves that room (backfill labels every exit: rows). It starts at the grid's threshold at or
+    above the plan's, never a less cautious one: 0.905 starts at 0.91, 0.91 at itself, 0.9 at itself."""
+    config = m.LabConfig(spot_share=0.25 if name == "deferred" else 0.5)
+    for threshold, start in ((0.905, 0.91), (0.91, 0.91), (0.9, 0.9)):
+        plan = {"measure": "top1", "threshold": threshold, "checked_exits": [0]}
+        _, monitor = m.watched(name, model, plan, m.EXIT_RULES, config, rows=8)
+        assert m.THRESHOLDS[monitor.start] == start
+        room = config.adapt_credit + 4 + 8 / share
+        assert monitor.target == pytest.approx(config.epsilon - room / config.adapt_horizon)
+
+
 def test_the_bounds_hold_at_every_position_under_shift():
     """Streams whose chance of disagreeing jumps between 0.5% and 4% in blocks: the mean chance so far stays
     between the bounds at every position in at least 1 - alpha of the streams, and the bounds close in."""
