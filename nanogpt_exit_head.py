@@ -1437,7 +1437,8 @@ class Monitor:
 class Watched:
     """A monitor on an exit decoder, put before its KV strategy: on a random share of steps, spot
     checks, the layers above an exit run as backfill runs them, and the final head on their state
-    gives each row's label, full depth's top-1. Each disagreement found is counted 1 / share by a
+    gives each row's label: full depth's top-1 with an exact cache (state copy and holes: their
+    own deep layers' over their own cache). Each disagreement found is counted 1 / share by a
     Monitor shared by every generation it watches, which sets the threshold each step leaves at.
     Backfill runs those layers anyway: its share is 1, every exit labelled at once."""
     def __init__(self, model, monitor, share, generator):
