@@ -342,7 +342,7 @@ MISTAKES = [
      "next(i for i, t in enumerate(THRESHOLDS) if t <= plan[\"threshold\"])",
      ["test_moving.py::test_a_watched_decoders_monitor_leaves_room_for_what_one_update_brings"]),
     ("backfill_spot_checked", "a watched backfill that labels only a share of its exits, though it runs them all",
-     "config.spot_share if d.skips else 1.0", "config.spot_share",
+     "config.spot_share if DECODERS[name].skips else 1.0", "config.spot_share",
      ["test_moving.py::test_a_watched_backfill_leaves_where_the_moving_rule_does_on_the_records"]),
 ]
 
