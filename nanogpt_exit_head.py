@@ -665,7 +665,6 @@ class LabConfig(Config):
     adapt_horizon: int = 20000  # and the positions after which its disagreement is <= epsilon
     spot_share: float = 0.25  # of steps a watched decoder that skips layers runs at full depth
     # studies beyond the default run
-    bench_batch: bool = False  # also measure every batch design at batch 1, 4 and 16 (minutes)
     depths: str = ""  # more plain GPTs (besides the draft model's and n_layer's): '', 'all', '2,3'
     continued: float = 0.0  # > 0: a plain GPT, then this share of steps with the recipe (a study)
 
@@ -673,7 +672,6 @@ class LabConfig(Config):
 THRESHOLDS = (*(round(1 - i / 1000, 3) for i in range(50)),
               *(round(i / 100, 2) for i in range(95, -1, -1)))
 MODES = ("greedy", "sampled")  # sampled draws with config.temperature and config.top_k
-BATCH_SIZES = (1, 4, 16)
 
 def average(t):
     """A tensor's mean as a float (a mask's: the share that is true); None if it is empty."""
@@ -1653,22 +1651,19 @@ class Decoder(NamedTuple):
     exit_cost: str = None  # the unit cost an early exit adds (state_copy's write)
     derived: object = None  # model -> the tensors it derives and reads (state_copy's projections)
     drafter: str = None  # speculation: 'exit' (the model's own early layers) or 'model' drafts
-    follows: str = None  # that drafter's k where one beat full depth on val, else full depth
     samples: bool = True  # may draw the early-exit sample from a checkpoint alone
-    batched: bool = True  # a design of the batch table (--bench_batch)
 
 # the decoders, in the tables' order: full depth, the answers to the holes, speculation
 DECODERS = {
     "full": Decoder(samples=False),
-    "backfill": Decoder(strategy=Backfill, skips=False, batched=False),
-    "deferred": Decoder(strategy=Deferred, batched=False),
+    "backfill": Decoder(strategy=Backfill, skips=False),
+    "deferred": Decoder(strategy=Deferred),
     "state_copy": Decoder("approx.", StateCopy, exit_cost="state_copy",
                           derived=state_copy_projections),
-    "holes": Decoder("holes", Holes, batched=False),
+    "holes": Decoder("holes", Holes),
     "skipdecode": Decoder(strategy=SkipDecode, schedule=True),
     "self_speculative": Decoder(drafter="exit"),
     "draft_model": Decoder(drafter="model", samples=False),
-    "auto": Decoder(drafter="exit", follows="self_speculative", samples=False),
 }
 
 def build(name, model, plan, rules=EXIT_RULES):
@@ -1705,19 +1700,6 @@ def weight_bytes(model, name="full", plan=None):
     draft = weight_bytes(plan["draft"]) if plan.get("draft") else 0
     return sum(p.nbytes for p in read) - sum(p.nbytes for p in unread) + draft
 
-def choose_drafts(entries):
-    """From the drafters' timings on val, (name, mode) -> the k that ran fastest, and for a decoder
-    that follows a drafter its k, or None (full depth) where no k ran faster than full depth."""
-    drafts = {}
-    for key in dict.fromkeys((e["name"], e["mode"]) for e in entries):
-        best = max((e for e in entries if (e["name"], e["mode"]) == key),
-                   key=lambda e: e["speedup"])
-        drafts[key] = best["num_draft"]
-        for name, d in DECODERS.items():
-            if d.follows == key[0]:
-                drafts[name, key[1]] = best["num_draft"] if best["speedup"] > 1 else None
-    return drafts
-
 def speedup(s, full):
     """Full depth's speed over a decoder's (s, full: their speed_pass figures): 1 / the mean of the
     middle half of its calls' times over full depth's on the same prompts in the same pass, so
@@ -1726,49 +1708,39 @@ def speedup(s, full):
     cut = len(ratios) // 4
     return 1 / float(ratios[cut:len(ratios) - cut].mean())
 
-def val_figures(speed):
-    """A speed pass on val ((name, k, mode) -> figures, full depth's k None) as the forecasts read
-    it: (name, mode, k) -> the speed-up over full depth."""
-    return {(name, mode, k): {"speedup": speedup(s, speed["full", None, mode]),
-                              "num_draft": k, "name": name, "mode": mode}
-            for (name, k, mode), s in speed.items()}
-
-def run_plans(sources, val, config, draft):
+def run_plans(sources, config, draft):
     """(prefix + name, mode) -> the plan each decoder of each source runs (sources: prefix ->
     (model, rules, plans, decoder names, ref); its points are named prefix + name): an exit
-    decoder's, chosen on val; a drafter at the k that ran fastest on val in that mode (a follower:
-    its drafter's k, or full depth)."""
-    drafts = choose_drafts([e for e in val.values() if e["num_draft"]])
+    decoder's, chosen on val; a drafter's at num_draft."""
     return {(prefix + name, mode): plans.get(name) or draft_plan(
-                DECODERS[name].follows or name, config, drafts.get((prefix + name, mode)), draft)
+                name, config, config.num_draft, draft)
             for prefix, (_, _, plans, names, _) in sources.items() for name in names
             for mode in MODES if DECODERS[name].strategy or DECODERS[name].drafter}
 
 def prediction(row, plan, val):
     """The forecast beside a decoder-table row, made on val: the speed-up the same decoder at the
     same plan (a drafter at its k; 1 where it runs full depth), or the same model, ran at on val's
-    workload in the same mode (val: (name, mode, k) -> figures); an exit decoder's plan."""
+    workload in the same mode (val: (name, mode) -> speed-up); an exit decoder's plan."""
     d, mode, k = DECODERS[row["decoder"]], row["mode"], plan.get("num_draft")
     if d.drafter:
-        speedup = val[d.follows or row["name"], mode, k]["speedup"] if k else 1.0
+        speedup = val[row["name"], mode] if k else 1.0
         return {"predicted_speedup": speedup, "draft_exit": plan["draft_exit"],
                 "choice": f"k={k}" if k else "full depth"}
-    figures = {"predicted_speedup": val[row["name"], mode, None]["speedup"]}
+    figures = {"predicted_speedup": val[row["name"], mode]}
     if d.strategy:
         figures.update(exit_at=plan["label"], threshold=plan["threshold"])
     return figures
 
-def table_row(name, decoder, ref, mode, speed, quality, batch_size):
-    """One row of a decoder table: speed over full depth at the same batch size and mode, and
+def table_row(name, decoder, ref, mode, speed, quality):
+    """One row of a decoder table: speed over full depth in the same mode, and
     quality beside it, teacher-forced, against ref's, the point whose output its model's is at
     full depth (a drafter's quality is ref's by construction; no quality: none measured)."""
     d, s = DECODERS[decoder], speed[name, mode]
-    row = {"batch_size": batch_size, "name": name, "decoder": decoder, "mode": mode, **s,
+    row = {"name": name, "decoder": decoder, "mode": mode, **s,
            "speedup": speedup(s, speed["full", mode]), "cache": d.cache}
     outputs = row.pop("outputs")
     del row["seconds"]
-    if batch_size == 1:
-        row.update(tail(outputs))
+    row.update(tail(outputs))
     q = quality.get(name, quality.get(ref))
     if q:
         row.update(test_loss=q["test_loss"], test_accuracy=q["test_accuracy"], nll=q["nll"],
@@ -1886,14 +1858,15 @@ def repetition(tokens, n=4):
     grams = list(zip(*(tokens[i:] for i in range(n))))
     return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
 
-def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
-    """Every decoder continues the workload, batch_size prompts a call, repeats times, interleaved
-    a call at a time (a burst of load on the machine falls on every decoder alike); decoders: key ->
-    decode. Per decoder: median over the passes of tokens/s of all rows, each call's seconds
-    (passes, calls), block runs per token while decoding (catch-up included) and re-prefilling,
-    the keys and values it holds a row, how repetitive the text is, and the last pass's
-    Generations."""
-    batches, device = prompts.split(batch_size), prompts.device  # each (B, T0)
+def speed_pass(decoders, prompts, config):
+    """Every decoder continues the workload by bench_tokens, a prompt a call, bench_repeats times,
+    interleaved a call at a time (a burst of load on the machine falls on every decoder alike);
+    decoders: key -> decode. Per decoder: median over the passes of tokens/s of all prompts, each
+    call's seconds (passes, calls), block runs per token while decoding (catch-up included) and
+    re-prefilling, the keys and values it holds a row, how repetitive the text is, and the last
+    pass's Generations."""
+    batches, device = prompts.split(1), prompts.device  # each (1, T0)
+    n_tokens, repeats, seed = config.bench_tokens, config.bench_repeats, config.seed
     seconds = {key: np.zeros((repeats, len(batches))) for key in decoders}  # a call's time
     order = random.Random(seed)
     gc.disable()  # no garbage collection while timing: it would land on whichever decoder runs
@@ -1904,7 +1877,7 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
                 # the decoders in a new random order each time: none always runs after the same
                 # one (a model whose weights the one before left in the CPU's cache runs faster)
                 for key, decode in order.sample(list(decoders.items()), len(decoders)):
-                    # batch i samples from seed + i, whichever decoder and pass runs it
+                    # prompt i samples from seed + i, whichever decoder and pass runs it
                     generator = torch.Generator(device).manual_seed(seed + i)
                     synchronize(device)
                     t0 = time.perf_counter()
@@ -1923,21 +1896,20 @@ def speed_pass(decoders, prompts, batch_size, n_tokens, repeats, seed):
                                                for o in outs for r in o.tokens])),
                   "outputs": outs} for key, outs in outputs.items()}
 
-def measure_decoders(decoders, test, prompts, config, batch_size):
-    """The rows of a decoder table at one batch size, both modes: speed on the workload,
+def measure_decoders(decoders, test, prompts, config):
+    """The rows of a decoder table, a prompt a call, both modes: speed on the workload,
     interleaved, and quality teacher-forced on test. decoders: name -> (its declared decoder,
     {mode: decode}, the point its output is compared with); "full" is the baseline."""
     # an exact cache decodes a row alike in any batch: then 128 pieces a call
-    quality = {name: quality_pass(modes["greedy"], test, config.quality_positions, batch_size if
+    quality = {name: quality_pass(modes["greedy"], test, config.quality_positions, 1 if
                                   DECODERS[decoder].cache != "exact" else 128,
                                   config.bench_prompt_len, config.bench_tokens)
                for name, (decoder, modes, _) in decoders.items() if not DECODERS[decoder].drafter}
     runs = {(name, mode): in_mode(modes[mode], config, mode)
             for mode in MODES for name, (_, modes, _) in decoders.items()}
-    speed = speed_pass(runs, prompts, batch_size, config.bench_tokens, config.bench_repeats,
-                       config.seed)
-    return [table_row(name, decoders[name][0], decoders[name][2], mode, speed, quality,
-                      batch_size) for name, mode in speed]
+    speed = speed_pass(runs, prompts, config)
+    return [table_row(name, decoders[name][0], decoders[name][2], mode, speed, quality)
+            for name, mode in speed]
 
 # -----------------------------------------------------------------------------
 # Tables: each defined once, printed on the console and drawn on the page from that definition
@@ -2037,18 +2009,6 @@ speedup_sampled   | sampled   | {:.2f}x | and sampled
 dominated_sampled | beaten by | {}      | sampled ('-': on the frontier)
 weights_mb        | weights   | {:.2f}  | MiB of weights read
 kv_kb             | KV        | {:,.0f} | KiB of keys and values held a sequence""")
-BATCH_TABLE = table("""Does early exit still save in a batch?
-batch_size        | B         | {}      | rows decoded together, a prompt each
-mode              | mode      | {}      | greedy, or sampled
-name              | design    | {}      | the decoder
-tokens_per_second | tok/s     | {:,.0f} | characters per second of the whole batch
-speedup           | speed-up  | {:.2f}x | over full depth at the same batch size and mode (as \
-the strategies table's)
-predicted_speedup | predicted | {:.2f}x | its speed-up on val's workload, the forecast
-num_draft         | k         | {}      | drafts a round
-mean_layers       | layers    | {:.2f}  | blocks run per token
-agreement         | agree     | {:.3f}  | teacher-forced test positions whose top-1 is full depth's
-identical_to_full | identical | {}      | greedy output equal to full depth's on every row""")
 
 def legend(columns):
     """A table's legend: each column's header and help."""
@@ -2109,7 +2069,7 @@ class Lab:
                                    config.bench_prompt_len) for s, n in (("val", 2), ("test", 1))]
         self.plain_gpts = {}  # depth -> (a plain GPT trained alike, its training seconds)
         self.exit_models = {}  # freeze()'s and continue_plain()'s
-        self.nll = {}  # (batch size, point) -> each test position's loss, measure()'s
+        self.nll = {}  # point -> each test position's loss, measure()'s
 
     def use(self, sampling):
         """The rules, threshold and schedule of a calibration (None: none; then Part I's
@@ -2183,40 +2143,33 @@ class Lab:
             f"pruned {k}": (p, "pruned")
             for k, p in pruned_models(self.model, self.splits["val"]).items()}
 
-    def on_val(self, B, sources, ks, val_config, more):
-        """Val's workload at batch size B, timed under val_config: each source's exit decoders at
-        their plans and its drafters at each k of ks (sources: prefix -> (model, rules, plans,
+    def on_val(self, sources, more):
+        """Val's workload, a prompt a call, timed in one pass: each source's exit decoders at
+        their plans and its drafters at num_draft (sources: prefix -> (model, rules, plans,
         decoder names, the point its output is compared with)), and the models of more at full
-        depth, beside full depth. Returns (name, mode, k) -> the speed-up over full depth (k None:
-        not a drafter), and (name, mode) -> the plan each point runs on test."""
+        depth, beside full depth. Returns (name, mode) -> the speed-up over full depth, and the
+        same keys -> the plan each point runs on test."""
         cfg = self.config
-        draft = self.plain(cfg.draft_layers)
-        cells = {}  # ("full", None), the baseline, first: the exit model's source names it first
-        for prefix, (model, rules, plans, points, _) in sources.items():
-            for name in points:
-                d = DECODERS[name]
-                if not d.drafter:  # an exit decoder at its plan, or full depth (no plan)
-                    cells[prefix + name, None] = name, model, plans.get(name), rules
-                elif not d.follows:
-                    cells.update(((prefix + name, k), (name, model, draft_plan(
-                        name, cfg, k, draft))) for k in ks)
-        cells |= {(name, None): ("full", model, None) for name, (model, family) in
-                  more.items() if family != "pruned"}  # no table shows a pruned model's forecast
-        runs = {(*cell, mode): in_mode(build(*how), cfg, mode)
-                for cell, how in cells.items() for mode in MODES}
-        val = val_figures(speed_pass(runs, self.workloads[0], B, val_config.bench_tokens,
-                                     val_config.bench_repeats, cfg.seed))
-        return val, run_plans(sources, val, cfg, draft)
+        plans = run_plans(sources, cfg, self.plain(cfg.draft_layers))
+        # full depth, the baseline, first: the exit model's source names it first
+        runs = {(prefix + name, mode): in_mode(build(name, model, plans.get(
+                    (prefix + name, mode)), rules), cfg, mode) for prefix, (
+                    model, rules, _, points, _) in sources.items() for name in points
+                for mode in MODES}
+        runs |= {(name, mode): in_mode(build("full", model, None), cfg, mode) for name, (
+            model, family) in more.items() if family != "pruned" for mode in MODES}
+        speed = speed_pass(runs, self.workloads[0], replace(cfg, bench_repeats=1))
+        return {key: speedup(s, speed["full", key[1]]) for key, s in speed.items()}, plans
 
-    def measure(self, B, names, ks, val_config, more, others):
-        """The rows of a decoder table at batch size B on the test workload, both modes, quality
+    def measure(self, names, more, others):
+        """The rows of a decoder table on the test workload, a prompt a call, both modes, quality
         teacher-forced on test, each beside its forecast from val and the bytes of weights it
-        reads: each source's decoders at their plans (a drafter at the k of ks that ran fastest on
-        val in its mode), and the models of more (name -> (model, family)) at full depth. Val's
-        workload runs first (on_val): the forecasts are its speed-ups (a pruned model has none)."""
+        reads: each source's decoders at their plans, and the models of more (name -> (model,
+        family)) at full depth. Val's workload runs first (on_val): the forecasts are its
+        speed-ups (a pruned model has none)."""
         # the exit model's decoders of names (no prefix), then others' (freeze's, continue_plain's)
         self.sources = sources = {"": (self.model, self.rules, self.plans, names, "full")} | others
-        val, plans = self.on_val(B, sources, ks, val_config, more)
+        val, plans = self.on_val(sources, more)
         decoders, models = {}, dict(more)
         for prefix, (model, rules, _, points, ref) in sources.items():
             for name in points:
@@ -2225,13 +2178,13 @@ class Lab:
                     prefix + name, mode)), rules) for mode in MODES}, ref
         decoders |= {name: ("full", dict.fromkeys(MODES, build("full", small, None)), "full")
                      for name, (small, _) in more.items()}
-        rows = measure_decoders(decoders, self.splits["test"], self.workloads[1], self.config, B)
+        rows = measure_decoders(decoders, self.splits["test"], self.workloads[1], self.config)
         for r in rows:
             plan, (model, family) = plans.get((r["name"], r["mode"]), {}), models[r["name"]]
             r.update(family=family, weight_bytes=weight_bytes(model, r["decoder"], plan))
             if family != "pruned":
                 r.update(prediction(r, plan, val))
-            self.nll[B, r["name"]] = r.pop("nll", None)
+            self.nll[r["name"]] = r.pop("nll", None)
         return rows
 
 def threshold_sweep(lab):
@@ -2347,7 +2300,7 @@ def strategies(lab):
         "prompt and re-prefilling the window every block_size/2 tokens adds "
         f"{' to '.join(f'{p:.2f}' for p in prefill)} per token for every decoder. Sampled: "
         f"temperature {cfg.temperature:g}, top_k {cfg.top_k}.",
-        f"output's agreement: on {len(lab.nll[1, 'full']):,} test positions, teacher-forced. The "
+        f"output's agreement: on {len(lab.nll['full']):,} test positions, teacher-forced. The "
         "guarantee of a calibrated threshold covers every exit checked with an exact cache: not "
         "a subset of exits, nor an approximate cache or holes."]}
 
@@ -2365,7 +2318,7 @@ def frontier(lab):
     positions, against its speed-up in each mode, marked with the point that beats it on both
     beyond the loss's error bar; and what each holds in memory."""
     cfg, rows = lab.config, []
-    se = paired_se({r["name"]: lab.nll[1, r["name"]] for r in lab.measured}, cfg.bench_tokens)
+    se = paired_se({r["name"]: lab.nll[r["name"]] for r in lab.measured}, cfg.bench_tokens)
     for p in frontier_points(lab.measured, se):
         p.update(weights_mb=p["weight_bytes"] / 2**20, kv_kb=p["cache_bytes"] / 2**10)
         rows.append({key: p[key] for key, *_ in FRONTIER_TABLE[1]} | {"decoder": p["decoder"],
@@ -2379,7 +2332,7 @@ def frontier(lab):
         rows, mode, dict.fromkeys(se, 0.0))) if o and not r[f"dominated_{mode}"]) or "none"
             for mode in MODES}
     return {"frontier": rows, "recipe_cost": loss["full"] - loss[deep], "notes": [
-        f"Test loss on {len(lab.nll[1, 'full']):,} test positions in pieces of {cfg.bench_tokens} "
+        f"Test loss on {len(lab.nll['full']):,} test positions in pieces of {cfg.bench_tokens} "
         "spread over test, teacher-forced through each decoder (speculation: full depth's, by "
         "construction); speed-ups on the strategies table's workload",
         f"On the frontier, greedy: {on['greedy']}; sampled: {on['sampled']}. Every other point is "
@@ -2394,31 +2347,6 @@ def frontier(lab):
         f"{loss['full'] - loss[deep]:+.4f} (paired standard error {se['full', deep]:.4f}) in test "
         f"loss against the plain {deep} of the same shape, steps and data"],
         "paired_se": {f"{a} - {b}": e for (a, b), e in se.items() if a < b}}
-
-# num_draft tried in batches (11 fills 33 new tokens: half of block 64, plus 1)
-BATCH_DRAFTS = (4, 8, 11, 16)
-
-def batches(lab):
-    """The batch table: every design at every batch size, greedy and sampled, quality beside
-    speed, and each row's forecast from val (--bench_batch only)."""
-    cfg = lab.config
-    if not cfg.bench_batch:
-        return {}
-    ks = sorted(k for k in {*BATCH_DRAFTS, cfg.num_draft} if k <= cfg.block_size)
-    sizes = [B for B in BATCH_SIZES if cfg.bench_prompts % B == 0]
-    names = [name for name, d in DECODERS.items() if d.batched]
-    rows = [row for B in sizes for row in lab.measure(B, names, ks, cfg, {}, {})]
-    chose = [f"B={r['batch_size']} {r['mode']} {r['name']} {r['choice']}" for r in rows
-             if DECODERS[r["decoder"]].follows]
-    plans = [f"{name}: exits {lab.plans[name]['label']}" for name in names if name in lab.plans]
-    return {"batched": rows, "notes": [
-        f"The test workload, one prompt per row, batch {', '.join(map(str, sizes))}, "
-        f"{cfg.bench_repeats} interleaved passes", f"Chose: {', '.join(chose)} (k drafts a round "
-        "where one ran faster than full depth on val, else full depth). "
-        f"{'; '.join(plans)} ({cfg.confidence_measure} > {lab.threshold:g}; a schedule: its "
-        "layer from a window position on), each step as deep as its deepest row. Drafters "
-        f"(draft_exit={cfg.draft_exit}; a {cfg.draft_layers}-layer GPT): k the fastest on val of "
-        f"{ks}."]}
 
 # -----------------------------------------------------------------------------
 # The page: out_dir/report.html, one self-contained page (inline CSS and SVG, no script)
@@ -2914,9 +2842,8 @@ def field_rules(config, L):
         (-1 < config.exit_threshold < 0, "exit_threshold: -1 (calibrate on val) or in [0, 1]"),
         (config.draft_exit >= L - 1, f"draft_exit={config.draft_exit}: below the last, 0..{L - 2}"),
         (not config.prompt, "--prompt must hold at least one character"),
-        (config.quality_positions < config.bench_tokens * (
-            max(BATCH_SIZES) if config.bench_batch else 1),
-         f"--quality_positions={config.quality_positions}: bench_tokens, x16 with --bench_batch"),
+        (config.quality_positions < config.bench_tokens,
+         f"--quality_positions={config.quality_positions}: at least bench_tokens"),
         (not re.fullmatch(r"(all|(\d+,)*\d+)?", config.depths),
          f"--depths={config.depths!r}: '', 'all' or a comma list of layers"),
         (any(not 0 < int(d) <= L for d in re.findall(r"\d+", config.depths)),
@@ -2932,10 +2859,10 @@ def field_rules(config, L):
          "patience and the learned rule read every exit, in the lab: no --lesson_only, and "
          "--exit_layers=auto"),
         (config.lesson_only and any(getattr(config, name) != getattr(LabConfig, name) for name in
-            "init_from sample_only confidence_measure kv_strategy exit_layers depths bench_batch "
+            "init_from sample_only confidence_measure kv_strategy exit_layers depths "
             "continued".split()),
          "--lesson_only is Part I alone: no --init_from=resume, --sample_only, --kv_strategy, "
-         "--confidence_measure, --exit_layers, --depths, --bench_batch or --continued"),
+         "--confidence_measure, --exit_layers, --depths or --continued"),
         (config.epsilon * config.adapt_horizon <= config.adapt_credit + 4 + STREAMS / (
             config.spot_share or 1), f"--adapt_horizon={config.adapt_horizon}: over (adapt_credit"
          f" + 4 + {STREAMS} / spot_share) / epsilon"),
@@ -3044,7 +2971,6 @@ ANALYSES = (
     Analysis("strategies", STRATEGY_TABLE, strategies),
     Analysis("tail", TAIL_TABLE, tails),
     Analysis("frontier", FRONTIER_TABLE, frontier, frontier_chart),
-    Analysis("batched", BATCH_TABLE, batches),
 )
 
 def sample_decoder(lab):
@@ -3151,7 +3077,7 @@ def run_lab(lab, report, sampling):
     if cfg.sample_only:  # sampling leaves the trained run's report alone: samples.*
         return write_report(report, cfg, "samples")
     lab.plan()  # the unit costs, timed; every exit decoder's plan, chosen on val
-    names = [name for name, d in DECODERS.items() if not d.follows]
+    names = list(DECODERS)
     # heads on the plain GPT of the exit model's depth: its full depth is that GPT's point; with
     # --continued (the study's runs) every decoder, else (the run's time) those with an exact
     # cache and no schedule but backfill, which runs every block: deferred and both drafters
@@ -3159,8 +3085,7 @@ def run_lab(lab, report, sampling):
                          == "exact" and DECODERS[name].skips and not DECODERS[name].schedule])
     if cfg.continued:
         others |= lab.continue_plain(names)
-    lab.measured = lab.measure(1, names, [cfg.num_draft], replace(cfg, bench_repeats=1),
-                               lab.other_models(), others)  # every decoder and model, timed
+    lab.measured = lab.measure(names, lab.other_models(), others)  # every decoder and model
     for analysis in ANALYSES:
         found = analysis.compute(lab)
         if found:

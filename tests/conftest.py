@@ -165,8 +165,8 @@ THREE_LAYER_RUN = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16"
                    "--bench_tokens=12", "--bench_repeats=1", "--bench_prompts=2", "--bench_prompt_len=8",
                    "--sweep_positions=500", "--continued=0.5"]
 
-# a tiny run of the whole lab with the batch table (test_newcomer's default run, test_batches' batch table)
-BATCH_TABLE_RUN = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--eval_iters=1",
+# a tiny run of the whole lab (test_newcomer's default run)
+DEFAULT_RUN = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--eval_iters=1",
                    "--max_iters=4", "--eval_interval=2", "--max_new_tokens=40", "--device=cpu",
                    "--quality_positions=192", "--bench_tokens=12", "--bench_repeats=1", "--bench_prompts=4",
-                   "--bench_prompt_len=8", "--sweep_positions=500", "--bench_batch=1"]
+                   "--bench_prompt_len=8", "--sweep_positions=500"]

@@ -1,12 +1,11 @@
 """Batches: per-row cache lengths, batched self-speculative decoding, and the per-token batch designs."""
 
 import copy
-import json
 
 import pytest
 import torch
 
-from conftest import BATCH_TABLE_RUN, generate_with_cache, m, tiny_model
+from conftest import generate_with_cache, m, tiny_model
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 
@@ -97,87 +96,41 @@ def test_choose_schedule_keeps_its_budget_and_never_rises():
     assert saved[0] < saved[2]
 
 
-def test_batch_table_in_the_report(lab_runs):
-    """The tiny default run with --bench_batch=1 (made once a session, shared with test_newcomer)."""
-    out, _, out_dir = lab_runs(BATCH_TABLE_RUN)
-    assert "Does early exit still save in a batch?" in out
-    report = json.loads((out_dir / "report.json").read_text())
-    rows = report["batched"]
-    names = [name for name, d in m.DECODERS.items() if d.batched]
-    assert names == ["full", "state_copy", "skipdecode", "self_speculative", "draft_model", "auto"]
-    assert [(r["batch_size"], r["name"], r["mode"]) for r in rows] == [
-        (b, n, mode) for b in (1, 4) for mode in m.MODES for n in names]
-    plans = report["plans"]
-    for r in rows:  # each speed beside the cost model's prediction for it
-        assert r["decoder"] == r["name"] and r["family"] == "exit model" and r["predicted_speedup"] > 0
-        if r["name"] == "full":
-            assert r["predicted_speedup"] == 1.0
-        if m.DECODERS[r["name"]].strategy:  # the plan chosen on val
-            assert (r["exit_at"], r["threshold"]) == (plans[r["name"]]["label"], plans[r["name"]]["threshold"])
-        if m.DECODERS[r["name"]].drafter and r["mode"] == "greedy":
-            assert r["identical_to_full"] is True
-    # auto runs what it chose: the same k as self_speculative, or full depth
-    for b in (1, 4):
-        for mode in m.MODES:
-            spec, auto = (next(r for r in rows if (r["batch_size"], r["name"], r["mode"]) == (b, n, mode))
-                          for n in ("self_speculative", "auto"))
-            assert auto["choice"] in ("full depth", f"k={spec['num_draft']}")
-            assert auto.get("num_draft") == (None if auto["choice"] == "full depth" else spec["num_draft"])
-            assert auto["predicted_speedup"] == (1.0 if auto["choice"] == "full depth" else spec["predicted_speedup"])
-
-
-def test_auto_runs_the_fastest_draft_on_val_or_full_depth():
-    fake = [{"name": "self_speculative", "mode": mode, "num_draft": k, "speedup": x}
-            for mode, k, x in (("greedy", 2, 1.3), ("greedy", 5, 1.6), ("sampled", 2, 1.0), ("sampled", 5, 0.7))]
-    fake += [{"name": "draft_model", "mode": mode, "num_draft": k, "speedup": x}
-             for mode, k, x in (("greedy", 2, 1.9), ("greedy", 5, 1.8), ("sampled", 2, 0.5), ("sampled", 5, 0.6))]
-    # a k no faster than full depth on val (1.0x) is not run by auto, which runs self_speculative's k
-    assert m.choose_drafts(fake) == {
-        ("self_speculative", "greedy"): 5, ("self_speculative", "sampled"): 2, ("auto", "greedy"): 5,
-        ("auto", "sampled"): None, ("draft_model", "greedy"): 2, ("draft_model", "sampled"): 5}
-    fake[2]["speedup"] = 1.001  # one just faster is
-    assert m.choose_drafts(fake)["auto", "sampled"] == 2
-
-
-def test_val_times_each_drafter_at_each_k_beside_full_depth(trained, monkeypatch):
-    """Lab.on_val: one interleaved pass over val's workload times full depth, every (drafter, k) cell and
-    every other model in both modes; each cell's speed-up is over full depth in its mode, and each drafter runs on test at the k that
-    ran fastest on val (auto: self_speculative's, or full depth where none beat it)."""
+def test_val_times_each_drafter_at_num_draft_beside_full_depth(trained, monkeypatch):
+    """Lab.on_val: one interleaved pass over val's workload times full depth, each drafter at num_draft and
+    every other model in both modes; each speed-up is over full depth in its mode, call by call, and each drafter
+    runs on test at num_draft, drafting to its own last layer (the draft model) or to draft_exit."""
     model, data = trained
-    config = m.replace(model.config, bench_tokens=12, bench_repeats=1, bench_prompts=4, bench_prompt_len=8,
-                       draft_exit=2, draft_layers=2, shift_path="")
+    config = m.replace(model.config, bench_tokens=12, bench_repeats=2, bench_prompts=4, bench_prompt_len=8,
+                       draft_exit=2, draft_layers=2, num_draft=5, shift_path="")
     lab = m.Lab(model, None, {"val": data[:5000], "test": data[5000:10000]}, config, "cpu")
     draft = tiny_model(n_layer=2, n_embd=32, block_size=32, vocab_size=model.config.vocab_size)
     lab.plain_gpts[2], lab.rules, lab.plans = (draft, 0.0), m.EXIT_RULES, {}  # the draft model: no training here
     passes, real = [], m.speed_pass
 
-    def recording(decoders, prompts, *args):
-        passes.append((prompts, real(decoders, prompts, *args)))
-        return passes[-1][1]
+    def recording(decoders, prompts, cfg):
+        passes.append((prompts, cfg, real(decoders, prompts, cfg)))
+        return passes[-1][2]
     monkeypatch.setattr(m, "speed_pass", recording)
-    names, ks = ["full", "self_speculative", "draft_model", "auto"], [2, 5]
+    names = ["full", "self_speculative", "draft_model"]
     sources = {"": (model, lab.rules, lab.plans, names, "full")}
-    val, plans = lab.on_val(1, sources, ks, config, {"2-layer GPT": (draft, "plain GPT")})
-    (prompts, speed), = passes
+    val, plans = lab.on_val(sources, {"2-layer GPT": (draft, "plain GPT")})
+    (prompts, cfg, speed), = passes
     assert torch.equal(prompts, lab.workloads[0]), "val's workload"
+    assert cfg.bench_repeats == 1, "one pass on val"
     assert (len(lab.workloads[0]), len(lab.workloads[1])) == (8, 4), "val's: twice test's prompts"
-    cells = [("full", None)] + [(n, k) for n in ("self_speculative", "draft_model") for k in ks] + [("2-layer GPT", None)]
-    assert list(speed) == [(*cell, mode) for cell in cells for mode in m.MODES], "auto follows: not timed itself"
-    for (name, k, mode), s in speed.items():
-        e = val[name, mode, k]
-        assert e["speedup"] == m.speedup(s, speed["full", None, mode]), "call by call beside full depth"
+    assert list(speed) == [(n, mode) for n in (*names, "2-layer GPT") for mode in m.MODES]
+    assert set(val) == set(speed)
+    for (name, mode), s in speed.items():
+        assert val[name, mode] == m.speedup(s, speed["full", mode]), "call by call beside full depth"
         assert sum(o.exited_at.numel() for o in s["outputs"]) == 8 * 12, "every prompt continued 12 tokens"
-        if k:  # at k drafts a round, a verify pass emits k + 1 tokens at most
-            assert sum(o.stats["rounds"] for o in s["outputs"]) >= 8 * 12 / (k + 1)
-            assert all(o.stats["num_draft"] == k for o in s["outputs"])
+        if m.DECODERS.get(name, m.DECODERS["full"]).drafter:  # 5 drafts a round: 6 tokens a verify pass at most
+            assert sum(o.stats["rounds"] for o in s["outputs"]) >= 8 * 12 / 6
+            assert all(o.stats["num_draft"] == 5 for o in s["outputs"])
     for mode in m.MODES:
-        fastest = {n: max(ks, key=lambda k: val[n, mode, k]["speedup"]) for n in ("self_speculative", "draft_model")}
-        own, other, auto = (plans[n, mode] for n in ("self_speculative", "draft_model", "auto"))
-        assert (own["num_draft"], own["draft_exit"], own["draft"]) == (fastest["self_speculative"], 2, None)
-        # the draft model drafts to its own last layer
-        assert (other["num_draft"], other["draft_exit"], other["draft"]) == (fastest["draft_model"], 1, draft)
-        paid = val["self_speculative", mode, fastest["self_speculative"]]["speedup"] > 1
-        assert auto["num_draft"] == (fastest["self_speculative"] if paid else None)
+        own, other = plans["self_speculative", mode], plans["draft_model", mode]
+        assert (own["num_draft"], own["draft_exit"], own["draft"]) == (5, 2, None)
+        assert (other["num_draft"], other["draft_exit"], other["draft"]) == (5, 1, draft)
         assert ("full", mode) not in plans
 
 

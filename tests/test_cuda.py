@@ -21,7 +21,7 @@ TINY = ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_
         "--sweep_positions=500"]
 
 
-@pytest.mark.parametrize("study", [[], ["--bench_batch=1"], ["--depths=all", "--confidence_measure=learned"]])
+@pytest.mark.parametrize("study", [[], ["--continued=0.5"], ["--depths=all", "--confidence_measure=learned"]])
 def test_the_default_run_and_every_study_on_cuda(tmp_path, study):
     with torch.enable_grad():
         assert m.main(TINY + study + [f"--out_dir={tmp_path}"]) == 0

@@ -32,20 +32,18 @@ def test_quality_pass_teacher_forces_pieces_spread_over_the_text(no_grad, rows, 
 
 
 def test_the_decoder_tables_read_quality_after_the_workloads_prompt(monkeypatch):
-    """measure_decoders hands quality_pass the workload's prompt length and tokens at every batch size;
-    an exact cache decodes a row alike in any batch, so it decodes 128 pieces a call, while an
-    approximate cache or holes decodes the table's batch a call."""
+    """measure_decoders hands quality_pass the workload's prompt length and tokens; an exact cache decodes a
+    row alike in any batch, so it decodes 128 pieces a call, while an approximate cache or holes decodes a piece
+    a call, as it runs on the workload."""
     seen = []
     monkeypatch.setattr(m, "quality_pass", lambda decode, *a: seen.append((decode.args[0], *a[2:])) or {})
     monkeypatch.setattr(m, "speed_pass", lambda *a: {})
     config = m.LabConfig(bench_prompt_len=7, bench_tokens=9, quality_positions=90)
-    for batch_size in (1, 16):
-        names = ("full", "deferred", "state_copy", "holes", "self_speculative")
-        decoders = {name: (name, dict.fromkeys(m.MODES, partial(print, name)), "full") for name in names}
-        m.measure_decoders(decoders, "test", None, config, batch_size)
+    names = ("full", "deferred", "state_copy", "holes", "self_speculative")
+    decoders = {name: (name, dict.fromkeys(m.MODES, partial(print, name)), "full") for name in names}
+    m.measure_decoders(decoders, "test", None, config)
     # speculation: full depth's quality by construction
-    assert seen == [(name, rows, 7, 9) for B in (1, 16) for name, rows in
-                    (("full", 128), ("deferred", 128), ("state_copy", B), ("holes", B))]
+    assert seen == [("full", 128, 7, 9), ("deferred", 128, 7, 9), ("state_copy", 1, 7, 9), ("holes", 1, 7, 9)]
 
 
 def test_the_strategies_table_prints_the_calibrated_threshold_as_calibrated():

@@ -111,16 +111,14 @@ def test_memory_is_read_from_the_tensors_a_decoder_holds(trained):
 
 
 def measured_lab(model, config, splits):
-    """A Lab through run_lab's steps up to its decoder table at batch 1: every rule calibrated, the calibration
+    """A Lab through run_lab's steps up to its decoder table: every rule calibrated, the calibration
     in use, the unit costs and the exit plans chosen on val, every decoder and model measured (lab.measured)."""
     lab = m.Lab(model, m.CharTokenizer("abcdefghijk"), splits, config, "cpu")
     with torch.enable_grad():  # the learned rule is fitted, the smaller models trained
         lab.records, lab.calibrations, sampling = m.calibrate_exits(model, lab.splits, config)
         lab.use(sampling)
         lab.plan()
-        names = [name for name, d in m.DECODERS.items() if not d.follows]
-        lab.measured = lab.measure(1, names, [config.num_draft], m.replace(config, bench_repeats=1),
-                                   lab.other_models(), {})
+        lab.measured = lab.measure(list(m.DECODERS), lab.other_models(), {})
     return lab
 
 
@@ -146,7 +144,7 @@ def test_every_point_of_the_frontier_is_measured_on_the_same_positions_and_workl
     assert all(torch.equal(p, lab.workloads[0]) for _, p in prompts if p is not table[0][1]), "the rest: val's"
     # the forecasts: every point but the pruned models (no table shows theirs) timed on val's workload
     # too, before test's
-    assert len(val) == 1 and {(n, None, "sampled") for n in ("1-layer GPT", "holes")} <= set(val[0])
+    assert len(val) == 1 and {(n, "sampled") for n in ("1-layer GPT", "holes")} <= set(val[0])
     assert not [key for key in val[0] if key[0].startswith("pruned")]
     assert all(("predicted_speedup" in r) != (r["family"] == "pruned") for r in lab.measured)
     test, plans = lab.splits["test"], lab.plans
@@ -162,8 +160,8 @@ def test_every_point_of_the_frontier_is_measured_on_the_same_positions_and_workl
             decode = m.build("full", models.get(name, model), None)
         alone = m.quality_pass(decode, test, 40, 1, lab.config.bench_prompt_len, lab.config.bench_tokens)
         assert row["test_loss"] == pytest.approx(alone["test_loss"], abs=1e-5), name  # exact: any batch
-        assert torch.allclose(lab.nll[1, name], alone["nll"], atol=1e-4), "each position's, kept for pairs"
-    se = m.paired_se({r["name"]: lab.nll[1, r["name"]] for r in lab.measured}, lab.config.bench_tokens)
+        assert torch.allclose(lab.nll[name], alone["nll"], atol=1e-4), "each position's, kept for pairs"
+    se = m.paired_se({r["name"]: lab.nll[r["name"]] for r in lab.measured}, lab.config.bench_tokens)
     for mode in m.MODES:
         assert [r[f"dominated_{mode}"] for r in rows] == m.dominated_by(rows, mode, se)
     assert {"full", "backfill", "self_speculative", "draft_model", "1-layer GPT", "pruned 3"} <= {r["name"] for r in rows}

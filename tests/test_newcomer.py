@@ -9,14 +9,14 @@ import types
 import pytest
 import torch
 
-from conftest import KV_STRATEGIES, BATCH_TABLE_RUN, ROOT, m
+from conftest import KV_STRATEGIES, DEFAULT_RUN, ROOT, m
 
-ARGS = BATCH_TABLE_RUN  # the tiny default run with the batch table, shared with test_batches
+ARGS = DEFAULT_RUN  # the tiny default run
 
 
 @pytest.fixture
 def default_run(lab_runs):
-    """A tiny default run with the batch table: (its stdout, report.json, out_dir), made once a session
+    """A tiny default run: (its stdout, report.json, out_dir), made once a session
     (lab_runs); each test reads its own copy of report.json."""
     out, _, out_dir = lab_runs(ARGS)
     return out, json.loads((out_dir / "report.json").read_text()), out_dir
@@ -39,24 +39,18 @@ def tables(stdout):
 def test_tables_fit_the_console_width_and_carry_a_legend(default_run):
     blocks = tables(default_run[0])
     titles = {b[0].split("?")[0] for b in blocks}
-    assert {"=== Which threshold", "=== What does each KV strategy buy", "=== Does early exit still save in a batch"}\
-        <= titles
+    assert {"=== Which threshold", "=== What does each KV strategy buy", "=== When does early exit pay"} <= titles
     for block in blocks:
         assert all(len(line) <= m.WIDTH for line in block), block[0]
     strategies = next(b for b in blocks if b[0].startswith("=== What does each KV strategy buy"))
     legend = " ".join(line.strip() for line in strategies)
     for word in ("speed-up:", "predicted:", "layers:", "repeats:", "cache:", "output:", "output's agreement:"):
         assert word in legend, word
-    batch = " ".join(line.strip() for line in next(b for b in blocks if "still save in a batch" in b[0]))
-    for word in ("tok/s:", "predicted:", "k:", "identical:", "Chose:"):
-        assert word in batch, word
-    assert all(f"B=1 {mode} auto " in batch for mode in m.MODES), "auto's choice in each mode"
 
 
 def test_table_rows_are_aligned(default_run):
-    """Every row of the sweep, strategies and batch tables is exactly as wide as its header line."""
-    row_start = {"=== Which threshold? The sweep": r"\d\.\d\d ", "=== What does each KV strategy buy": r"(greedy|sampled) ",
-                 "=== Does early exit still save in a batch": r"\d+ +(greedy|sampled) "}
+    """Every row of the sweep and strategies tables is exactly as wide as its header line."""
+    row_start = {"=== Which threshold? The sweep": r"\d\.\d\d ", "=== What does each KV strategy buy": r"(greedy|sampled) "}
     for block in tables(default_run[0]):
         kind = next((k for k in row_start if block[0].startswith(k)), None)
         if kind is None:
@@ -68,15 +62,15 @@ def test_table_rows_are_aligned(default_run):
         assert all(len(r) == len(block[header]) for r in rows), kind
 
 def test_every_speed_has_a_prediction_beside_it(default_run):
-    """Batch 1 and the batch table: every row with a speed has its forecast from val beside it; full depth's
-    is 1 (the baseline), and a plain GPT carries one in both modes."""
+    """Every row with a speed has its forecast from val beside it; full depth's is 1 (the baseline), and a
+    plain GPT carries one in both modes."""
     report = default_run[1]
-    rows = report["strategies"] + report["batched"]
+    rows = report["strategies"]
     gpts = [r for r in rows if r["family"] == "plain GPT"]
     assert gpts and {r["mode"] for r in gpts} == set(m.MODES)
     for row in rows:
         assert "speedup" in row
-        assert isinstance(row["predicted_speedup"], float), (row["batch_size"], row["name"], row["mode"])
+        assert isinstance(row["predicted_speedup"], float), (row["name"], row["mode"])
         if row["name"] == "full":
             assert row["predicted_speedup"] == pytest.approx(1.0)
         if row["family"] == "plain GPT":  # timed on val like every other row (test_lean checks the value)
@@ -227,10 +221,10 @@ def test_output_says_not_same_where_greedy_speculation_differs(monkeypatch):
     speed = {(n, mode): {"tokens_per_second": 1.0, "seconds": m.np.ones((1, 1)), "outputs": []} for n in ("full", "self_speculative")
              for mode in m.MODES}
     quality = {"full": {"pred": torch.zeros(3), "nll": torch.ones(3), "test_loss": 1.0, "test_accuracy": 0.5}}
-    row = m.table_row("self_speculative", "self_speculative", "full", "greedy", speed, quality, 1)
+    row = m.table_row("self_speculative", "self_speculative", "full", "greedy", speed, quality)
     assert row["output"] == "NOT same"
-    assert m.table_row("full", "full", "full", "greedy", speed, quality, 1)["output"] == "same tokens"
-    assert m.table_row("full", "full", "full", "sampled", speed, quality, 1)["output"] == "same dist."
+    assert m.table_row("full", "full", "full", "greedy", speed, quality)["output"] == "same tokens"
+    assert m.table_row("full", "full", "full", "sampled", speed, quality)["output"] == "same dist."
 
 
 def test_cache_and_output_are_two_columns(default_run):

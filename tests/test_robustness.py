@@ -31,7 +31,7 @@ BAD_VALUES = {
     "draft_exit": "5", "num_draft": "0", "quality_positions": "0", "bench_prompts": "0",
     "bench_prompt_len": "0", "bench_tokens": "0", "bench_repeats": "0", "epsilon": "0", "delta": "1",
     "sweep_positions": "0", "depths": "1-3", "shift_path": "/nonexistent/shift.txt", "draft_layers": "0",
-    "bench_batch": "maybe", "schedule_disagreement": "2", "continued": "1",
+    "schedule_disagreement": "2", "continued": "1",
     "adapt_credit": "-1", "adapt_horizon": "0", "spot_share": "1.5",
 }
 
@@ -99,7 +99,7 @@ def trained_checkpoint(lab_runs, tmp_path):
     (["--draft_layers=1"], True), (["--draft_layers=2"], False),
     (["--lesson_only=1"], True), (["--lesson_only=1", "--confidence_measure=margin"], False),
     (["--lesson_only=1", "--kv_strategy=deferred"], False), (["--lesson_only=1", "--depths=1"], False),
-    (["--lesson_only=1", "--bench_batch=1"], False), (["--lesson_only=1", "--exit_layers=0"], False),
+    (["--lesson_only=1", "--continued=0.5"], False), (["--lesson_only=1", "--exit_layers=0"], False),
     (["--bench_tokens=2"], True), (["--bench_tokens=1"], False),  # one gap between two tokens
     (["--adapt_horizon=14701"], True), (["--adapt_horizon=14700"], False)])  # 0.01: 15 + 4 + 32 / 0.25
 def test_the_rules_across_fields_hold_one_step_either_side(tmp_path, args, ok):
@@ -133,12 +133,10 @@ def test_continued_needs_a_step_in_each_stage(tmp_path, continued, ok):
             m.parse_args(argv)
 
 
-@pytest.mark.parametrize("batch,positions,ok", [(0, 19, False), (0, 20, True), (1, 319, False), (1, 320, True)])
-def test_quality_positions_hold_a_piece_or_with_the_batch_table_a_piece_a_row(tmp_path, batch, positions, ok):
-    """At least bench_tokens (20 here) quality positions, a piece; with --bench_batch, 16 pieces, one a
-    row of the largest batch."""
-    argv = TINY + [f"--out_dir={tmp_path}", "--bench_tokens=20", f"--quality_positions={positions}",
-                   f"--bench_batch={batch}"]
+@pytest.mark.parametrize("positions,ok", [(19, False), (20, True)])
+def test_quality_positions_hold_a_piece(tmp_path, positions, ok):
+    """At least bench_tokens (20 here) quality positions: a piece."""
+    argv = TINY + [f"--out_dir={tmp_path}", "--bench_tokens=20", f"--quality_positions={positions}"]
     if ok:
         m.parse_args(argv)
     else:

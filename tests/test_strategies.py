@@ -123,6 +123,9 @@ def test_batch_step_runs_as_deep_as_its_deepest_row():
     assert out.layers_run == deepest.sum().item()
 
 
+SPEED = types.SimpleNamespace(bench_tokens=2, bench_repeats=3, seed=7)  # speed_pass's fields
+
+
 def test_speed_pass_interleaves_the_decoders_a_call_at_a_time_in_a_new_order_each_time():
     """A burst of load on the machine must fall on every decoder alike: each decoder once a prompt
     before the next prompt, not a, a, b, b; and in a random order each time, so that no decoder always
@@ -137,8 +140,8 @@ def test_speed_pass_interleaves_the_decoders_a_call_at_a_time_in_a_new_order_eac
 
     prompts = torch.randint(0, 11, (4, 2))
     names = "abc"
-    out = m.speed_pass({n: recorder(n) for n in names}, prompts, 1, 2, 3, 7)
-    # 4 calls a pass, 3 passes; batch i samples from seed + i whichever decoder and pass runs it
+    out = m.speed_pass({n: recorder(n) for n in names}, prompts, SPEED)
+    # 4 calls a pass, 3 passes; prompt i samples from seed + i whichever decoder and pass runs it
     rounds = [calls[j:j + 3] for j in range(0, len(calls), 3)]
     assert len(rounds) == 12
     assert all(sorted(r) == [(n, 7 + i % 4) for n in names] for i, r in enumerate(rounds))
@@ -147,7 +150,7 @@ def test_speed_pass_interleaves_the_decoders_a_call_at_a_time_in_a_new_order_eac
     before_a = {o[o.index("a") - 1] if o.index("a") else None for o in orders}
     assert len(before_a) > 1  # a follows different decoders (or none)
     calls.clear()
-    m.speed_pass({n: recorder(n) for n in names}, prompts, 1, 2, 3, 7)
+    m.speed_pass({n: recorder(n) for n in names}, prompts, SPEED)
     assert [c[0] for c in calls] == [n for o in orders for n in o]  # seeded: the same order again
     assert len(out["a"]["outputs"]) == len(out["b"]["outputs"]) == 4  # the last pass's
     assert out["a"]["seconds"].shape == (3, 4) and (out["a"]["seconds"] > 0).all()  # a call's time
@@ -189,7 +192,8 @@ def test_quality_pass_and_speed_pass_report_what_they_ran():
     forced = m.build("state_copy", model, plan)(data[None, :1], 40, forced=data[None, 1:41])
     assert quality["state_copy"]["mean_layers"] == pytest.approx(float(forced.exited_at.float().mean()) + 1)
     assert quality["state_copy"]["mean_layers"] < 4
-    speed = m.speed_pass({n: partial(r, temperature=1.0) for n, r in runs.items()}, data[:6].view(3, 2), 1, 20, 2, 0)
+    speed = m.speed_pass({n: partial(r, temperature=1.0) for n, r in runs.items()}, data[:6].view(3, 2),
+                         types.SimpleNamespace(bench_tokens=20, bench_repeats=2, seed=0))
     assert speed["full"]["mean_layers"] == 4.0 and speed["backfill"]["mean_layers"] == 4.0
     outputs = speed["holes"]["outputs"]  # holes runs only the layers each step's deepest row needs
     assert speed["holes"]["mean_layers"] == pytest.approx(sum(int((o.exited_at + 1).sum()) for o in outputs) / 60)

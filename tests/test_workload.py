@@ -1,5 +1,7 @@
 """Speed figures that hold on real text: the workload, repetition, adaptive drafts, the cost-aware exit plan."""
 
+import types
+
 import pytest
 import torch
 
@@ -30,7 +32,8 @@ def test_repetition_of_a_batch_averages_every_row():
 
     def run(prompt, n, generator=None):  # a batch of two rows: one loops, one never repeats
         return m.Generation(torch.stack([loop, fresh]), None, None, 0)
-    speed = m.speed_pass({"two rows": run}, torch.zeros(2, 4, dtype=torch.long), 2, 30, 1, 0)
+    speed = m.speed_pass({"two rows": run}, torch.zeros(2, 4, dtype=torch.long),
+                         types.SimpleNamespace(bench_tokens=30, bench_repeats=1, seed=0))
     assert speed["two rows"]["repetition"] == pytest.approx((m.repetition(loop.tolist()) + 0.0) / 2)
 
 
