@@ -1559,8 +1559,9 @@ def best_plan(records, decoder, measure, threshold, costs, checked=None):
     def priced(exits):
         plan = {"measure": measure, "threshold": threshold, "checked_exits": exits,
                 "label": ",".join(map(str, exits)) or "-"}
-        saving = priced_saving(decoder, plan_counts(records, plan), measure, costs)
-        return plan | {"saved_blocks": saving / costs["block"]}
+        counts = plan_counts(records, plan)  # on val: what the monitor compares a text with
+        return plan | counts | {"saved_blocks": priced_saving(decoder, counts, measure, costs)
+                                / costs["block"]}
     if threshold >= 1 or checked is not None:
         return priced([] if threshold >= 1 else checked)
     exits, path = [], []
@@ -1961,6 +1962,9 @@ fixed.disagreement   | fixed dis.   | {:.2%} | at its calibrated threshold: posi
 top-1 is not full depth's
 fixed.compute_saved  | fixed saved  | {:.1%} | the share of layer runs its exits skip, a row \
 at a time, as in the rule table (backfill runs them anyway; a batch as deep as its deepest row)
+val_early            | val early    | {:.0%} | positions that leave before the last layer on \
+val at the plan: calibration's exits, to compare the text's with
+fixed.early          | early        | {:.0%} | the same on the text, at the fixed threshold
 moving.disagreement  | watched dis. | {:.2%} | watched, its threshold moved by its monitor
 moving.compute_saved | saved        | {:.1%} | and less the layers its spot checks run again, \
 in expectation
@@ -2258,12 +2262,12 @@ def watched_decoders(lab, rows=STREAMS):
             decode, monitor = watched(name, model, plans[name], rules, cfg, rows)
             ran = {"fixed": run(build(name, model, plans[name], rules)), "moving": run(decode)}
             upper = rate_bounds(torch.tensor(monitor.wrong + 0.0), max(monitor.seen, 1), cfg.delta)
-            # a spot check runs the layers its exit skipped: in expectation, share of them
-            spot = {"fixed": 0.0, "moving": cfg.spot_share * DECODERS[name].skips}
+            spot = {"fixed": 0.0, "moving": cfg.spot_share * DECODERS[name].skips}  # run again
             found.append({"model": prefix.strip() or "joint", "decoder": name, "text": text} | {
                 kind: {"disagreement": average(q["pred"] != full), "compute_saved": (1 - spot[
-                    kind]) * (1 - average(q["exits"] + 1) / cfg.n_layer)}
-                for kind, q in ran.items()} | {"labelled": monitor.seen / len(full),
+                    kind]) * (1 - average(q["exits"] + 1) / cfg.n_layer), "early": average(
+                    q["exits"] < cfg.n_layer - 1)} for kind, q in ran.items()} | {
+                "val_early": plans[name]["early"], "labelled": monitor.seen / len(full),
                 "heads": monitor.heads * rows / len(full), "upper": float(upper[1])})
     return {"moving": found, "notes": [
         f"{cfg.sweep_positions:,} positions of each text, in {rows} pieces spread over it",

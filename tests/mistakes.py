@@ -344,6 +344,12 @@ MISTAKES = [
     ("backfill_spot_checked", "a watched backfill that labels only a share of its exits, though it runs them all",
      "config.spot_share if DECODERS[name].skips else 1.0", "config.spot_share",
      ["test_moving.py::test_a_watched_backfill_leaves_where_the_moving_rule_does_on_the_records"]),
+    ("calibration_exits_from_the_text", "calibration's exits read from the text itself, so no shift ever shows",
+     '"val_early": plans[name]["early"],', '"val_early": average(ran["fixed"]["exits"] < cfg.n_layer - 1),',
+     ["test_moving.py::test_each_row_sets_the_texts_exits_beside_calibrations_on_val"]),
+    ("early_counts_the_last_layer", "every position counted as an early exit, the last layer's too",
+     "q[\"exits\"] < cfg.n_layer - 1)}", "q[\"exits\"] <= cfg.n_layer - 1)}",
+     ["test_moving.py::test_the_report_holds_each_exit_models_watched_decoders"]),
 ]
 
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import THREE_LAYER_RUN, m
+from conftest import THREE_LAYER_RUN, m, tiny_model
 
 EPS, CREDIT, CLIMB, HORIZON = 0.01, 15, 4, 20000
 TARGET = EPS - (CREDIT + CLIMB + 1) / HORIZON
@@ -247,4 +247,32 @@ def test_the_report_holds_each_exit_models_watched_decoders(lab_runs):
             assert row["moving"]["compute_saved"] <= row["fixed"]["compute_saved"] + 1e-9
         assert 0 <= row["labelled"] <= 1 and row["upper"] >= 0
         assert (row["labelled"] == 1) == (row["decoder"] == "backfill")
+        # exits before the last layer, on the text beside calibration's on val at the same plan
+        L, early, saved = r["config"]["n_layer"], row["fixed"]["early"], row["fixed"]["compute_saved"]
+        assert early / L - 1e-9 <= saved <= early * (L - 1) / L + 1e-9, "each early exit skips 1 to L - 1 layers"
+        if row["model"] == "joint":
+            assert row["val_early"] == r["plans"][row["decoder"]]["early"]
     assert "Self-speculation needs none of this" in " ".join(r["notes"]["moving"])
+
+
+def test_each_row_sets_the_texts_exits_beside_calibrations_on_val():
+    """val_early is the plan's share of val positions leaving before the last layer (calibration's exits);
+    early, the same share on the text at the fixed threshold: on text unlike val the two differ."""
+    model = tiny_model()
+    config = m.LabConfig(**{**vars(model.config), "sweep_positions": 320, "shift_path": "", "exit_threshold": 0.8,
+                            "bench_prompt_len": 6, "bench_tokens": 6, "max_iters": 2, "eval_iters": 1})
+    splits = {name: torch.randint(0, 11, (4000,), generator=torch.Generator().manual_seed(i))
+              for i, name in enumerate(("train", "val"))} | {"test": torch.arange(4000) % 3}  # a loop
+    lab = m.Lab(model, m.CharTokenizer("abcdefghijk"), splits, config, "cpu")
+    with torch.enable_grad():
+        lab.records, lab.calibrations, sampling = m.calibrate_exits(model, lab.splits, config)
+    lab.use(sampling)
+    lab.plan()
+    lab.sources = {"": (model, lab.rules, lab.plans, ["full", "backfill", "deferred"], "full")}
+    rows = m.watched_decoders(lab)["moving"]
+    assert [(r["decoder"], r["text"]) for r in rows] == [("backfill", "test"), ("deferred", "test")]
+    for row in rows:
+        plan = lab.plans[row["decoder"]]
+        exits = m.exits_at_threshold(lab.records["val"], plan["measure"], plan["threshold"], plan["checked_exits"])
+        assert row["val_early"] == m.average(exits < config.n_layer - 1) and 0 < row["val_early"] < 1
+        assert abs(row["fixed"]["early"] - row["val_early"]) > 0.1, "the loop leaves at other depths"
