@@ -226,7 +226,7 @@ def tie_lab(near_nll):
              "cache_bytes": 0, "decoder": "full" if n != "near" else "deferred",
              "family": "plain GPT" if n.endswith("GPT") else "exit model"} for n in nll for mode in m.MODES]
     config = types.SimpleNamespace(n_layer=2, bench_tokens=2, num_draft=8)
-    return types.SimpleNamespace(config=config, measured=rows, nll={(1, n): x for n, x in nll.items()},
+    return types.SimpleNamespace(config=config, measured=rows, nll=nll,
                                  train_seconds=1.0, plain_gpts={})
 
 
