@@ -1125,7 +1125,7 @@ def generate_speculative(model, idx, max_new_tokens, draft_exit=0, num_draft=8, 
 def spec_stats(outputs, full_outputs, mode):
     """Acceptance (drafts kept over drafts a row could keep), tokens per verify pass, the draft
     that ran, and (greedy) whether every row's output equals full depth's. Outputs of full depth
-    (auto's choice where speculation does not pay) count no drafts."""
+    count no drafts."""
     runs = [o.stats for o in outputs if isinstance(o, SpeculativeGeneration)]
     same = {"identical_to_full": all(torch.equal(a.tokens, b.tokens) for a, b in zip(
         outputs, full_outputs)) if mode == "greedy" else None}  # sampled: tested, not compared
@@ -1559,7 +1559,7 @@ def best_plan(records, decoder, measure, threshold, costs, checked=None):
     def priced(exits):
         plan = {"measure": measure, "threshold": threshold, "checked_exits": exits,
                 "label": ",".join(map(str, exits)) or "-"}
-        counts = plan_counts(records, plan)  # on val: what the monitor compares a text with
+        counts = plan_counts(records, plan)  # on val: the watched table sets a text's beside
         return plan | counts | {"saved_blocks": priced_saving(decoder, counts, measure, costs)
                                 / costs["block"]}
     if threshold >= 1 or checked is not None:
@@ -1671,13 +1671,13 @@ def build(name, model, plan, rules=EXIT_RULES):
     """The decoder `name` of a model at its plan, for any batch size: decode(idx (B, T0), n,
     generator=, temperature=, top_k=, forced=) -> Generation. plan: an exit decoder's measure,
     threshold and checked_exits (its rule read from rules); a drafter's draft_exit, num_draft
-    (None: full depth) and draft (a draft model; None: the model's own layers). Full depth is one
+    and draft (a draft model; None: the model's own layers). Full depth is one
     decoder on every device: the predictions and the speed-ups divide by the same baseline."""
     d = DECODERS[name]
     if d.strategy:
         return partial(generate, model, strategy=d.strategy, exit_threshold=plan["threshold"],
                        checked_exits=plan["checked_exits"], measure=rules[plan["measure"]])
-    if d.drafter and plan["num_draft"]:
+    if d.drafter:
         return partial(generate_speculative, model, draft_exit=plan["draft_exit"],
                        num_draft=plan["num_draft"], draft_model=plan["draft"])
     return partial(generate, model)
@@ -1689,7 +1689,7 @@ def draft_plan(name, config, k, draft):
         return {"draft_exit": draft.config.n_layer - 1, "num_draft": k, "draft": draft,
                 "checked_exits": []}
     return {"draft_exit": config.draft_exit, "num_draft": k, "draft": None,
-            "checked_exits": [config.draft_exit] if k else []}
+            "checked_exits": [config.draft_exit]}
 
 def weight_bytes(model, name="full", plan=None):
     """The bytes of weights decoder `name` of model reads: every parameter but the exit heads (the
@@ -1720,14 +1720,11 @@ def run_plans(sources, config, draft):
 
 def prediction(row, plan, val):
     """The forecast beside a decoder-table row, made on val: the speed-up the same decoder at the
-    same plan (a drafter at its k; 1 where it runs full depth), or the same model, ran at on val's
-    workload in the same mode (val: (name, mode) -> speed-up); an exit decoder's plan."""
-    d, mode, k = DECODERS[row["decoder"]], row["mode"], plan.get("num_draft")
+    same plan, or the same model, ran at on val's workload in the same mode (val: (name, mode) ->
+    speed-up); an exit decoder's plan, a drafter's draft_exit."""
+    d, figures = DECODERS[row["decoder"]], {"predicted_speedup": val[row["name"], row["mode"]]}
     if d.drafter:
-        speedup = val[row["name"], mode] if k else 1.0
-        return {"predicted_speedup": speedup, "draft_exit": plan["draft_exit"],
-                "choice": f"k={k}" if k else "full depth"}
-    figures = {"predicted_speedup": val[row["name"], mode]}
+        figures.update(draft_exit=plan["draft_exit"])
     if d.strategy:
         figures.update(exit_at=plan["label"], threshold=plan["threshold"])
     return figures
@@ -1849,7 +1846,7 @@ def workload(data, n_prompts, prompt_len):
     """n_prompts prompts of prompt_len characters from evenly spaced places of a split:
     (n_prompts, prompt_len). One prompt proves nothing: a greedy character model soon loops
     ("the the the"), and a loop is easy to draft. Timed figures continue every prompt of test's
-    workload; choices use val's."""
+    workload; forecasts, val's."""
     starts = torch.linspace(0, len(data) - prompt_len - 1, n_prompts).long()  # (n_prompts,)
     return data[:-1].unfold(0, prompt_len, 1)[starts]  # windows followed by one more character
 
@@ -2067,7 +2064,7 @@ class Lab:
         if config.shift_path:  # text of another kind, beside the splits
             self.splits["shift"] = torch.tensor(tokenizer.encode(read_text(config, "shift_path")),
                                                 device=device)
-        # the val workload (to choose and forecast by: twice the prompts, so that its sampled text
+        # the val workload (to forecast by: twice the prompts, so that its sampled text
         # varies less) and the test workload (to report)
         self.workloads = [workload(self.splits[s], n * config.bench_prompts,
                                    config.bench_prompt_len) for s, n in (("val", 2), ("test", 1))]
@@ -2151,8 +2148,8 @@ class Lab:
         """Val's workload, a prompt a call, timed in one pass: each source's exit decoders at
         their plans and its drafters at num_draft (sources: prefix -> (model, rules, plans,
         decoder names, the point its output is compared with)), and the models of more at full
-        depth, beside full depth. Returns (name, mode) -> the speed-up over full depth, and the
-        same keys -> the plan each point runs on test."""
+        depth, beside full depth. Returns (name, mode) -> the speed-up over full depth, and (name,
+        mode) -> the plan each exit decoder and drafter runs on test."""
         cfg = self.config
         plans = run_plans(sources, cfg, self.plain(cfg.draft_layers))
         # full depth, the baseline, first: the exit model's source names it first
@@ -2297,7 +2294,7 @@ def strategies(lab):
         f"{cfg.bench_tokens} more each, batch 1, {cfg.bench_repeats} interleaved passes",
         *notes, f"Chosen on val: exits (exit_layers={cfg.exit_layers!r}) at the run's threshold "
         f"({lab.threshold:g}), priced from the unit costs (report.json's decode_costs), the "
-        "schedule, and the drafters' k (another exit model's rows: its own threshold and plans; "
+        "schedule (drafters: num_draft; another exit model's rows: its own threshold and plans; "
         "the frozen model's output against the plain GPT's). predicted: each row's speed-up on "
         "val's workload, timed before test's (the same decoder, plan and k, or the same model, in "
         "the same mode; per round: a round's time over the tokens it emits). Prefilling the "

@@ -184,5 +184,3 @@ def test_each_drafter_is_the_one_its_name_says(trained):
     assert own.cache_bytes == 2 * L * C * (T + 4) * 4 and other.cache_bytes == 2 * (L + 1) * C * (T + 4) * 4
     assert own.stats == m.generate_speculative(model, idx, 40, 1, 4).stats  # layers 0 and 1 draft
     assert other.stats == m.generate_speculative(model, idx, 40, num_draft=4, draft_model=draft).stats
-    # k None: the drafter runs full depth (auto where no k beat it on val)
-    assert m.build("self_speculative", model, m.draft_plan("self_speculative", config, None, draft)).func is m.generate
