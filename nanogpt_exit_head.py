@@ -2237,46 +2237,52 @@ def shifted_text(lab):
         f"{100 * cal['epsilon']:g}%. The "
         "guarantee covers text like val, and nothing else."]}
 
+def exit_figures(q, full, n_layer, spot):
+    """A quality_pass's disagreement with full depth's top-1 (full), the share of layer runs its
+    exits skip (less `spot`, the share of them run again), and the share that leave early."""
+    return {"disagreement": average(q["pred"] != full), "early": average(q["exits"] < n_layer - 1),
+            "compute_saved": (1 - spot) * (1 - average(q["exits"] + 1) / n_layer)}
+
 def watched_decoders(lab, rows=STREAMS):
-    """Backfill and deferred (--continued: every exit model's) on sweep_positions of test and of
-    the shifted text in `rows` pieces decoded together, fixed and watched by one Monitor. Rows run
-    as deep as the deepest, so state copy and holes would run as backfill: see the notes."""
-    cfg, found = lab.config, []
+    """Backfill and deferred, fixed and watched, on `rows` pieces of test and shift a call; with
+    --continued every exit model's, and state copy and holes a piece a call (rows run as deep)."""
+    cfg, found, share = lab.config, [], lab.config.spot_share or 1
     rows = min(rows, cfg.sweep_positions)  # a piece a position at least
-    targets = [Monitor(0, cfg, rows / share).target for share in (1, cfg.spot_share or 1)]
+    targets = [Monitor(0, cfg, b).target for b in (rows, rows / share, 1 / share)]
     for text, (prefix, (model, rules, plans, names, _)) in itertools.product(
             [text for text in ("test", "shift") if text in lab.splits],
             list(lab.sources.items())[: None if cfg.continued else 1]):
         piece = min(cfg.sweep_positions // rows, len(lab.splits[text]) - cfg.bench_prompt_len)
         if piece < 1:  # a text shorter than a prompt and a position
             continue
-        def run(decode):  # teacher-forced on `rows` pieces of the text, decoded together
-            return quality_pass(decode, lab.splits[text], piece * rows, rows,
+        def run(decode, batch=rows):  # teacher-forced on `rows` pieces, `batch` a call
+            return quality_pass(decode, lab.splits[text], piece * rows, batch,
                                 cfg.bench_prompt_len, piece)
         full = run(build("full", model, None))["pred"]
-        for name in [n for n in names if DECODERS[n].strategy and DECODERS[n].cache == "exact"
-                     and not DECODERS[n].schedule]:
-            decode, monitor = watched(name, model, plans[name], rules, cfg, rows)
-            ran = {"fixed": run(build(name, model, plans[name], rules)), "moving": run(decode)}
+        for name in [n for n in names if DECODERS[n].strategy and not DECODERS[n].schedule and (
+                DECODERS[n].cache == "exact" or cfg.continued)]:
+            batch = rows if DECODERS[name].cache == "exact" else 1
+            decode, monitor = watched(name, model, plans[name], rules, cfg, batch)
+            ran = {"fixed": run(build(name, model, plans[name], rules), batch),
+                   "moving": run(decode, batch)}
             upper = rate_bounds(torch.tensor(monitor.wrong + 0.0), max(monitor.seen, 1), cfg.delta)
-            spot = {"fixed": 0.0, "moving": cfg.spot_share * DECODERS[name].skips}  # run again
+            spot = cfg.spot_share * DECODERS[name].skips  # the share of steps that run them again
             found.append({"model": prefix.strip() or "joint", "decoder": name, "text": text} | {
-                kind: {"disagreement": average(q["pred"] != full), "compute_saved": (1 - spot[
-                    kind]) * (1 - average(q["exits"] + 1) / cfg.n_layer), "early": average(
-                    q["exits"] < cfg.n_layer - 1)} for kind, q in ran.items()} | {
+                kind: exit_figures(q, full, cfg.n_layer, spot * (kind == "moving"))
+                for kind, q in ran.items()} | {
                 "val_early": plans[name]["early"], "labelled": monitor.seen / len(full),
-                "heads": monitor.heads * rows / len(full), "upper": float(upper[1])})
+                "heads": monitor.heads * batch / len(full), "upper": float(upper[1])})
     return {"moving": found, "notes": [
         f"{cfg.sweep_positions:,} positions of each text, in {rows} pieces spread over it",
         f"Watched: a Monitor a decoder for its {rows} rows, from the calibrated threshold, credit "
         f"{cfg.adapt_credit}, horizon {cfg.adapt_horizon:,}, target {targets[0]:.3%} (backfill) "
-        f"and {targets[1]:.3%} (the others: a spot check may bring rows / spot_share). Backfill "
-        "labels every exit at once: for any text, at most target T + credit + 4 + rows of T "
-        "positions disagree, so at most epsilon once T reaches the horizon. Deferred spot-checks "
-        f"{cfg.spot_share:.0%} of steps and counts each disagreement found 1 / share: epsilon in "
-        "expectation. State copy and holes (not here: rows decoded together run every layer) "
-        "spot-check against their own deep layers over their own cache, not full depth's. "
-        "Self-speculation needs none of this: a shift costs it speed, never its output."]}
+        f"and {targets[1]:.3%} (the others: a spot check may bring rows / spot_share; a piece a "
+        f"call, {targets[2]:.3%}). Backfill labels every exit at once: for any text, at most "
+        "target T + credit + 4 + rows of T positions disagree, so at most epsilon once T reaches "
+        f"the horizon. The others spot-check {cfg.spot_share:.0%} of steps and count each "
+        "disagreement found 1 / share: epsilon in expectation. State copy and holes (with "
+        "--continued) label against their own deep layers over their own cache, not full "
+        "depth's. Self-speculation needs none of this: a shift costs it speed, never its output."]}
 
 def strategies(lab):
     """The strategies table, and under it what it rests on: the drafts, the measured costs."""

@@ -348,8 +348,11 @@ MISTAKES = [
      '"val_early": plans[name]["early"],', '"val_early": average(ran["fixed"]["exits"] < cfg.n_layer - 1),',
      ["test_moving.py::test_each_row_sets_the_texts_exits_beside_calibrations_on_val"]),
     ("early_counts_the_last_layer", "every position counted as an early exit, the last layer's too",
-     "q[\"exits\"] < cfg.n_layer - 1)}", "q[\"exits\"] <= cfg.n_layer - 1)}",
+     '"early": average(q["exits"] < n_layer - 1)', '"early": average(q["exits"] <= n_layer - 1)',
      ["test_moving.py::test_the_report_holds_each_exit_models_watched_decoders"]),
+    ("approximate_watched_together", "state copy and holes watched 32 pieces a call: every step as deep as its deepest row",
+     'batch = rows if DECODERS[name].cache == "exact" else 1', "batch = rows",
+     ["test_moving.py::test_a_study_watches_state_copy_and_holes_a_piece_a_call"]),
 ]
 
 

@@ -241,7 +241,7 @@ def test_the_report_holds_each_exit_models_watched_decoders(lab_runs):
     rows = r["moving"]
     assert [(row["model"], row["decoder"], row["text"]) for row in rows] == [
         (model, decoder, text) for text in ("test", "shift") for model in ("joint", "frozen", "continued")
-        for decoder in ("backfill", "deferred")]  # exact caches: rows decoded together run every layer
+        for decoder in ("backfill", "deferred", "state_copy", "holes")]  # a study's: every exit decoder's
     for row in rows:  # an exact cache leaves at the same thresholds or more cautious ones
         if row["decoder"] in ("backfill", "deferred"):
             assert row["moving"]["compute_saved"] <= row["fixed"]["compute_saved"] + 1e-9
@@ -255,12 +255,12 @@ def test_the_report_holds_each_exit_models_watched_decoders(lab_runs):
     assert "Self-speculation needs none of this" in " ".join(r["notes"]["moving"])
 
 
-def test_each_row_sets_the_texts_exits_beside_calibrations_on_val():
-    """val_early is the plan's share of val positions leaving before the last layer (calibration's exits);
-    early, the same share on the text at the fixed threshold: on text unlike val the two differ."""
+def looped_lab(**overrides):
+    """A tiny lab whose val is random and whose test is a loop, planned at threshold 0.8, its sources set as
+    Lab.measure sets them (full depth and every exit decoder of the joint model)."""
     model = tiny_model()
     config = m.LabConfig(**{**vars(model.config), "sweep_positions": 320, "shift_path": "", "exit_threshold": 0.8,
-                            "bench_prompt_len": 6, "bench_tokens": 6, "max_iters": 2, "eval_iters": 1})
+                            "bench_prompt_len": 6, "bench_tokens": 6, "max_iters": 2, "eval_iters": 1, **overrides})
     splits = {name: torch.randint(0, 11, (4000,), generator=torch.Generator().manual_seed(i))
               for i, name in enumerate(("train", "val"))} | {"test": torch.arange(4000) % 3}  # a loop
     lab = m.Lab(model, m.CharTokenizer("abcdefghijk"), splits, config, "cpu")
@@ -268,11 +268,35 @@ def test_each_row_sets_the_texts_exits_beside_calibrations_on_val():
         lab.records, lab.calibrations, sampling = m.calibrate_exits(model, lab.splits, config)
     lab.use(sampling)
     lab.plan()
-    lab.sources = {"": (model, lab.rules, lab.plans, ["full", "backfill", "deferred"], "full")}
+    lab.sources = {"": (model, lab.rules, lab.plans, list(m.DECODERS), "full")}
+    return lab
+
+
+def test_each_row_sets_the_texts_exits_beside_calibrations_on_val():
+    """val_early is the plan's share of val positions leaving before the last layer (calibration's exits);
+    early, the same share on the text at the fixed threshold: on text unlike val the two differ."""
+    lab = looped_lab()
     rows = m.watched_decoders(lab)["moving"]
     assert [(r["decoder"], r["text"]) for r in rows] == [("backfill", "test"), ("deferred", "test")]
     for row in rows:
         plan = lab.plans[row["decoder"]]
         exits = m.exits_at_threshold(lab.records["val"], plan["measure"], plan["threshold"], plan["checked_exits"])
-        assert row["val_early"] == m.average(exits < config.n_layer - 1) and 0 < row["val_early"] < 1
+        assert row["val_early"] == m.average(exits < lab.config.n_layer - 1) and 0 < row["val_early"] < 1
         assert abs(row["fixed"]["early"] - row["val_early"]) > 0.1, "the loop leaves at other depths"
+
+
+@pytest.mark.parametrize("continued", [0.0, 0.5])
+def test_a_study_watches_state_copy_and_holes_a_piece_a_call(monkeypatch, continued):
+    """Exact caches decode the table's 32 pieces together; a study (--continued) adds state copy and holes,
+    each decoded a piece a call as it runs, its monitor leaving room for one piece's spot check (1 / share)."""
+    lab, calls, real = looped_lab(continued=continued), [], m.quality_pass
+    monkeypatch.setattr(m, "quality_pass", lambda decode, data, n, rows, *a: calls.append((n, rows)) or real(
+        decode, data, n, rows, *a))
+    found = m.watched_decoders(lab)
+    names = ["backfill", "deferred"] + ["state_copy", "holes"] * bool(continued)
+    assert [r["decoder"] for r in found["moving"]] == names
+    assert calls == [(320, 32)] * 5 + [(320, 1)] * 4 * bool(continued), "full depth, then each decoder twice"
+    piece = f"a piece a call, {m.Monitor(0, lab.config, 1 / lab.config.spot_share).target:.3%}"
+    assert piece in " ".join(found["notes"])
+    for row in found["moving"][2:]:  # a spot check brings one row: heads a step at most 1
+        assert 0 <= row["heads"] <= 1 and 0 < row["labelled"] < 1
