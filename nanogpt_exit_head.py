@@ -1466,7 +1466,8 @@ class Watched:
         m.wrong, m.seen = m.wrong + k, m.seen + self.spot * len(left)
         m.update(k / (self.share or 1), len(left))  # share 0: nothing labelled
 
-STREAMS = 32  # the rows the watched decoders' table decodes together, one Monitor for them
+STREAMS = 32  # the pieces of the watched decoders' table, one Monitor for them (exact caches
+# decode them together, the others a piece a call)
 
 def watched(name, model, plan, rules, config, rows=1, seed=0):
     """Exit decoder `name` at its plan, watched by a new Monitor for `rows` rows a step, from the
@@ -1968,7 +1969,7 @@ in expectation
 labelled             | labelled     | {:.0%} | positions whose label it saw (spot checks)
 heads                | heads        | {:.2f} | final heads it ran for labels, a step
 upper                | bound        | {:.2%} | the monitor's upper bound on its labelled \
-positions' disagreement""")
+positions' disagreement (state copy, holes: with their own deep layers)""")
 STRATEGY_TABLE = table("""What does each KV strategy buy?
 mode              | mode      | {}      | greedy, or sampled
 name              | decoder   | {}      | how the skipped layers' cache is filled
@@ -2274,15 +2275,15 @@ def watched_decoders(lab, rows=STREAMS):
                 "heads": monitor.heads * batch / len(full), "upper": float(upper[1])})
     return {"moving": found, "notes": [
         f"{cfg.sweep_positions:,} positions of each text, in {rows} pieces spread over it",
-        f"Watched: a Monitor a decoder for its {rows} rows, from the calibrated threshold, credit "
-        f"{cfg.adapt_credit}, horizon {cfg.adapt_horizon:,}, target {targets[0]:.3%} (backfill) "
-        f"and {targets[1]:.3%} (the others: a spot check may bring rows / spot_share; a piece a "
-        f"call, {targets[2]:.3%}). Backfill labels every exit at once: for any text, at most "
-        "target T + credit + 4 + rows of T positions disagree, so at most epsilon once T reaches "
-        f"the horizon. The others spot-check {cfg.spot_share:.0%} of steps and count each "
-        "disagreement found 1 / share: epsilon in expectation. State copy and holes (with "
-        "--continued) label against their own deep layers over their own cache, not full "
-        "depth's. Self-speculation needs none of this: a shift costs it speed, never its output."]}
+        f"Watched: a Monitor a decoder for its {rows} pieces, from the calibrated threshold, "
+        f"credit {cfg.adapt_credit}, horizon {cfg.adapt_horizon:,}, target {targets[0]:.3%} "
+        f"(backfill) and {targets[1]:.3%} (a spot check may bring rows / spot_share; a piece a "
+        f"call, {targets[2]:.3%}). Backfill labels every exit: of T positions at most target T + "
+        "credit + 4 + rows disagree, at most epsilon once T reaches the horizon. The others spot-"
+        f"check {cfg.spot_share:.0%} of steps, each disagreement found counted 1 / share: epsilon "
+        "in expectation. State copy and holes (--continued) label with their own deep layers over "
+        "their own cache, which a spot check repairs. Self-speculation needs none of this: a shift "
+        "costs it speed, never its output."]}
 
 def strategies(lab):
     """The strategies table, and under it what it rests on: the drafts, the measured costs."""

@@ -353,6 +353,12 @@ MISTAKES = [
     ("approximate_watched_together", "state copy and holes watched 32 pieces a call: every step as deep as its deepest row",
      'batch = rows if DECODERS[name].cache == "exact" else 1', "batch = rows",
      ["test_moving.py::test_a_study_watches_state_copy_and_holes_a_piece_a_call"]),
+    ("spot_checks_free", "a watched decoder's spot checks counted as free: the layers they run again not taken off",
+     "spot = cfg.spot_share * DECODERS[name].skips", "spot = 0.0 * DECODERS[name].skips",
+     ["test_moving.py::test_a_study_watches_state_copy_and_holes_a_piece_a_call"]),
+    ("heads_per_32_rows", "label heads a step counted as if a piece a call ran 32 rows a step",
+     '"heads": monitor.heads * batch / len(full)', '"heads": monitor.heads * rows / len(full)',
+     ["test_moving.py::test_a_study_watches_state_copy_and_holes_a_piece_a_call"]),
 ]
 
 

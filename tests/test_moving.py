@@ -288,15 +288,27 @@ def test_each_row_sets_the_texts_exits_beside_calibrations_on_val():
 @pytest.mark.parametrize("continued", [0.0, 0.5])
 def test_a_study_watches_state_copy_and_holes_a_piece_a_call(monkeypatch, continued):
     """Exact caches decode the table's 32 pieces together; a study (--continued) adds state copy and holes,
-    each decoded a piece a call as it runs, its monitor leaving room for one piece's spot check (1 / share)."""
+    each decoded a piece a call as it runs, its monitor leaving room for one piece's spot check (1 / share).
+    A watched decoder that skips layers saves (1 - spot_share) of what its exits skip: its spot checks run
+    them again; backfill runs them anyway and a fixed threshold spot-checks nothing."""
     lab, calls, real = looped_lab(continued=continued), [], m.quality_pass
-    monkeypatch.setattr(m, "quality_pass", lambda decode, data, n, rows, *a: calls.append((n, rows)) or real(
-        decode, data, n, rows, *a))
+
+    def recording(decode, data, n, rows, *a):
+        calls.append(((n, rows), real(decode, data, n, rows, *a)))
+        return calls[-1][1]
+    monkeypatch.setattr(m, "quality_pass", recording)
     found = m.watched_decoders(lab)
     names = ["backfill", "deferred"] + ["state_copy", "holes"] * bool(continued)
     assert [r["decoder"] for r in found["moving"]] == names
-    assert calls == [(320, 32)] * 5 + [(320, 1)] * 4 * bool(continued), "full depth, then each decoder twice"
-    piece = f"a piece a call, {m.Monitor(0, lab.config, 1 / lab.config.spot_share).target:.3%}"
-    assert piece in " ".join(found["notes"])
-    for row in found["moving"][2:]:  # a spot check brings one row: heads a step at most 1
-        assert 0 <= row["heads"] <= 1 and 0 < row["labelled"] < 1
+    assert [c[0] for c in calls] == [(320, 32)] * 5 + [(320, 1)] * 4 * bool(continued), "full, then each twice"
+    if continued:
+        assert f"a piece a call, {m.Monitor(0, lab.config, 1 / lab.config.spot_share).target:.3%}" in " ".join(
+            found["notes"])
+    L, share = lab.config.n_layer, lab.config.spot_share
+    for row, (fixed, moving) in zip(found["moving"], zip(calls[1::2], calls[2::2])):
+        for kind, (_, q) in (("fixed", fixed), ("moving", moving)):
+            skipped = 1 - m.average(q["exits"] + 1) / L
+            spot = share if kind == "moving" and row["decoder"] != "backfill" else 0.0
+            assert row[kind]["compute_saved"] == pytest.approx((1 - spot) * skipped), (row["decoder"], kind)
+        if row["decoder"] in ("state_copy", "holes"):  # a piece a call: a head on each labelled step at most
+            assert 0 < row["heads"] <= row["labelled"] < 1
