@@ -648,11 +648,11 @@ class LabConfig(Config):
     kv_strategy: str = "backfill"  # early-exit sample's decoder: a KV strategy or self_speculative
     exit_layers: str = "auto"  # exits checked: 'auto' (cost-aware; all in samples), 'all', '1,3'
     draft_exit: int = 0  # self-speculative: the last layer of the draft (its exit head drafts)
-    num_draft: int = 8  # speculative: the most tokens drafted per verify pass
+    num_draft: int = 8  # speculative: drafts a round (tables: the fastest on val of it, /2, /4)
     draft_layers: int = 1  # draft_model: the layers of the plain GPT trained in the run to draft
     # measurement
     quality_positions: int = 5000  # test positions teacher-forced per decoder, spread over test
-    bench_prompts: int = 16  # timed workload: prompts evenly spaced in test (val: twice as many)
+    bench_prompts: int = 16  # timed workload: prompts evenly spaced in test (and in val)
     bench_prompt_len: int = 32  # characters per workload prompt
     bench_tokens: int = 50  # characters generated per prompt per timed run
     bench_repeats: int = 2  # timed passes per decoder, interleaved; their calls pooled, paired
@@ -1481,16 +1481,13 @@ def watched(name, model, plan, rules, config, rows=1, seed=0):
                  share, torch.Generator().manual_seed(seed))
     return partial(build(name, model, plan, rules), strategy=kv), monitor
 
-def rate_bounds(k, n, alpha, bets=(0.1, 0.3, 1.0, 3.0)):
+def rate_bound(k, n, alpha, bets=(0.1, 0.3, 1.0, 3.0)):
     """A confidence sequence for the mean chance of disagreeing over n positions, k of which
-    disagreed: (lower, upper), both valid at every n at once with probability >= 1 - alpha, for
-    any shift (each position's chance may differ). For a bet b, exp(b k - (e^b - 1) P) and
-    exp((1 - e^-b) P - b k), P the sum of the chances, are supermartingales; Ville's inequality
-    bounds each, alpha split among them."""
-    a = math.log(2 * len(bets) / alpha)
-    lower = torch.stack([(b * k - a) / math.expm1(b) for b in bets]).amax(0) / n
-    upper = torch.stack([(b * k + a) / -math.expm1(-b) for b in bets]).amin(0) / n
-    return lower.clamp(0, 1), upper.clamp(0, 1)
+    disagreed: an upper bound valid at every n at once with probability >= 1 - alpha, for any
+    shift (each position's chance may differ). For a bet b, exp((1 - e^-b) P - b k), P the sum of
+    the chances, is a supermartingale; Ville's inequality bounds it, alpha split among the bets."""
+    a = math.log(len(bets) / alpha)
+    return (torch.stack([(b * k + a) / -math.expm1(-b) for b in bets]).amin(0) / n).clamp(0, 1)
 
 # -----------------------------------------------------------------------------
 # The cost model: measured unit costs, and the blocks each exit plan saves
@@ -1686,11 +1683,10 @@ def build(name, model, plan, rules=EXIT_RULES):
 def draft_plan(name, config, k, draft):
     """A drafter's plan at k drafts a round: the model's layers up to draft_exit (whose exit head
     it reads), or the draft model."""
-    if DECODERS[name].drafter == "model":
-        return {"draft_exit": draft.config.n_layer - 1, "num_draft": k, "draft": draft,
-                "checked_exits": []}
-    return {"draft_exit": config.draft_exit, "num_draft": k, "draft": None,
-            "checked_exits": [config.draft_exit]}
+    own = DECODERS[name].drafter == "exit"
+    last = config.draft_exit if own else draft.config.n_layer - 1
+    return {"draft_exit": last, "num_draft": k, "draft": None if own else draft,
+            "checked_exits": [last] * own}
 
 def weight_bytes(model, name="full", plan=None):
     """The bytes of weights decoder `name` of model reads: every parameter but the exit heads (the
@@ -1711,13 +1707,16 @@ def speedup(s, full):
     return 1 / float(ratios[cut:len(ratios) - cut].mean())
 
 def run_plans(sources, config, draft):
-    """(prefix + name, mode) -> the plan each decoder of each source runs (sources: prefix ->
-    (model, rules, plans, decoder names, ref); its points are named prefix + name): an exit
-    decoder's, chosen on val; a drafter's at num_draft."""
-    return {(prefix + name, mode): plans.get(name) or draft_plan(
-                name, config, config.num_draft, draft)
+    """(prefix + name, mode) -> the plans each decoder of each source may run on test (sources:
+    prefix -> (model, rules, plans, decoder names, ref); its points are named prefix + name): an
+    exit decoder's one, chosen on val; a drafter's at num_draft, its half and its quarter drafts a
+    round, of which on_val keeps the fastest on val; full depth's None."""
+    lengths = [config.num_draft >> i for i in range(3)]  # halving: each once, till 0
+    return {(prefix + name, mode): [plans[name]] if name in plans else [
+                draft_plan(name, config, k, draft) for k in lengths if k]
+            if DECODERS[name].drafter else [None]
             for prefix, (_, _, plans, names, _) in sources.items() for name in names
-            for mode in MODES if DECODERS[name].strategy or DECODERS[name].drafter}
+            for mode in MODES}
 
 def prediction(row, plan, val):
     """The forecast beside a decoder-table row, made on val: the speed-up the same decoder at the
@@ -2058,19 +2057,18 @@ class Lab:
     (calibrate_exits), use (a calibration's rules and threshold), plan (the unit costs and the
     exit plans), measure (a decoder table)."""
     def __init__(self, model, tokenizer, splits, config, device, world=1, train_seconds=0.0):
-        self.model, self.tokenizer, self.config, self.device, self.world = (
-            model, tokenizer, config, device, world)
-        self.train_seconds = train_seconds  # the exit model's
+        # train_seconds: the exit model's
+        self.model, self.tokenizer, self.config, self.device, self.world, self.train_seconds = (
+            model, tokenizer, config, device, world, train_seconds)
         self.splits = {name: text.to(device) for name, text in splits.items()}
         if config.shift_path:  # text of another kind, beside the splits
             self.splits["shift"] = torch.tensor(tokenizer.encode(read_text(config, "shift_path")),
                                                 device=device)
-        # the val workload (to forecast by: twice the prompts, so that its sampled text
-        # varies less) and the test workload (to report)
-        self.workloads = [workload(self.splits[s], n * config.bench_prompts,
-                                   config.bench_prompt_len) for s, n in (("val", 2), ("test", 1))]
+        # the val workload (to choose draft lengths and forecast by) and the test one (to report)
+        self.workloads = [workload(self.splits[s], config.bench_prompts, config.bench_prompt_len)
+                          for s in ("val", "test")]
         self.plain_gpts = {}  # depth -> (a plain GPT trained alike, its training seconds)
-        self.exit_models = {}  # freeze()'s and continue_plain()'s
+        self.exit_models = {}  # freeze()'s and the continued one's
         self.nll = {}  # point -> each test position's loss, measure()'s
 
     def use(self, sampling):
@@ -2119,12 +2117,6 @@ class Lab:
                  f" steps ({seconds:.0f} s); its full depth is that GPT's, bit for bit")
         return self.exit_model("frozen", model, about, names, f"{cfg.n_layer}-layer GPT")
 
-    def continue_plain(self, names):
-        """The continued exit model (continued_exit_model): its decoders of names, each beside its
-        own full depth."""
-        return self.exit_model("continued", *continued_exit_model(  # (model, about)
-            self.config, self.splits, self.world), names, "continued full")
-
     def exit_model(self, name, model, about, names, ref):
         """An exit model besides the joint one, its exits read, calibrated and planned as the joint
         one's (self.exit_models[name]: model, records, calibrations, rules, about: what it is and
@@ -2147,21 +2139,25 @@ class Lab:
 
     def on_val(self, sources, more):
         """Val's workload, a prompt a call, timed in one pass: each source's exit decoders at
-        their plans and its drafters at num_draft (sources: prefix -> (model, rules, plans,
-        decoder names, the point its output is compared with)), and the models of more at full
-        depth, beside full depth. Returns (name, mode) -> the speed-up over full depth, and (name,
-        mode) -> the plan each exit decoder and drafter runs on test."""
+        their plans and its drafters at each draft length run_plans gives (sources: prefix ->
+        (model, rules, plans, decoder names, the point its output is compared with)), and the
+        models of more at full depth, beside full depth. Returns (name, mode) -> the speed-up over
+        full depth (a drafter's at its fastest length), and (name, mode) -> the plan each exit
+        decoder and drafter runs on test (a drafter's: that fastest length)."""
         cfg = self.config
-        plans = run_plans(sources, cfg, self.plain(cfg.draft_layers))
+        tries = run_plans(sources, cfg, self.plain(cfg.draft_layers))
         # full depth, the baseline, first: the exit model's source names it first
-        runs = {(prefix + name, mode): in_mode(build(name, model, plans.get(
-                    (prefix + name, mode)), rules), cfg, mode) for prefix, (
-                    model, rules, _, points, _) in sources.items() for name in points
-                for mode in MODES}
-        runs |= {(name, mode): in_mode(build("full", model, None), cfg, mode) for name, (
+        runs = {(prefix + name, mode, i): in_mode(build(name, model, plan, rules), cfg, mode)
+                for prefix, (model, rules, _, points, _) in sources.items() for name in points
+                for mode in MODES
+                for i, plan in enumerate(tries[prefix + name, mode])}
+        runs |= {(name, mode, 0): in_mode(build("full", model, None), cfg, mode) for name, (
             model, family) in more.items() if family != "pruned" for mode in MODES}
         speed = speed_pass(runs, self.workloads[0], replace(cfg, bench_repeats=1))
-        return {key: speedup(s, speed["full", key[1]]) for key, s in speed.items()}, plans
+        val = {key: speedup(s, speed["full", key[1], 0]) for key, s in speed.items()}
+        best = {key[:2]: key for key in sorted(val, key=val.get)}  # a point's fastest: its last
+        return ({key: val[k] for key, k in best.items()},
+                {key: tries[key][k[2]] for key, k in best.items() if key in tries})
 
     def measure(self, names, more, others):
         """The rows of a decoder table on the test workload, a prompt a call, both modes, quality
@@ -2169,7 +2165,7 @@ class Lab:
         reads: each source's decoders at their plans, and the models of more (name -> (model,
         family)) at full depth. Val's workload runs first (on_val): the forecasts are its
         speed-ups (a pruned model has none)."""
-        # the exit model's decoders of names (no prefix), then others' (freeze's, continue_plain's)
+        # the exit model's decoders of names (no prefix), then others' (frozen, continued)
         self.sources = sources = {"": (self.model, self.rules, self.plans, names, "full")} | others
         val, plans = self.on_val(sources, more)
         decoders, models = {}, dict(more)
@@ -2266,13 +2262,13 @@ def watched_decoders(lab, rows=STREAMS):
             decode, monitor = watched(name, model, plans[name], rules, cfg, batch)
             ran = {"fixed": run(build(name, model, plans[name], rules), batch),
                    "moving": run(decode, batch)}
-            upper = rate_bounds(torch.tensor(monitor.wrong + 0.0), max(monitor.seen, 1), cfg.delta)
+            upper = rate_bound(torch.tensor(monitor.wrong + 0.0), max(monitor.seen, 1), cfg.delta)
             spot = cfg.spot_share * DECODERS[name].skips  # the share of steps that run them again
             found.append({"model": prefix.strip() or "joint", "decoder": name, "text": text} | {
                 kind: exit_figures(q, full, cfg.n_layer, spot * (kind == "moving"))
                 for kind, q in ran.items()} | {
                 "val_early": plans[name]["early"], "labelled": monitor.seen / len(full),
-                "heads": monitor.heads * batch / len(full), "upper": float(upper[1])})
+                "heads": monitor.heads * batch / len(full), "upper": float(upper)})
     return {"moving": found, "notes": [
         f"{cfg.sweep_positions:,} positions of each text, in {rows} pieces spread over it",
         f"Watched: a Monitor a decoder for its {rows} pieces, from the calibrated threshold, "
@@ -2301,8 +2297,9 @@ def strategies(lab):
         f"{cfg.bench_tokens} more each, batch 1, {cfg.bench_repeats} interleaved passes",
         *notes, f"Chosen on val: exits (exit_layers={cfg.exit_layers!r}) at the run's threshold "
         f"({lab.threshold:g}), priced from the unit costs (report.json's decode_costs), the "
-        "schedule (drafters: num_draft; another exit model's rows: its own threshold and plans; "
-        "the frozen model's output against the plain GPT's). predicted: each row's speed-up on "
+        "schedule, each drafter's draft length in each mode (the fastest of num_draft, its half "
+        "and its quarter; another exit model's rows: its own threshold and plans; the frozen "
+        "model's output against the plain GPT's). predicted: each row's speed-up on "
         "val's workload, timed before test's (the same decoder, plan and k, or the same model, in "
         "the same mode; per round: a round's time over the tokens it emits). Prefilling the "
         "prompt and re-prefilling the window every block_size/2 tokens adds "
@@ -2350,7 +2347,7 @@ def frontier(lab):
         f"the frontier: greedy, {tied['greedy']}; sampled, {tied['sampled']}.",
         "Memory: weights a decoder reads (the exit heads it checks; a draft model's too), keys and "
         "values it holds a sequence at the window's full length (speculation: "
-        f"{cfg.num_draft} spare slots). Training: the exit model {lab.train_seconds:.0f} s, "
+        "its draft length's spare slots). Training: the exit model {lab.train_seconds:.0f} s, "
         f"{seconds}; pruned models, none.", "The exit recipe's cost at full depth: "
         f"{loss['full'] - loss[deep]:+.4f} (paired standard error {se['full', deep]:.4f}) in test "
         f"loss against the plain {deep} of the same shape, steps and data"],
@@ -3092,7 +3089,8 @@ def run_lab(lab, report, sampling):
     others = lab.freeze([name for name in names[1:] if cfg.continued or DECODERS[name].cache
                          == "exact" and DECODERS[name].skips and not DECODERS[name].schedule])
     if cfg.continued:
-        others |= lab.continue_plain(names)
+        others |= lab.exit_model("continued", *continued_exit_model(  # (model, about): its
+            cfg, lab.splits, lab.world), names, "continued full")  # decoders beside its full depth
     lab.measured = lab.measure(names, lab.other_models(), others)  # every decoder and model
     for analysis in ANALYSES:
         found = analysis.compute(lab)

@@ -1,6 +1,7 @@
 """Batches: per-row cache lengths, batched self-speculative decoding, and the per-token batch designs."""
 
 import copy
+import types
 
 import pytest
 import torch
@@ -96,10 +97,11 @@ def test_choose_schedule_keeps_its_budget_and_never_rises():
     assert saved[0] < saved[2]
 
 
-def test_val_times_each_drafter_at_num_draft_beside_full_depth(trained, monkeypatch):
-    """Lab.on_val: one interleaved pass over val's workload times full depth, each drafter at num_draft and
-    every other model in both modes; each speed-up is over full depth in its mode, call by call, and each drafter
-    runs on test at num_draft, drafting to its own last layer (the draft model) or to draft_exit."""
+def test_val_times_each_drafter_at_three_draft_lengths_and_keeps_the_fastest(trained, monkeypatch):
+    """Lab.on_val: one interleaved pass over val's workload times full depth, each drafter at num_draft, its half
+    and its quarter, and every other model, in both modes; each speed-up is over full depth in its mode, call by
+    call; a drafter's forecast and the plan it runs on test are those of its fastest length in that mode, drafting
+    to its own last layer (the draft model) or to draft_exit."""
     model, data = trained
     config = m.replace(model.config, bench_tokens=12, bench_repeats=2, bench_prompts=4, bench_prompt_len=8,
                        draft_exit=2, draft_layers=2, num_draft=5, shift_path="")
@@ -118,20 +120,41 @@ def test_val_times_each_drafter_at_num_draft_beside_full_depth(trained, monkeypa
     (prompts, cfg, speed), = passes
     assert torch.equal(prompts, lab.workloads[0]), "val's workload"
     assert cfg.bench_repeats == 1, "one pass on val"
-    assert (len(lab.workloads[0]), len(lab.workloads[1])) == (8, 4), "val's: twice test's prompts"
-    assert list(speed) == [(n, mode) for n in (*names, "2-layer GPT") for mode in m.MODES]
-    assert set(val) == set(speed)
-    for (name, mode), s in speed.items():
-        assert val[name, mode] == m.speedup(s, speed["full", mode]), "call by call beside full depth"
-        assert sum(o.exited_at.numel() for o in s["outputs"]) == 8 * 12, "every prompt continued 12 tokens"
-        if m.DECODERS.get(name, m.DECODERS["full"]).drafter:  # 5 drafts a round: 6 tokens a verify pass at most
-            assert sum(o.stats["rounds"] for o in s["outputs"]) >= 8 * 12 / 6
-            assert all(o.stats["num_draft"] == 5 for o in s["outputs"])
+    assert (len(lab.workloads[0]), len(lab.workloads[1])) == (4, 4), "as many prompts as test's"
+    assert not torch.equal(lab.workloads[0], lab.workloads[1])
+    lengths = {n: 3 if m.DECODERS.get(n, m.DECODERS["full"]).drafter else 1 for n in (*names, "2-layer GPT")}
+    assert sorted(speed) == sorted((n, mode, i) for n, k in lengths.items() for mode in m.MODES for i in range(k))
+    assert set(val) == {(n, mode) for n in lengths for mode in m.MODES}
+    for (name, mode, i), s in speed.items():
+        assert sum(o.exited_at.numel() for o in s["outputs"]) == 4 * 12, "every prompt continued 12 tokens"
+    for name, mode in val:
+        tried = {i: m.speedup(speed[name, mode, i], speed["full", mode, 0]) for i in range(lengths[name])}
+        assert val[name, mode] == max(tried.values()), "call by call beside full depth; a drafter's fastest"
+        if lengths[name] == 3:
+            ks = [speed[name, mode, i]["outputs"][0].stats["num_draft"] for i in range(3)]
+            assert sorted(ks) == [1, 2, 5], "num_draft, its half and its quarter"
+            for i, k in enumerate(ks):  # k drafts a round: k + 1 tokens a verify pass at most
+                assert all(o.stats["num_draft"] == k for o in speed[name, mode, i]["outputs"])
+                assert sum(o.stats["rounds"] for o in speed[name, mode, i]["outputs"]) >= 4 * 12 / (k + 1)
+            assert plans[name, mode]["num_draft"] == ks[max(tried, key=tried.get)], "the fastest on val"
     for mode in m.MODES:
         own, other = plans["self_speculative", mode], plans["draft_model", mode]
-        assert (own["num_draft"], own["draft_exit"], own["draft"]) == (5, 2, None)
-        assert (other["num_draft"], other["draft_exit"], other["draft"]) == (5, 1, draft)
-        assert ("full", mode) not in plans
+        assert (own["draft_exit"], own["draft"]) == (2, None)
+        assert (other["draft_exit"], other["draft"]) == (1, draft)
+        assert plans["full", mode] is None and ("2-layer GPT", mode) not in plans, "nothing to choose"
+
+
+@pytest.mark.parametrize("num_draft,lengths", [(1, [1]), (2, [1, 2]), (3, [1, 3]), (4, [1, 2, 4]), (8, [2, 4, 8])])
+def test_a_drafter_tries_num_draft_its_half_and_its_quarter(num_draft, lengths):
+    """run_plans: a drafter's candidate lengths are num_draft >> 0, 1, 2, none below 1 and none twice; an exit
+    decoder has its one plan."""
+    config = types.SimpleNamespace(num_draft=num_draft, draft_exit=0)
+    plans = m.run_plans({"": (None, None, {"deferred": {"x": 1}}, ["full", "deferred", "self_speculative"],
+                              "full")}, config, None)
+    assert set(plans) == {(n, mode) for n in ("full", "deferred", "self_speculative") for mode in m.MODES}
+    for mode in m.MODES:
+        assert plans["full", mode] == [None] and plans["deferred", mode] == [{"x": 1}]
+        assert sorted(p["num_draft"] for p in plans["self_speculative", mode]) == lengths
 
 
 def test_a_batch_takes_the_rounds_of_its_slowest_row(trained):

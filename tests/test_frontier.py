@@ -144,7 +144,7 @@ def test_every_point_of_the_frontier_is_measured_on_the_same_positions_and_workl
     assert all(torch.equal(p, lab.workloads[0]) for _, p in prompts if p is not table[0][1]), "the rest: val's"
     # the forecasts: every point but the pruned models (no table shows theirs) timed on val's workload
     # too, before test's
-    assert len(val) == 1 and {(n, "sampled") for n in ("1-layer GPT", "holes")} <= set(val[0])
+    assert len(val) == 1 and {(n, "sampled", 0) for n in ("1-layer GPT", "holes")} <= set(val[0])
     assert not [key for key in val[0] if key[0].startswith("pruned")]
     assert all(("predicted_speedup" in r) != (r["family"] == "pruned") for r in lab.measured)
     test, plans = lab.splits["test"], lab.plans
