@@ -54,7 +54,7 @@ class Config:
     vocab_size: int = 0  # set from the distinct characters of input_path; not an override
     alpha: float = 0.3  # weight of each exit head's loss; 0 trains a plain GPT and skips the heads
     # training
-    batch_size: int = 12  # how many independent sequences per optimizer step, per process?
+    batch_size: int = 12  # how many independent sequences per optimizer step
     max_iters: int = 1500  # total optimizer steps
     learning_rate: float = 2e-3  # peak learning rate after warmup
     min_lr: float = 1e-4  # learning rate at the end of the cosine decay
@@ -533,9 +533,9 @@ def train(model, optimizer, splits, config, device, start_iter=0, generator=None
           step_model=None, evaluate=True):
     """The training loop, evaluating every eval_interval steps: (seconds, median ms per step, log).
 
-    Part II's hooks: generator draws the batches (resumed, or one per process); on_step(it, log)
-    runs before every step (checkpoints, Ctrl-C); step_model takes the steps (compiled, or wrapped
-    for several processes); evaluate=False trains silently (the other processes of torchrun)."""
+    Part II's hooks: generator draws the batches (a resumed run's); on_step(it, log) runs before
+    every step (checkpoints, Ctrl-C); step_model takes the steps (compiled); evaluate=False trains
+    silently (the other models)."""
     generator = generator or torch.Generator().manual_seed(config.seed)
     step_model = step_model or model
     t_start, step_ms, log = time.time(), [], []
@@ -740,30 +740,27 @@ def recipe_from(plain, config, splits, frozen=False):
     seconds = train(model, optimizer, splits, config, device, evaluate=False)[0]
     return model.eval(), seconds
 
-def frozen_exit_model(plain, config, splits, world=1):
+def frozen_exit_model(plain, config, splits):
     """Exit heads trained after, on a trained plain GPT's frozen trunk (EE-Tuning, arXiv:2402.00518;
     Kangaroo, arXiv:2404.18911): the heads learn from the targets (at alpha 1 where the run has no
     exit loss at all) and, distilling, from the final head, which nothing changes, so full depth's
     output is the plain GPT's bit for bit. No dropout: the heads read the states a decoder sees; the
-    plain GPT's global batch (world processes'), for half its steps: heads on a trunk that stays put
+    plain GPT's batch, for half its steps: heads on a trunk that stays put
     learn sooner (at 500 steps of 1,500 top-1 skipped 15.6% of test's layer runs at the guarantee,
     at 1,500 16.8%). Returns (the model, seconds)."""
     return recipe_from(plain, replace(config, dropout=0.0, layer_dropout=0.0, alpha=config.alpha or
                                       float(not config.distill_weight),
-                                      max_iters=config.max_iters // 2,
-                                      batch_size=config.batch_size * world), splits, frozen=True)
+                                      max_iters=config.max_iters // 2), splits, frozen=True)
 
-def continued_exit_model(config, splits, world=1):
+def continued_exit_model(config, splits):
     """LayerSkip's continual setting (arXiv:2404.16710) at the run's budget: a plain GPT of the exit
     model's shape for (1 - continued) of the steps, then the whole model with the recipe's exit
     losses for the rest, on a learning-rate schedule of its own (warmup, then decay). Returns (the
     model, its training in words)."""
     first = round(config.max_iters * (1 - config.continued))
-    plain, _, trunk = train_plain_gpt(replace(config, max_iters=first), splits, config.n_layer,
-                                      world)
+    plain, _, trunk = train_plain_gpt(replace(config, max_iters=first), splits, config.n_layer)
     # batches of their own (seed + 1): the plain stage's seed would replay its first batches
-    rest = replace(config, max_iters=config.max_iters - first, batch_size=config.batch_size * world,
-                   seed=config.seed + 1)
+    rest = replace(config, max_iters=config.max_iters - first, seed=config.seed + 1)
     model, seconds = recipe_from(plain, rest, splits)
     return model, (f"a plain GPT for {first} steps ({trunk:.0f} s), then the whole model with "
                    f"the recipe for {rest.max_iters} ({seconds:.0f} s)")
@@ -1600,12 +1597,12 @@ def tail(outputs):
 # -----------------------------------------------------------------------------
 # Smaller models: plain GPTs of fewer layers, trained alike, as points of the frontier
 
-def train_plain_gpt(config, splits, n_layer, world=1):
+def train_plain_gpt(config, splits, n_layer):
     """A plain GPT (alpha 0, Part I's model) of n_layer blocks with the same width, steps and data,
-    on the splits' device, at the main model's global batch (batch_size a process, world
-    processes): (the model, its val loss on random windows, seconds). A diverged one stops the run,
+    on the splits' device, at the main model's batch: (the model, its val loss on random windows,
+    seconds). A diverged one stops the run,
     as format_eval says."""
-    cfg = replace(config, n_layer=n_layer, alpha=0.0, batch_size=config.batch_size * world)
+    cfg = replace(config, n_layer=n_layer, alpha=0.0)
     model, losses, seconds = train_new_model(cfg, splits, splits["train"].device, evaluate=False)
     return model, losses["val"][-1], seconds
 
@@ -2056,10 +2053,10 @@ class Lab:
     run_lab's steps add the rest where a reader sees them: the records and calibrations
     (calibrate_exits), use (a calibration's rules and threshold), plan (the unit costs and the
     exit plans), measure (a decoder table)."""
-    def __init__(self, model, tokenizer, splits, config, device, world=1, train_seconds=0.0):
+    def __init__(self, model, tokenizer, splits, config, device, train_seconds=0.0):
         # train_seconds: the exit model's
-        self.model, self.tokenizer, self.config, self.device, self.world, self.train_seconds = (
-            model, tokenizer, config, device, world, train_seconds)
+        self.model, self.tokenizer, self.config, self.device, self.train_seconds = (
+            model, tokenizer, config, device, train_seconds)
         self.splits = {name: text.to(device) for name, text in splits.items()}
         if config.shift_path:  # text of another kind, beside the splits
             self.splits["shift"] = torch.tensor(tokenizer.encode(read_text(config, "shift_path")),
@@ -2099,10 +2096,9 @@ class Lab:
         """A plain GPT of d layers trained alike (once: the smaller models and the draft model
         share them)."""
         if d not in self.plain_gpts:
-            model, loss, seconds = train_plain_gpt(lesson_config(self.config), self.splits, d,
-                                                   self.world)
+            model, loss, seconds = train_plain_gpt(lesson_config(self.config), self.splits, d)
             print(f"\n--- a {d}-layer GPT trained as a plain model (alpha 0) with the same width, "
-                  f"steps, data and global batch: val loss {loss:.4f}, {seconds:.1f} s ---")
+                  f"steps, data and batch: val loss {loss:.4f}, {seconds:.1f} s ---")
             self.plain_gpts[d] = model, seconds
         return self.plain_gpts[d][0]
 
@@ -2111,7 +2107,7 @@ class Lab:
         decoders of names, each beside that GPT's output (its full depth, bit for bit: its
         draft_model drafts for the plain GPT)."""
         cfg = self.config
-        model, seconds = frozen_exit_model(self.plain(cfg.n_layer), cfg, self.splits, self.world)
+        model, seconds = frozen_exit_model(self.plain(cfg.n_layer), cfg, self.splits)
         about = (f"the plain {cfg.n_layer}-layer GPT ({self.plain_gpts[cfg.n_layer][1]:.0f} s of "
                  f"training), exit heads trained after on its frozen trunk for {cfg.max_iters // 2}"
                  f" steps ({seconds:.0f} s); its full depth is that GPT's, bit for bit")
@@ -2297,11 +2293,12 @@ def strategies(lab):
         f"{cfg.bench_tokens} more each, batch 1, {cfg.bench_repeats} interleaved passes",
         *notes, f"Chosen on val: exits (exit_layers={cfg.exit_layers!r}) at the run's threshold "
         f"({lab.threshold:g}), priced from the unit costs (report.json's decode_costs), the "
-        "schedule, each drafter's draft length in each mode (the fastest of num_draft, its half "
-        "and its quarter; another exit model's rows: its own threshold and plans; the frozen "
-        "model's output against the plain GPT's). predicted: each row's speed-up on "
-        "val's workload, timed before test's (the same decoder, plan and k, or the same model, in "
-        "the same mode; per round: a round's time over the tokens it emits). Prefilling the "
+        "schedule, and each drafter's draft length in each mode: the fastest on val of num_draft, "
+        "its half and its quarter, those at least 1 (another exit model's rows: its own threshold "
+        "and plans; the frozen model's output against the plain GPT's). predicted: each row's "
+        "speed-up on val's workload, timed before test's (the same decoder, plan and k, or the "
+        "same model, in the same mode; per round: a round's time over the tokens it emits; a "
+        "drafter's, the best of its three, leans high). Prefilling the "
         "prompt and re-prefilling the window every block_size/2 tokens adds "
         f"{' to '.join(f'{p:.2f}' for p in prefill)} per token for every decoder. Sampled: "
         f"temperature {cfg.temperature:g}, top_k {cfg.top_k}.",
@@ -2347,7 +2344,7 @@ def frontier(lab):
         f"the frontier: greedy, {tied['greedy']}; sampled, {tied['sampled']}.",
         "Memory: weights a decoder reads (the exit heads it checks; a draft model's too), keys and "
         "values it holds a sequence at the window's full length (speculation: "
-        "its draft length's spare slots). Training: the exit model {lab.train_seconds:.0f} s, "
+        f"its draft length's spare slots). Training: the exit model {lab.train_seconds:.0f} s, "
         f"{seconds}; pruned models, none.", "The exit recipe's cost at full depth: "
         f"{loss['full'] - loss[deep]:+.4f} (paired standard error {se['full', deep]:.4f}) in test "
         f"loss against the plain {deep} of the same shape, steps and data"],
@@ -2553,7 +2550,7 @@ def html_report(report):
             f"</h1>{html_summary(report, body)}{body}</body></html>")
 
 # -----------------------------------------------------------------------------
-# Checkpoints: written to a temporary file, then renamed; resume, Ctrl-C, torchrun
+# Checkpoints: written to a temporary file, then renamed; resume, Ctrl-C
 
 ARCH_FIELDS = "n_layer n_head n_embd block_size bias".split()  # forced on resume
 # the recipe a run trains with: a resume takes these from its checkpoint, unless given anew
@@ -2578,7 +2575,7 @@ def write_text(text, path):
 
 def random_states():
     """torch's random states (dropout, layer dropout): the CPU's and every GPU's (none on a
-    machine without). A checkpoint keeps rank 0's."""
+    machine without)."""
     return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()}
 
 def set_random_states(states):
@@ -2631,41 +2628,13 @@ def load_checkpoint(path, config, overridden, tokenizer):
 class Interrupted(Exception):
     """Ctrl-C stopped training; the checkpoint at `path` holds every step done."""
 
-def start_processes(config, alone=False):
-    """Under torchrun (RANK set) and not alone: join the process group, nccl on CUDA and gloo on
-    the CPU. Returns (rank, world size, device); otherwise rank 0 of 1 on its picked device."""
-    if "RANK" not in os.environ or alone:
-        return 0, 1, pick_device(config.device)
-    if config.device not in ("auto", "cuda", "cpu"):
-        raise ValueError(f"--device={config.device} under torchrun: each process takes its own "
-                         "GPU (auto or cuda: cuda:LOCAL_RANK) or the CPU (cpu)")
-    device = pick_device(config.device)
-    if device == "cuda":
-        device = f"cuda:{os.environ['LOCAL_RANK']}"
-        torch.cuda.set_device(device)
-    torch.distributed.init_process_group("gloo" if device == "cpu" else "nccl")
-    return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
-
-def step_model_for(model, config, world):
-    """What takes the training steps: the model, in DistributedDataParallel across processes (each
-    its own batch, gradients averaged in backward), compiled with --compile."""
-    step_model = model
-    if world > 1:
-        step_model = torch.nn.parallel.DistributedDataParallel(  # unused: no gradient for the exits
-            model, find_unused_parameters=config.alpha == 0 and config.distill_weight == 0)
-    if config.compile:
-        step_model = torch.compile(step_model)
-    return step_model
-
-def new_or_resumed(config, tokenizer, device, overridden, rank=0):
-    """(model, optimizer, progress): new, or the checkpoint's with its random states back. Every
-    process builds the same model; then a process above rank 0 reseeds (from seed, rank and the
-    step), so that each draws dropout masks of its own. On resume, rank 0 prints what the command
-    line changes of the checkpoint's recipe."""
+def new_or_resumed(config, tokenizer, device, overridden):
+    """(model, optimizer, progress): new, or the checkpoint's with its random states back. On
+    resume, it prints what the command line changes of the checkpoint's recipe."""
     ckpt = {"vocab": tokenizer.chars, "iter_num": 0, "train_seconds": 0.0, "train_log": []}
     if config.init_from == "resume":  # before the model is built: it sets the architecture
         ckpt, overrides = load_checkpoint(checkpoint_path(config), config, overridden, tokenizer)
-        if overrides and rank == 0:
+        if overrides:
             print(f"resumed with the checkpoint's recipe but {', '.join(overrides)}")
     torch.manual_seed(config.seed)
     model = RecipeGPT(config).to(device)
@@ -2681,27 +2650,25 @@ def new_or_resumed(config, tokenizer, device, overridden, rank=0):
             saved.update(weight_decay=group["weight_decay"], betas=group["betas"])
         optimizer.load_state_dict(ckpt["optimizer"])  # a ValueError where its groups do not fit
         set_random_states(ckpt["rng"])
-    if rank > 0:
-        torch.manual_seed(config.seed + 1_000_003 * rank + ckpt["iter_num"])
     return model, optimizer, {key: ckpt[key] for key in PROGRESS}
 
-def train_with_checkpoints(model, optimizer, splits, config, device, progress, rank, world):
-    """Train from progress's step to max_iters; rank 0 saves a checkpoint at every evaluation and
+def train_with_checkpoints(model, optimizer, splits, config, device, progress):
+    """Train from progress's step to max_iters, with a checkpoint at every evaluation and
     on Ctrl-C, which then raises Interrupted. Updates progress; returns (seconds, ms a step)."""
     path = checkpoint_path(config)
     done = progress["iter_num"]
     seconds = progress["train_seconds"]
     log = progress["train_log"]
-    # process rank's batches, seeded seed + rank; the steps done draw theirs again (one a step,
-    # cheap), so that a resumed process draws what it would have
-    generator = torch.Generator().manual_seed(config.seed + rank)
+    # batches seeded from seed; the steps done draw theirs again (one a step, cheap), so that a
+    # resumed run draws what it would have
+    generator = torch.Generator().manual_seed(config.seed)
     for _ in range(done):
         get_batch(splits["train"], config.block_size, config.batch_size, generator, "cpu")
     stop = []  # Ctrl-C's flag
     t0 = time.time()
 
     def on_step(it, new_log):  # before every step
-        if rank == 0 and (stop or (it % config.eval_interval == 0 and it > done)):
+        if stop or (it % config.eval_interval == 0 and it > done):
             progress.update(iter_num=it, train_seconds=seconds + time.time() - t0,
                             train_log=log + new_log)
             save_checkpoint(path, model, optimizer, config, progress)
@@ -2712,36 +2679,31 @@ def train_with_checkpoints(model, optimizer, splits, config, device, progress, r
     handler = signal.signal(signal.SIGINT, lambda *_: stop.append(1))
     try:
         took, ms, new_log = train(model, optimizer, splits, config, device, done, generator,
-                                  on_step, step_model_for(model, config, world), evaluate=rank == 0)
+                                  on_step, torch.compile(model) if config.compile else model)
     finally:
         signal.signal(signal.SIGINT, handler)
     progress.update(iter_num=max(done, config.max_iters), train_seconds=seconds + took,
                     train_log=log + new_log)
     return took, ms
 
-def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, world=1, report=None):
+def train_or_resume(config, tokenizer, splits, device, overridden=(), report=None):
     """A new model or the checkpoint's, trained up to max_iters with a checkpoint at every
-    evaluation and on Ctrl-C; None on the ranks of a torchrun job above 0. The training figures go
-    into report."""
-    model, optimizer, progress = new_or_resumed(config, tokenizer, device, overridden, rank)
+    evaluation and on Ctrl-C. The training figures go into report."""
+    model, optimizer, progress = new_or_resumed(config, tokenizer, device, overridden)
     done = progress["iter_num"]
     path = checkpoint_path(config)
     base, heads = count_params(model)
-    if rank == 0:
-        os.makedirs(config.out_dir, exist_ok=True)
-        # three lines: the run, the parameters, what the losses while training are
-        sizes = "/".join(f"{len(split):,}" for split in splits.values())
-        print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: "
-              f"{sizes} characters | processes: {world}\n"
-              f"parameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in "
-              f"{config.n_layer - 1} exit heads ({100 * heads / base:.2f}% overhead)\n"
-              f"losses while training: each split's mean over {config.eval_iters} batches of "
-              f"{config.batch_size} random windows of {config.block_size} characters; 'val loss' "
-              "is full depth's")
-    took, ms = train_with_checkpoints(model, optimizer, splits, config, device, progress, rank,
-                                      world)
-    if rank > 0:
-        return None
+    os.makedirs(config.out_dir, exist_ok=True)
+    # three lines: the run, the parameters, what the losses while training are
+    sizes = "/".join(f"{len(split):,}" for split in splits.values())
+    print(f"device: {device} | vocabulary: {tokenizer.vocab_size} characters | train/val/test: "
+          f"{sizes} characters\n"
+          f"parameters: {base / 1e6:.3f} M base model, {heads / 1e6:.3f} M in "
+          f"{config.n_layer - 1} exit heads ({100 * heads / base:.2f}% overhead)\n"
+          f"losses while training: each split's mean over {config.eval_iters} batches of "
+          f"{config.batch_size} random windows of {config.block_size} characters; 'val loss' "
+          "is full depth's")
+    took, ms = train_with_checkpoints(model, optimizer, splits, config, device, progress)
     losses = estimate_loss(model, splits, config, device)
     print(format_eval(progress["iter_num"], losses))
     save_checkpoint(path, model, optimizer, config, progress)
@@ -2756,7 +2718,7 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
     report.update(config=asdict(config), n_params=base, n_params_exit_heads=heads,
                   train_seconds=progress["train_seconds"], ms_per_iter=ms,
                   val_loss={"final": losses["val"][-1], "exits": losses["val"][:-1]},
-                  train_loss=losses["train"][-1], train_log=progress["train_log"], processes=world)
+                  train_loss=losses["train"][-1], train_log=progress["train_log"])
     return model.eval()
 
 # -----------------------------------------------------------------------------
@@ -2765,7 +2727,7 @@ def train_or_resume(config, tokenizer, splits, device, overridden=(), rank=0, wo
 RANGES = {  # the numbers each field takes: [ or ] includes that end, ( or ) leaves it out
     "[0, inf)": "max_iters warmup_iters top_k draft_exit alpha min_lr weight_decay grad_clip "
                 "temperature distill_weight adapt_credit",
-    "[0, 4294967295]": "seed",  # numpy's range; seed + 1_000_003 * rank + step fits 64 bits
+    "[0, 4294967295]": "seed",  # numpy's range of seeds
     "[1, inf)": "n_head n_embd batch_size eval_interval eval_iters max_new_tokens num_draft "
                 "quality_positions bench_prompts bench_prompt_len bench_repeats draft_layers "
                 "adapt_horizon",
@@ -2807,8 +2769,7 @@ def build_parser():
     rules.update(dict.fromkeys(CHOICES, " one of %(choices)s"))  # argparse lists them
     parser = ArgumentParser(
         usage="nanogpt_exit_head.py [--name=value ...]", allow_abbrev=False,
-        argument_default=argparse.SUPPRESS,
-        epilog="N processes: torchrun --standalone --nproc_per_node=N nanogpt_exit_head.py [...]")
+        argument_default=argparse.SUPPRESS)
     for f in fields(LabConfig):
         if f.name != "vocab_size":
             parser.add_argument(
@@ -3090,7 +3051,7 @@ def run_lab(lab, report, sampling):
                          == "exact" and DECODERS[name].skips and not DECODERS[name].schedule])
     if cfg.continued:
         others |= lab.exit_model("continued", *continued_exit_model(  # (model, about): its
-            cfg, lab.splits, lab.world), names, "continued full")  # decoders beside its full depth
+            cfg, lab.splits), names, "continued full")  # decoders beside its full depth
     lab.measured = lab.measure(names, lab.other_models(), others)  # every decoder and model
     for analysis in ANALYSES:
         found = analysis.compute(lab)
@@ -3104,25 +3065,19 @@ def run_lab(lab, report, sampling):
 
 def run(config, overridden):
     """The default job: the lab's model (trained, resumed, or loaded by --sample_only), its
-    samples and every analysis; --lesson_only runs Part I alone. Under torchrun every process
-    trains, and rank 0 alone analyses, prints and writes (--sample_only: rank 0 alone runs)."""
+    samples and every analysis; --lesson_only runs Part I alone."""
     if config.lesson_only:
         return run_lesson(lesson_config(config), pick_device(config.device))
-    if config.sample_only and int(os.environ.get("RANK", "0")) > 0:
-        return None
-    rank, world, device = start_processes(config, config.sample_only)
+    device = pick_device(config.device)
     tokenizer, splits = load_data(config)
     report, sampling = {}, None
     if config.sample_only:  # no training, no calibration: the checkpoint's
         model = new_or_resumed(config, tokenizer, device, overridden)[0]
         sampling = read_checkpoint(checkpoint_path(config)).get("sampling")
     else:
-        model = train_or_resume(config, tokenizer, splits, device, overridden, rank, world, report)
-    if world > 1:
-        torch.distributed.destroy_process_group()
-    if rank == 0:
-        run_lab(Lab(model.eval(), tokenizer, splits, config, device, world,
-                    report.get("train_seconds", 0.0)), report, sampling)
+        model = train_or_resume(config, tokenizer, splits, device, overridden, report)
+    run_lab(Lab(model.eval(), tokenizer, splits, config, device, report.get("train_seconds", 0.0)),
+            report, sampling)
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv

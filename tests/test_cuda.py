@@ -4,14 +4,11 @@ run them on a GPU with `python -m pytest -q tests/test_cuda.py`."""
 
 import copy
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import KV_STRATEGIES, ROOT, m, tiny_model
+from conftest import KV_STRATEGIES, m, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -37,14 +34,6 @@ def test_resume_and_sample_only_on_cuda(tmp_path):
         assert m.main(TINY + ["--max_iters=6", "--init_from=resume", f"--out_dir={tmp_path}"]) == 0
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == 6
     assert m.main(TINY + ["--init_from=resume", "--sample_only=1", f"--out_dir={tmp_path}"]) == 0
-
-
-def test_torchrun_with_nccl(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-                           os.path.join(ROOT, "nanogpt_exit_head.py"), *TINY, f"--out_dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (tmp_path / "ckpt.pt").exists() and json.loads((tmp_path / "report.json").read_text())["processes"] == 1
 
 
 @torch.no_grad()

@@ -123,13 +123,13 @@ def test_the_runs_threshold_is_the_flags_or_the_calibrations_or_part_ones():
 
 def test_frozen_heads_learn_even_where_the_run_trains_no_exit(plain_and_frozen):
     """--alpha=0 --distill_weight=0 gives the exit losses no weight: the frozen heads still need one (alpha 1),
-    or backward has nothing to differentiate; under torchrun they train at the plain GPT's global batch."""
+    or backward has nothing to differentiate; they train at the plain GPT's batch."""
     plain, before, _, _ = plain_and_frozen
     splits = {name: torch.randint(0, 11, (2000,), generator=torch.Generator().manual_seed(i))
               for i, name in enumerate(("train", "val", "test"))}
     config = tiny_config(max_iters=3, warmup_iters=1, batch_size=4, alpha=0.0, distill_weight=0.0)
-    frozen, _ = m.frozen_exit_model(plain, config, splits, world=2)
-    assert frozen.config.alpha == 1.0 and frozen.config.batch_size == 8, "and the plain GPT's global batch"
+    frozen, _ = m.frozen_exit_model(plain, config, splits)
+    assert frozen.config.alpha == 1.0 and frozen.config.batch_size == 4, "and the plain GPT's batch"
     assert frozen.config.max_iters == 1, "half of 3 steps, rounded down"
     distilling = m.frozen_exit_model(plain, m.replace(config, distill_weight=0.1), splits)[0]
     assert distilling.config.alpha == 0.0, "distillation alone is a loss: the run's recipe, unchanged"
@@ -157,11 +157,11 @@ def test_the_continued_model_trains_a_plain_gpt_then_the_recipe_within_the_runs_
 @pytest.mark.parametrize("continued,first", [(0.2, 8), (0.25, 8), (0.5, 5)])
 def test_the_continued_split_of_steps_rounds_to_the_nearest(continued, first, monkeypatch):
     """The plain stage's steps and then the recipe's, within max_iters; the recipe draws batches of its own
-    (seed + 1: the plain stage's seed would replay its first batches), at the global batch of 2 processes."""
+    (seed + 1: the plain stage's seed would replay its first batches), at the run's batch."""
     seen = []
-    monkeypatch.setattr(m, "train_plain_gpt", lambda cfg, splits, n_layer, world: seen.append(
-        (cfg.max_iters, cfg.seed, world)) or (None, 0.0, 1.0))
+    monkeypatch.setattr(m, "train_plain_gpt", lambda cfg, splits, n_layer: seen.append(
+        (cfg.max_iters, cfg.seed, cfg.batch_size)) or (None, 0.0, 1.0))
     monkeypatch.setattr(m, "recipe_from", lambda plain, cfg, splits: seen.append(
         (cfg.max_iters, cfg.seed, cfg.batch_size)) or (None, 2.0))
-    m.continued_exit_model(m.LabConfig(max_iters=10, continued=continued, seed=7, batch_size=3), {}, world=2)
-    assert seen == [(first, 7, 2), (10 - first, 8, 6)]
+    m.continued_exit_model(m.LabConfig(max_iters=10, continued=continued, seed=7, batch_size=3), {})
+    assert seen == [(first, 7, 3), (10 - first, 8, 3)]

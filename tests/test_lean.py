@@ -84,8 +84,9 @@ def test_an_unknown_strategy_name_is_an_error_not_backfill(capsys):
 
 def test_each_strategy_row_carries_its_plans_prediction(monkeypatch):
     """Every row of the decoder table sits beside its forecast from val: the speed-up the same decoder at the
-    same plan (a drafter at num_draft), or the same model at full depth, ran at on val's workload in the row's
-    mode; full depth's is 1. An exit decoder's plan is the one the unit costs priced on val's records."""
+    same plan (a drafter at the draft length chosen on val in the row's mode), or the same model at full depth,
+    ran at on val's workload in the row's mode; full depth's is 1. An exit decoder's plan is the one the unit
+    costs priced on val's records."""
     model = tiny_model()
     config = m.LabConfig(**{**vars(model.config), "quality_positions": 40, "bench_tokens": 6, "bench_repeats": 1,
                             "bench_prompts": 4, "bench_prompt_len": 6, "sweep_positions": 300, "shift_path": "",
@@ -93,9 +94,17 @@ def test_each_strategy_row_carries_its_plans_prediction(monkeypatch):
     splits = {name: torch.randint(0, 11, (4000,), generator=torch.Generator().manual_seed(i))
               for i, name in enumerate(("train", "val", "test"))}
     vals, real = [], m.Lab.on_val
-    monkeypatch.setattr(m.Lab, "on_val", lambda lab, *a: (lambda got: vals.append(got[0]) or got)(real(lab, *a)))
+    lengths = {"greedy": 2, "sampled": 4}  # each mode's chosen length, set apart: each row must run its own
+
+    def on_val(lab, *a):
+        val, chosen = real(lab, *a)
+        chosen = {key: {**plan, "num_draft": lengths[key[1]]} if plan and "num_draft" in plan else plan
+                  for key, plan in chosen.items()}
+        vals.append((val, chosen))
+        return val, chosen
+    monkeypatch.setattr(m.Lab, "on_val", on_val)
     lab = measured_lab(model, config, splits)
-    (val,), rows, costs, plans = vals, lab.measured, lab.costs, lab.plans
+    ((val, chosen),), rows, costs, plans = vals, lab.measured, lab.costs, lab.plans
     assert set(plans) == {name for name, d in m.DECODERS.items() if d.strategy}
     exit_rows = [r for r in rows if m.DECODERS[r["decoder"]].strategy]
     assert {(r["name"], r["mode"]) for r in exit_rows} == {(n, mode) for n in plans for mode in m.MODES}
@@ -113,6 +122,11 @@ def test_each_strategy_row_carries_its_plans_prediction(monkeypatch):
             assert row["predicted_speedup"] == 1.0
         else:
             assert row["predicted_speedup"] == val[row["name"], row["mode"]], row["name"]
+    drafters = [r for r in rows if m.DECODERS[r["decoder"]].drafter]
+    assert len(drafters) == 4  # each drafter in each mode runs on test at the length chosen for it
+    for row in drafters:
+        plan = chosen[row["name"], row["mode"]]
+        assert (row["num_draft"], row["draft_exit"]) == (lengths[row["mode"]], plan["draft_exit"]), row["name"]
     smaller = [r for r in rows if r["name"].endswith("GPT")]
     assert {r["name"] for r in smaller} >= {"1-layer GPT"}
     assert all((r["name"], r["mode"]) in val for r in smaller)

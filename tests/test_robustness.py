@@ -384,3 +384,46 @@ def test_a_checkpoint_keeps_every_gpus_random_state(tmp_path, monkeypatch):
     torch.save(m.random_states(), tmp_path / "rng.pt")
     m.set_random_states(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert len(restored) == 1 and all(torch.equal(a, b) for a, b in zip(restored[0], states))
+
+
+def test_a_resumed_run_draws_the_batches_it_would_have_drawn(tmp_path, monkeypatch):
+    """A run cut after 2 of 4 steps and resumed redraws the 2 batches done (to catch up), then draws the 2
+    the whole run drew for its last steps."""
+    data, drawn = torch.randint(0, 11, (2000,)), []
+    original = m.get_batch
+    monkeypatch.setattr(m, "get_batch", lambda *a: drawn.append(original(*a)) or drawn[-1])
+    monkeypatch.setattr(m, "estimate_loss", lambda model, splits, config, device: {  # draws no batch
+        s: [2.0] * config.n_layer for s in ("train", "val")})
+    tok, splits = m.CharTokenizer("abcdefghijk"), {"train": data, "val": data, "test": data}
+
+    def train(max_iters, init_from, out):
+        cfg = tiny_config(max_iters=max_iters, eval_interval=100, batch_size=2, eval_iters=1, init_from=init_from,
+                          out_dir=str(tmp_path / out))
+        start = len(drawn)
+        m.train_or_resume(cfg, tok, splits, "cpu", {"max_iters"}, report={})
+        return drawn[start:]
+
+    whole = train(4, "scratch", "whole")
+    train(2, "scratch", "cut")
+    resumed = train(4, "resume", "cut")
+    assert len(whole) == 4 and len(resumed) == 4  # two redrawn to catch up, then the two steps left
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(whole, resumed))
+
+
+def test_auto_picks_cuda_then_the_cpu_never_mps(monkeypatch):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert m.pick_device("auto") == "cpu" and m.pick_device("mps") == "mps"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert m.pick_device("auto") == "cuda"
+
+
+def test_a_named_gpu_becomes_the_current_one(monkeypatch):
+    """On --device=cuda:1 the timers' synchronize and the memory counters read the current GPU, so cuda:1
+    must be it."""
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    assert m.pick_device("cuda:1") == "cuda:1" and current == ["cuda:1"]
+    assert m.pick_device("cuda") == "cuda" and m.pick_device("cpu") == "cpu" and current == ["cuda:1"]

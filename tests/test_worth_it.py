@@ -244,3 +244,5 @@ def test_a_faster_point_within_twice_the_error_is_named_a_tie_and_beyond_it_beat
     assert {r["name"]: r["dominated_greedy"] for r in found["frontier"]}["full"] == "near"
     assert "greedy, none; sampled, none." in next(n for n in found["notes"] if n.startswith("Within twice"))
     assert found["recipe_cost"] == pytest.approx(1.0)  # full depth 2.0 against the 2-layer GPT's 1.0
+    memory = next(n for n in found["notes"] if n.startswith("Memory:"))
+    assert "Training: the exit model 1 s," in memory and "{" not in memory, "the figures filled in"
