@@ -1430,12 +1430,11 @@ class Monitor:
         self.u = max(self.u + k - n * self.target, -2 * self.credit)
 
 class Watched:
-    """A monitor on an exit decoder, put before its KV strategy: on a random share of steps, spot
-    checks, the layers above an exit run as backfill runs them, and the final head on their state
-    gives each row's label: full depth's top-1 with an exact cache (state copy and holes: their
-    own deep layers' over their own cache). Each disagreement found is counted 1 / share by a
-    Monitor shared by every generation it watches, which sets the threshold each step leaves at.
-    Backfill runs those layers anyway: its share is 1, every exit labelled at once."""
+    """A monitor on an exit decoder with an exact cache, put before its KV strategy: on a random
+    share of steps, spot checks, the layers above an exit run as backfill runs them, and the final
+    head on their state gives each row's label, full depth's top-1. Each disagreement found is
+    counted 1 / share by a Monitor shared by every generation it watches, which sets the threshold
+    each step leaves at. Backfill runs those layers anyway: its share is 1, every exit labelled."""
     def __init__(self, model, monitor, share, generator):
         self.model, self.monitor, self.share, self.generator = model, monitor, share, generator
 
@@ -1463,6 +1462,35 @@ class Watched:
         m.wrong, m.seen = m.wrong + k, m.seen + self.spot * len(left)
         m.update(k / (self.share or 1), len(left))  # share 0: nothing labelled
 
+class Shadowed(Watched):
+    """State copy's and holes' deep layers read their own cache, not full depth's, so a spot check
+    there shadows a window: the window's prefill leaves an exact cache, and a copy of it, fed each
+    new token through every layer, gives full depth's label at each step till the window moves.
+    On a random share of windows; n_layer more layer runs a step of one."""
+    window = None  # the cache's start when the spot was drawn
+
+    def exit_threshold(self, threshold):
+        return THRESHOLDS[self.monitor.index()]
+
+    def skip_layers(self, model, cache, x, pos, layer):
+        super(Watched, self).skip_layers(model, cache, x, pos, layer)  # its own strategy's
+
+    def run_layer(self, block, cache, layer, x, pos):
+        if layer == 0 and cache.start != self.window:  # a new window, its cache just prefilled
+            self.window = cache.start
+            self.spot = torch.rand(1, generator=self.generator).item() < self.share
+            self.shadow = copy.deepcopy(cache)
+        if layer == 0 and self.spot:
+            self.top = x
+            for l, b in enumerate(self.model.transformer.h):
+                self.top = b(self.top, self.shadow, l)
+        return super(Watched, self).run_layer(block, cache, layer, x, pos)
+
+    def emitted(self, logits, exit_layer):
+        self.last = self.spot and self.top[:, 0]
+        # every row is judged, none left early or not: its cache is not full depth's
+        super().emitted(logits, torch.zeros_like(exit_layer))
+
 STREAMS = 32  # the pieces of the watched decoders' table, one Monitor for them (exact caches
 # decode them together, the others a piece a call)
 
@@ -1474,7 +1502,8 @@ def watched(name, model, plan, rules, config, rows=1, seed=0):
     # a spot check's update may bring rows / share; the grid's threshold at or above the plan's
     monitor = Monitor(max(i for i, t in enumerate(THRESHOLDS) if t >= plan["threshold"]), config,
                       rows / (share or 1))
-    kv = partial(type("Watched" + d.strategy.__name__, (Watched, d.strategy), {}), model, monitor,
+    watch = Watched if d.cache == "exact" else Shadowed
+    kv = partial(type("Watched" + d.strategy.__name__, (watch, d.strategy), {}), model, monitor,
                  share, torch.Generator().manual_seed(seed))
     return partial(build(name, model, plan, rules), strategy=kv), monitor
 
@@ -1965,7 +1994,7 @@ in expectation
 labelled             | labelled     | {:.0%} | positions whose label it saw (spot checks)
 heads                | heads        | {:.2f} | final heads it ran for labels, a step
 upper                | bound        | {:.2%} | the monitor's upper bound on its labelled \
-positions' disagreement (state copy, holes: with their own deep layers)""")
+positions' disagreement""")
 STRATEGY_TABLE = table("""What does each KV strategy buy?
 mode              | mode      | {}      | greedy, or sampled
 name              | decoder   | {}      | how the skipped layers' cache is filled
@@ -2230,11 +2259,12 @@ def shifted_text(lab):
         f"{100 * cal['epsilon']:g}%. The "
         "guarantee covers text like val, and nothing else."]}
 
-def exit_figures(q, full, n_layer, spot):
+def exit_figures(q, full, n_layer, spot=0.0, shadow=0.0):
     """A quality_pass's disagreement with full depth's top-1 (full), the share of layer runs its
-    exits skip (less `spot`, the share of them run again), and the share that leave early."""
+    exits skip (less `spot`, the share of them run again, and `shadow`, the share of positions a
+    shadow ran at full depth), and the share that leave early."""
     return {"disagreement": average(q["pred"] != full), "early": average(q["exits"] < n_layer - 1),
-            "compute_saved": (1 - spot) * (1 - average(q["exits"] + 1) / n_layer)}
+            "compute_saved": (1 - spot) * (1 - average(q["exits"] + 1) / n_layer) - shadow}
 
 def watched_decoders(lab, rows=STREAMS):
     """Backfill and deferred, fixed and watched, on `rows` pieces of test and shift a call; with
@@ -2258,13 +2288,13 @@ def watched_decoders(lab, rows=STREAMS):
             decode, monitor = watched(name, model, plans[name], rules, cfg, batch)
             ran = {"fixed": run(build(name, model, plans[name], rules), batch),
                    "moving": run(decode, batch)}
-            upper = rate_bound(torch.tensor(monitor.wrong + 0.0), max(monitor.seen, 1), cfg.delta)
-            spot = cfg.spot_share * DECODERS[name].skips  # the share of steps that run them again
+            seen = monitor.seen / len(full)  # a shadow runs every layer where it labels
+            cost = (cfg.spot_share * DECODERS[name].skips, 0) if batch == rows else (0, seen)
             found.append({"model": prefix.strip() or "joint", "decoder": name, "text": text} | {
-                kind: exit_figures(q, full, cfg.n_layer, spot * (kind == "moving"))
-                for kind, q in ran.items()} | {
-                "val_early": plans[name]["early"], "labelled": monitor.seen / len(full),
-                "heads": monitor.heads * batch / len(full), "upper": float(upper)})
+                kind: exit_figures(q, full, cfg.n_layer, *cost * (kind == "moving"))
+                for kind, q in ran.items()} | {"val_early": plans[name]["early"], "labelled": seen,
+                "heads": monitor.heads * batch / len(full), "upper": float(rate_bound(
+                    torch.tensor(monitor.wrong + 0.0), max(monitor.seen, 1), cfg.delta))})
     return {"moving": found, "notes": [
         f"{cfg.sweep_positions:,} positions of each text, in {rows} pieces spread over it",
         f"Watched: a Monitor a decoder for its {rows} pieces, from the calibrated threshold, "
@@ -2273,9 +2303,9 @@ def watched_decoders(lab, rows=STREAMS):
         f"call, {targets[2]:.3%}). Backfill labels every exit: of T positions at most target T + "
         "credit + 4 + rows disagree, at most epsilon once T reaches the horizon. The others spot-"
         f"check {cfg.spot_share:.0%} of steps, each disagreement found counted 1 / share: epsilon "
-        "in expectation. State copy and holes (--continued) label with their own deep layers over "
-        "their own cache, which a spot check repairs. Self-speculation needs none of this: a shift "
-        "costs it speed, never its output."]}
+        "in expectation; state copy and holes (--continued) a window's, a copy of its exact "
+        "cache running every layer. Self-speculation needs none of this: a shift costs it speed, "
+        "never its output."]}
 
 def strategies(lab):
     """The strategies table, and under it what it rests on: the drafts, the measured costs."""

@@ -176,15 +176,27 @@ def test_spot_checks_label_their_share_and_keep_epsilon(watched_text, name):
 
 
 @pytest.mark.usefixtures("no_grad")
-@pytest.mark.parametrize("name", ["deferred", "state_copy", "holes"])
-def test_a_spot_check_on_every_step_is_backfill(watched_text, name):
-    """At share 1 every step is a spot check: the layers above every exit run, as backfill's do, so the
-    decoder leaves where a watched backfill leaves and finds the same disagreements."""
+def test_a_spot_check_on_every_step_is_backfill(watched_text):
+    """At share 1 every step of deferred is a spot check: the layers above every exit run, as backfill's do,
+    so it leaves where a watched backfill leaves and finds the same disagreements."""
     model, text, _, _, config, plan = watched_text
     ref, ref_monitor = decode(model, text, "backfill", plan, config)
-    out, monitor = decode(model, text, name, plan, replace(config, spot_share=1.0))
+    out, monitor = decode(model, text, "deferred", plan, replace(config, spot_share=1.0))
     assert torch.equal(out.exited_at, ref.exited_at)
     assert monitor.wrong == ref_monitor.wrong > 0 and monitor.seen == ref_monitor.seen
+
+
+@pytest.mark.usefixtures("no_grad")
+@pytest.mark.parametrize("name", ["state_copy", "holes"])
+def test_a_shadowed_decoder_labels_with_full_depth_not_its_own_cache(watched_text, name):
+    """State copy and holes read a cache that is not full depth's, so their spot checks shadow a window with an
+    exact cache: at share 1 every position is labelled with full depth's own top-1, and the disagreements
+    found are exactly the decoder's with full depth, those at the last layer (its cache's) included."""
+    model, text, _, full, config, plan = watched_text
+    out, monitor = decode(model, text, name, plan, replace(config, spot_share=1.0))
+    wrong = out.logits[0].argmax(-1) != full
+    assert monitor.seen == len(full) and monitor.wrong == int(wrong.sum()) > 0
+    assert (wrong & (out.exited_at[0] == model.config.n_layer - 1)).any(), "its cache alone misleads it"
 
 
 @pytest.mark.parametrize("name,share", [("backfill", 1.0), ("deferred", 0.25), ("holes", 0.5)])
@@ -287,8 +299,9 @@ def test_each_row_sets_the_texts_exits_beside_calibrations_on_val():
 def test_a_study_watches_state_copy_and_holes_a_piece_a_call(monkeypatch, continued):
     """Exact caches decode the table's 32 pieces together; a study (--continued) adds state copy and holes,
     each decoded a piece a call as it runs, its monitor leaving room for one piece's spot check (1 / share).
-    A watched decoder that skips layers saves (1 - spot_share) of what its exits skip: its spot checks run
-    them again; backfill runs them anyway and a fixed threshold spot-checks nothing."""
+    A watched decoder with an exact cache that skips layers saves (1 - spot_share) of what its exits skip: its
+    spot checks run them again; backfill runs them anyway and a fixed threshold spot-checks nothing. A shadow
+    runs every layer where it labels: state copy and holes save what their exits skip less that share."""
     lab, calls, real = looped_lab(continued=continued), [], m.quality_pass
 
     def recording(decode, data, n, rows, *a):
@@ -306,7 +319,8 @@ def test_a_study_watches_state_copy_and_holes_a_piece_a_call(monkeypatch, contin
     for row, (fixed, moving) in zip(found["moving"], zip(calls[1::2], calls[2::2])):
         for kind, (_, q) in (("fixed", fixed), ("moving", moving)):
             skipped = 1 - m.average(q["exits"] + 1) / L
-            spot = share if kind == "moving" and row["decoder"] != "backfill" else 0.0
-            assert row[kind]["compute_saved"] == pytest.approx((1 - spot) * skipped), (row["decoder"], kind)
+            spot = share if kind == "moving" and row["decoder"] == "deferred" else 0.0
+            shadow = row["labelled"] if kind == "moving" and row["decoder"] in ("state_copy", "holes") else 0.0
+            assert row[kind]["compute_saved"] == pytest.approx((1 - spot) * skipped - shadow), (row["decoder"], kind)
         if row["decoder"] in ("state_copy", "holes"):  # a piece a call: a head on each labelled step at most
             assert 0 < row["heads"] <= row["labelled"] < 1
