@@ -664,6 +664,7 @@ class LabConfig(Config):
     adapt_credit: int = 15  # a moving threshold: disagreements over target before it moves
     adapt_horizon: int = 20000  # and the positions after which its disagreement is <= epsilon
     spot_share: float = 0.25  # of steps a watched decoder that skips layers runs at full depth
+    # (of windows, for state copy and holes: a shadow runs them)
     # studies beyond the default run
     depths: str = ""  # more plain GPTs (besides the draft model's and n_layer's): '', 'all', '2,3'
     continued: float = 0.0  # > 0: a plain GPT, then this share of steps with the recipe (a study)
@@ -1466,24 +1467,28 @@ class Shadowed(Watched):
     """State copy's and holes' deep layers read their own cache, not full depth's, so a spot check
     there shadows a window: the window's prefill leaves an exact cache, and a copy of it, fed each
     new token through every layer, gives full depth's label at each step till the window moves.
-    On a random share of windows; n_layer more layer runs a step of one."""
-    window = None  # the cache's start when the spot was drawn
+    On a random share of windows; n_layer more layer runs a step of one, counted as the decoder's.
+    The threshold is set as a window begins and held through it: whether a window is labelled
+    then says nothing of where it leaves (the counts stay unbiased), and a window that begins at
+    full depth, its cache exact, disagrees nowhere: one update's room is a window of rows."""
+    pos = None  # the window position the last step fed
 
     def exit_threshold(self, threshold):
-        return THRESHOLDS[self.monitor.index()]
+        if self.pos in (None, self.model.config.block_size - 1):  # the window moves this step
+            self.index, self.shadow = self.monitor.index(), None
+            self.spot = torch.rand(1, generator=self.generator).item() < self.share
+        return THRESHOLDS[self.index]
 
     def skip_layers(self, model, cache, x, pos, layer):
         super(Watched, self).skip_layers(model, cache, x, pos, layer)  # its own strategy's
 
     def run_layer(self, block, cache, layer, x, pos):
-        if layer == 0 and cache.start != self.window:  # a new window, its cache just prefilled
-            self.window = cache.start
-            self.spot = torch.rand(1, generator=self.generator).item() < self.share
-            self.shadow = copy.deepcopy(cache)
         if layer == 0 and self.spot:
-            self.top = x
+            self.shadow = self.shadow or copy.deepcopy(cache)  # the window's, just prefilled
+            self.shadow.layer_evals, self.top = cache.layer_evals, x
             for l, b in enumerate(self.model.transformer.h):
                 self.top = b(self.top, self.shadow, l)
+        self.pos = pos
         return super(Watched, self).run_layer(block, cache, layer, x, pos)
 
     def emitted(self, logits, exit_layer):
@@ -1497,12 +1502,14 @@ STREAMS = 32  # the pieces of the watched decoders' table, one Monitor for them 
 def watched(name, model, plan, rules, config, rows=1, seed=0):
     """Exit decoder `name` at its plan, watched by a new Monitor for `rows` rows a step, from the
     grid's threshold at or above the plan's: (decode, the monitor). Spot checks on
-    config.spot_share of steps, where the decoder skips the layers above an exit."""
+    config.spot_share of steps, where the decoder skips the layers above an exit (of windows,
+    where its cache is not full depth's: a window of bench_prompt_len's prompts holds T steps)."""
     d, share = DECODERS[name], config.spot_share if DECODERS[name].skips else 1.0
-    # a spot check's update may bring rows / share; the grid's threshold at or above the plan's
+    T = model.config.block_size - min(config.bench_prompt_len, model.config.block_size // 2) + 1
+    watch, steps = (Watched, 1) if d.cache == "exact" else (Shadowed, T)
+    # an update may bring rows / share a step held; the grid's threshold at or above the plan's
     monitor = Monitor(max(i for i, t in enumerate(THRESHOLDS) if t >= plan["threshold"]), config,
-                      rows / (share or 1))
-    watch = Watched if d.cache == "exact" else Shadowed
+                      rows * steps / (share or 1))
     kv = partial(type("Watched" + d.strategy.__name__, (watch, d.strategy), {}), model, monitor,
                  share, torch.Generator().manual_seed(seed))
     return partial(build(name, model, plan, rules), strategy=kv), monitor
@@ -1989,10 +1996,12 @@ val_early            | val early    | {:.0%} | positions that leave before the l
 val at the plan: calibration's exits, to compare the text's with
 fixed.early          | early        | {:.0%} | the same on the text, at the fixed threshold
 moving.disagreement  | watched dis. | {:.2%} | watched, its threshold moved by its monitor
-moving.compute_saved | saved        | {:.1%} | and less the layers its spot checks run again, \
-in expectation
-labelled             | labelled     | {:.0%} | positions whose label it saw (spot checks)
+moving.compute_saved | saved        | {:.1%} | and less the layers its spot checks run again \
+(in expectation) or its shadow runs
+labelled             | labelled     | {:.0%} | positions whose label it saw (spot checks, shadows)
 heads                | heads        | {:.2f} | final heads it ran for labels, a step
+target               | target       | {:.3%} | the rate its monitor aims at, below epsilon \
+by what one update may bring
 upper                | bound        | {:.2%} | the monitor's upper bound on its labelled \
 positions' disagreement""")
 STRATEGY_TABLE = table("""What does each KV strategy buy?
@@ -2269,9 +2278,8 @@ def exit_figures(q, full, n_layer, spot=0.0, shadow=0.0):
 def watched_decoders(lab, rows=STREAMS):
     """Backfill and deferred, fixed and watched, on `rows` pieces of test and shift a call; with
     --continued every exit model's, and state copy and holes a piece a call (rows run as deep)."""
-    cfg, found, share = lab.config, [], lab.config.spot_share or 1
+    cfg, found = lab.config, []
     rows = min(rows, cfg.sweep_positions)  # a piece a position at least
-    targets = [Monitor(0, cfg, b).target for b in (rows, rows / share, 1 / share)]
     for text, (prefix, (model, rules, plans, names, _)) in itertools.product(
             [text for text in ("test", "shift") if text in lab.splits],
             list(lab.sources.items())[: None if cfg.continued else 1]):
@@ -2288,24 +2296,25 @@ def watched_decoders(lab, rows=STREAMS):
             decode, monitor = watched(name, model, plans[name], rules, cfg, batch)
             ran = {"fixed": run(build(name, model, plans[name], rules), batch),
                    "moving": run(decode, batch)}
-            seen = monitor.seen / len(full)  # a shadow runs every layer where it labels
-            cost = (cfg.spot_share * DECODERS[name].skips, 0) if batch == rows else (0, seen)
+            seen, exact = monitor.seen / len(full), DECODERS[name].cache == "exact"
+            # spot checks run a share of what exits skip again; a shadow, each labelled position
+            cost = (cfg.spot_share * DECODERS[name].skips, 0) if exact else (0, seen)
             found.append({"model": prefix.strip() or "joint", "decoder": name, "text": text} | {
                 kind: exit_figures(q, full, cfg.n_layer, *cost * (kind == "moving"))
                 for kind, q in ran.items()} | {"val_early": plans[name]["early"], "labelled": seen,
-                "heads": monitor.heads * batch / len(full), "upper": float(rate_bound(
+                "heads": monitor.heads * batch / len(full), "target": monitor.target,
+                "upper": float(rate_bound(
                     torch.tensor(monitor.wrong + 0.0), max(monitor.seen, 1), cfg.delta))})
     return {"moving": found, "notes": [
         f"{cfg.sweep_positions:,} positions of each text, in {rows} pieces spread over it",
         f"Watched: a Monitor a decoder for its {rows} pieces, from the calibrated threshold, "
-        f"credit {cfg.adapt_credit}, horizon {cfg.adapt_horizon:,}, target {targets[0]:.3%} "
-        f"(backfill) and {targets[1]:.3%} (a spot check may bring rows / spot_share; a piece a "
-        f"call, {targets[2]:.3%}). Backfill labels every exit: of T positions at most target T + "
-        "credit + 4 + rows disagree, at most epsilon once T reaches the horizon. The others spot-"
-        f"check {cfg.spot_share:.0%} of steps, each disagreement found counted 1 / share: epsilon "
-        "in expectation; state copy and holes (--continued) a window's, a copy of its exact "
-        "cache running every layer. Self-speculation needs none of this: a shift costs it speed, "
-        "never its output."]}
+        f"credit {cfg.adapt_credit}, horizon {cfg.adapt_horizon:,}: of T positions at most target "
+        "T + credit + 4 + b disagree (b: the most one update may bring), at most epsilon once T "
+        f"reaches the horizon. Backfill labels every exit (b: rows); deferred spot-checks "
+        f"{cfg.spot_share:.0%} of steps, state copy and holes (--continued, a piece a call) of "
+        "windows, by a shadow (a copy of the window's exact cache, running every layer; b: a "
+        "window's steps), each disagreement found counted 1 / share: epsilon in expectation. "
+        "Self-speculation needs none of this: a shift costs it speed, never its output."]}
 
 def strategies(lab):
     """The strategies table, and under it what it rests on: the drafts, the measured costs."""
