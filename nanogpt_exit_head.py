@@ -1470,7 +1470,7 @@ class Shadowed(Watched):
     On a random share of windows; n_layer more layer runs a step of one, counted as the decoder's.
     The threshold is set as a window begins and held through it: whether a window is labelled
     then says nothing of where it leaves (the counts stay unbiased), and a window that begins at
-    full depth, its cache exact, disagrees nowhere: one update's room is a window of rows."""
+    full depth, its cache exact, disagrees nowhere: the room is a window's steps x rows / share."""
     pos = None  # the window position the last step fed
 
     def exit_threshold(self, threshold):
@@ -2000,8 +2000,8 @@ moving.compute_saved | saved        | {:.1%} | and less the layers its spot chec
 (in expectation) or its shadow runs
 labelled             | labelled     | {:.0%} | positions whose label it saw (spot checks, shadows)
 heads                | heads        | {:.2f} | final heads it ran for labels, a step
-target               | target       | {:.3%} | the rate its monitor aims at, below epsilon \
-by what one update may bring
+target               | target       | {:.3%} | the rate its monitor aims at: epsilon - \
+(credit + 4 + b) / horizon
 upper                | bound        | {:.2%} | the monitor's upper bound on its labelled \
 positions' disagreement""")
 STRATEGY_TABLE = table("""What does each KV strategy buy?
@@ -2312,9 +2312,9 @@ def watched_decoders(lab, rows=STREAMS):
         "T + credit + 4 + b disagree (b: the most one update may bring), at most epsilon once T "
         f"reaches the horizon. Backfill labels every exit (b: rows); deferred spot-checks "
         f"{cfg.spot_share:.0%} of steps, state copy and holes (--continued, a piece a call) of "
-        "windows, by a shadow (a copy of the window's exact cache, running every layer; b: a "
-        "window's steps), each disagreement found counted 1 / share: epsilon in expectation. "
-        "Self-speculation needs none of this: a shift costs it speed, never its output."]}
+        "windows, by a shadow (the window's exact cache copied, running every layer; b: rows x a "
+        "window's steps / share), each disagreement found counted 1 / share: epsilon in expected "
+        "value. Self-speculation needs none of this: a shift costs it speed, never its output."]}
 
 def strategies(lab):
     """The strategies table, and under it what it rests on: the drafts, the measured costs."""
