@@ -2300,7 +2300,7 @@ def watched_decoders(lab, rows=STREAMS):
             # spot checks run a share of what exits skip again; a shadow, each labelled position
             cost = (cfg.spot_share * DECODERS[name].skips, 0) if exact else (0, seen)
             found.append({"model": prefix.strip() or "joint", "decoder": name, "text": text} | {
-                kind: exit_figures(q, full, cfg.n_layer, *cost * (kind == "moving"))
+                kind: exit_figures(q, full, cfg.n_layer, *(cost if kind == "moving" else ()))
                 for kind, q in ran.items()} | {"val_early": plans[name]["early"], "labelled": seen,
                 "heads": monitor.heads * batch / len(full), "target": monitor.target,
                 "upper": float(rate_bound(

@@ -353,3 +353,19 @@ def test_a_study_watches_state_copy_and_holes_a_piece_a_call(monkeypatch, contin
             assert row[kind]["compute_saved"] == pytest.approx((1 - spot) * skipped - shadow), (row["decoder"], kind)
         if row["decoder"] in ("state_copy", "holes"):  # a piece a call: a head on each labelled step at most
             assert 0 < row["heads"] <= row["labelled"] < 1
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_a_shadowed_monitors_room_is_the_longest_window_its_prompts_give(block_size):
+    """With the workload's prompts (bench_prompt_len characters), the most steps generate keeps in one window
+    is the T a shadowed monitor leaves room for (rows * T / share): one step fewer would understate it."""
+    model, config = tiny_model(block_size=block_size), m.LabConfig(spot_share=0.5)
+    plan = {"measure": "top1", "threshold": 0.9, "checked_exits": [0]}
+    _, monitor = m.watched("holes", model, plan, m.EXIT_RULES, config)
+    room = (config.epsilon - monitor.target) * config.adapt_horizon - config.adapt_credit - 4
+    start, steps = None, []
+    for n in range(config.bench_prompt_len, config.bench_prompt_len + 6 * block_size):
+        s = m.window_start(start, n, block_size)
+        steps = steps + [0] if s != start else steps
+        steps[-1], start = steps[-1] + 1, s
+    assert room * config.spot_share == pytest.approx(max(steps))
