@@ -1284,18 +1284,15 @@ def exit_summary(records, exits):
     L, N = records.pred.shape
     cols = torch.arange(N, device=exits.device)
     pred, nll = records.pred[exits, cols], records.nll[exits, cols]  # (N,) each, at each exit
-    full_pred, full_nll = records.pred[-1], records.nll[-1]  # (N,) each, at full depth
     mean_layers = average(exits + 1)
     return {
         "exit_fractions": (torch.bincount(exits, minlength=L) / N).tolist(),
         "mean_layers": mean_layers,
         "compute_saved": 1.0 - mean_layers / L,
         "loss": average(nll),
-        "full_loss": average(full_nll),
-        "excess_loss": average(nll - full_nll),
+        "full_loss": average(records.nll[-1]),  # full depth's
         "accuracy": average(pred == records.targets),
-        "full_accuracy": average(full_pred == records.targets),
-        "disagreement": average(pred != full_pred),
+        "disagreement": average(pred != records.pred[-1]),
     }
 
 def sweep(records, measure, checked_exits):
@@ -1351,12 +1348,9 @@ def oracle(records, checked_exits, epsilon):
 def calibration_report(records, measure, checked_exits, epsilon, delta):
     """Calibrate on records["val"], then report the threshold's figures on every text recorded
     (test and the shifted text are never used to choose), whether epsilon held there, and test's
-    saving as a share of the oracle's. Patience's threshold is also given as k, the exits that
-    must agree."""
+    saving as a share of the oracle's."""
     threshold = calibrate(records["val"], measure, checked_exits, epsilon, delta)
     report = {"measure": measure, "epsilon": epsilon, "delta": delta, "threshold": threshold}
-    if measure == "patience" and threshold < 1:
-        report["k"] = next(k for k in itertools.count(1) if 1 - 0.5**k > threshold)
     for name, split in records.items():
         figures = exit_summary(split, exits_at_threshold(split, measure, threshold, checked_exits))
         report[name] = figures | {"held": figures["disagreement"] <= epsilon}
@@ -1501,10 +1495,12 @@ STREAMS = 32  # the pieces of the watched decoders' table, one Monitor for them 
 
 def watched(name, model, plan, rules, config, rows=1, seed=0):
     """Exit decoder `name` at its plan, watched by a new Monitor for `rows` rows a step, from the
-    grid's threshold at or above the plan's: (decode, the monitor). Spot checks on
+    grid's threshold at or above the plan's: (the plan with its watched strategy, which build
+    decodes; the monitor). Spot checks on
     config.spot_share of steps, where the decoder skips the layers above an exit (of windows,
     where its cache is not full depth's: a window of bench_prompt_len's prompts holds T steps)."""
-    d, share = DECODERS[name], config.spot_share if DECODERS[name].skips else 1.0
+    d = DECODERS[name]
+    share = config.spot_share if d.skips else 1.0
     T = model.config.block_size - min(config.bench_prompt_len, model.config.block_size // 2) + 1
     watch, steps = (Watched, 1) if d.cache == "exact" else (Shadowed, T)
     # an update may bring rows / share a step held; the grid's threshold at or above the plan's
@@ -1512,7 +1508,13 @@ def watched(name, model, plan, rules, config, rows=1, seed=0):
                       rows * steps / (share or 1))
     kv = partial(type("Watched" + d.strategy.__name__, (watch, d.strategy), {}), model, monitor,
                  share, torch.Generator().manual_seed(seed))
-    return partial(build(name, model, plan, rules), strategy=kv), monitor
+    return plan | {"strategy": kv}, monitor
+
+def watchable(names, config):
+    """The exit decoders of names that a run watches: backfill and deferred, and with --continued
+    (a study) state copy and holes (SkipDecode's schedule has no threshold to move)."""
+    return [n for n in names if DECODERS[n].strategy and not DECODERS[n].schedule and (
+        DECODERS[n].cache == "exact" or config.continued)]
 
 def rate_bound(k, n, alpha, bets=(0.1, 0.3, 1.0, 3.0)):
     """A confidence sequence for the mean chance of disagreeing over n positions, k of which
@@ -1638,8 +1640,8 @@ def train_plain_gpt(config, splits, n_layer):
     on the splits' device, at the main model's batch: (the model, its val loss on random windows,
     seconds). A diverged one stops the run,
     as format_eval says."""
-    cfg = replace(config, n_layer=n_layer, alpha=0.0)
-    model, losses, seconds = train_new_model(cfg, splits, splits["train"].device, evaluate=False)
+    model, losses, seconds = train_new_model(replace(config, n_layer=n_layer, alpha=0.0), splits,
+                                             splits["train"].device, evaluate=False)
     return model, losses["val"][-1], seconds
 
 # -----------------------------------------------------------------------------
@@ -1701,13 +1703,15 @@ DECODERS = {
 def build(name, model, plan, rules=EXIT_RULES):
     """The decoder `name` of a model at its plan, for any batch size: decode(idx (B, T0), n,
     generator=, temperature=, top_k=, forced=) -> Generation. plan: an exit decoder's measure,
-    threshold and checked_exits (its rule read from rules); a drafter's draft_exit, num_draft
+    threshold and checked_exits (its rule read from rules; a watched one's strategy: watched's);
+    a drafter's draft_exit, num_draft
     and draft (a draft model; None: the model's own layers). Full depth is one
     decoder on every device: the predictions and the speed-ups divide by the same baseline."""
     d = DECODERS[name]
     if d.strategy:
-        return partial(generate, model, strategy=d.strategy, exit_threshold=plan["threshold"],
-                       checked_exits=plan["checked_exits"], measure=rules[plan["measure"]])
+        return partial(generate, model, strategy=plan.get("strategy", d.strategy),  # Watched's
+                       exit_threshold=plan["threshold"], checked_exits=plan["checked_exits"],
+                       measure=rules[plan["measure"]])
     if d.drafter:
         return partial(generate_speculative, model, draft_exit=plan["draft_exit"],
                        num_draft=plan["num_draft"], draft_model=plan["draft"])
@@ -1966,7 +1970,6 @@ CALIBRATION_TABLE = table("""Which exit rule, with a guarantee, and how near the
 model              | model        | {}     | joint: the exit model; frozen: heads on a plain GPT; \
 continued: a plain GPT, then the recipe
 measure            | rule         | {}     | how sure an exit is (oracle: knows full depth's top-1)
-k                  | k            | {}     | patience: the exits in a row that must agree
 delta              | delta        | {:.3g} | the chance allowed that its threshold breaks epsilon
 threshold          | thr          | {:.3g} | the threshold Learn then Test chooses on val
 test.compute_saved | test saved   | {:.1%} | the share of layer runs it skips on test
@@ -2171,6 +2174,17 @@ class Lab:
             f"pruned {k}": (p, "pruned")
             for k, p in pruned_models(self.model, self.splits["val"]).items()}
 
+    def watching(self, sources):
+        """Each source's watchable decoders, watched (the exit model's; with --continued every exit
+        model's): a source of its own ("watched " + prefix),
+        each decoder's one Monitor carried from val's workload through test's positions to test's
+        workload, as a decoder deployed keeps its threshold."""
+        return {"watched " + prefix: (model, rules, {
+            n: watched(n, model, plans[n], rules, self.config)[0] for n in kept}, kept, ref)
+                for prefix, (model, rules, plans, names, ref) in list(sources.items())[
+                    : None if self.config.continued else 1]  # as the watched table's
+                for kept in [watchable(names, self.config)]}
+
     def on_val(self, sources, more):
         """Val's workload, a prompt a call, timed in one pass: each source's exit decoders at
         their plans and its drafters at each draft length run_plans gives (sources: prefix ->
@@ -2200,7 +2214,8 @@ class Lab:
         family)) at full depth. Val's workload runs first (on_val): the forecasts are its
         speed-ups (a pruned model has none)."""
         # the exit model's decoders of names (no prefix), then others' (frozen, continued)
-        self.sources = sources = {"": (self.model, self.rules, self.plans, names, "full")} | others
+        self.sources = {"": (self.model, self.rules, self.plans, names, "full")} | others
+        sources = self.sources | self.watching(self.sources)  # the watched table's: the first
         val, plans = self.on_val(sources, more)
         decoders, models = {}, dict(more)
         for prefix, (model, rules, _, points, ref) in sources.items():
@@ -2290,13 +2305,12 @@ def watched_decoders(lab, rows=STREAMS):
             return quality_pass(decode, lab.splits[text], piece * rows, batch,
                                 cfg.bench_prompt_len, piece)
         full = run(build("full", model, None))["pred"]
-        for name in [n for n in names if DECODERS[n].strategy and not DECODERS[n].schedule and (
-                DECODERS[n].cache == "exact" or cfg.continued)]:
-            batch = rows if DECODERS[name].cache == "exact" else 1
-            decode, monitor = watched(name, model, plans[name], rules, cfg, batch)
+        for name in watchable(names, cfg):
+            batch = rows if (exact := DECODERS[name].cache == "exact") else 1
+            plan, monitor = watched(name, model, plans[name], rules, cfg, batch)
             ran = {"fixed": run(build(name, model, plans[name], rules), batch),
-                   "moving": run(decode, batch)}
-            seen, exact = monitor.seen / len(full), DECODERS[name].cache == "exact"
+                   "moving": run(build(name, model, plan, rules), batch)}
+            seen = monitor.seen / len(full)
             # spot checks run a share of what exits skip again; a shadow, each labelled position
             cost = (cfg.spot_share * DECODERS[name].skips, 0) if exact else (0, seen)
             found.append({"model": prefix.strip() or "joint", "decoder": name, "text": text} | {
@@ -2314,7 +2328,8 @@ def watched_decoders(lab, rows=STREAMS):
         f"{cfg.spot_share:.0%} of steps, state copy and holes (--continued, a piece a call) of "
         "windows, by a shadow (the window's exact cache copied, running every layer; b: rows x a "
         "window's steps / share), each disagreement found counted 1 / share: epsilon in expected "
-        "value. Self-speculation needs none of this: a shift costs it speed, never its output."]}
+        "value. Their speed: the strategies table's watched rows. Self-speculation needs none of "
+        "this: a shift costs it speed, never its output."]}
 
 def strategies(lab):
     """The strategies table, and under it what it rests on: the drafts, the measured costs."""
@@ -2359,7 +2374,7 @@ def frontier(lab):
     positions, against its speed-up in each mode, marked with the point that beats it on both
     beyond the loss's error bar; and what each holds in memory."""
     cfg, rows = lab.config, []
-    se = paired_se({r["name"]: lab.nll[r["name"]] for r in lab.measured}, cfg.bench_tokens)
+    se = paired_se(lab.nll, cfg.bench_tokens)  # every point's, measure()'s
     for p in frontier_points(lab.measured, se):
         p.update(weights_mb=p["weight_bytes"] / 2**20, kv_kb=p["cache_bytes"] / 2**10)
         rows.append({key: p[key] for key, *_ in FRONTIER_TABLE[1]} | {"decoder": p["decoder"],
@@ -2943,11 +2958,8 @@ def pick_device(name):
     on this machine; a named GPU becomes the current one (timers and memory counters read it)."""
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    offered = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    if torch.cuda.is_available():
-        offered.append("cuda")
-    if torch.backends.mps.is_available():
-        offered.append("mps")
+    offered = ["cpu", *[f"cuda:{i}" for i in range(torch.cuda.device_count())],
+               *["cuda"] * torch.cuda.is_available(), *["mps"] * torch.backends.mps.is_available()]
     if name not in offered:
         raise ValueError(f"--device={name!r} is not on this machine: it offers auto, "
                          f"{', '.join(offered)}")

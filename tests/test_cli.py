@@ -208,7 +208,10 @@ def test_report_has_the_strategies_and_calibration(lab_runs):
     joint = ["full", "backfill", "deferred", "state_copy", "holes", "skipdecode", "self_speculative", "draft_model"]
     # with --continued every exit model brings every decoder (the frozen model's full depth is the 3-layer GPT's),
     # then the plain GPTs
-    names = joint + [f"frozen {n}" for n in joint[1:]] + [f"continued {n}" for n in joint] + ["1-layer GPT", "3-layer GPT"]
+    names = joint + [f"frozen {n}" for n in joint[1:]] + [f"continued {n}" for n in joint]
+    # then each exit model's exit decoders but skipdecode, watched (a study watches state copy and holes too)
+    names += [f"watched {p}{n}" for p in ("", "frozen ", "continued ") for n in joint[1:5]] + ["1-layer GPT",
+                                                                                             "3-layer GPT"]
     assert [(row["mode"], row["name"]) for row in r["strategies"]] == [(mode, n) for mode in ("greedy", "sampled")
                                                                       for n in names]
     assert [row["name"] for row in r["frontier"]] == names + ["pruned 1", "pruned 2"]

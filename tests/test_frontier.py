@@ -151,6 +151,9 @@ def test_every_point_of_the_frontier_is_measured_on_the_same_positions_and_workl
     models = {"full": model, **{name: small for name, (small, _) in lab.other_models().items()}}
     for row in rows:
         name, d = row["name"], m.DECODERS[row["decoder"]]
+        if name.startswith("watched "):  # its Monitor moved through val's workload first: test_moving's
+            assert row["family"] == "exit model" and lab.nll[name].shape == lab.nll["full"].shape
+            continue
         if d.strategy:
             assert name in KV_STRATEGIES and row["family"] == "exit model"
             decode = m.build(name, model, plans[name], lab.rules)

@@ -135,8 +135,8 @@ def watched_text(trained):
 
 
 def decode(model, text, name, plan, config):
-    decoder, monitor = m.watched(name, model, plan, m.EXIT_RULES, config)
-    return decoder(text[None, :1], len(text) - 1, forced=text[None, 1:]), monitor
+    watched_plan, monitor = m.watched(name, model, plan, m.EXIT_RULES, config)
+    return m.build(name, model, watched_plan)(text[None, :1], len(text) - 1, forced=text[None, 1:]), monitor
 
 
 @pytest.mark.usefixtures("no_grad")
@@ -208,8 +208,10 @@ def test_a_shadow_holds_its_threshold_through_a_window_and_its_runs_count(watche
     a window is labelled says nothing of where it leaves; it labels whole windows, about spot_share of them;
     and each labelled position costs n_layer layer runs, counted in its Generation beside its own."""
     model, text, _, full, config, plan = watched_text
-    decode, monitor = m.watched(name, model, plan, m.EXIT_RULES, replace(config, spot_share=0.5, adapt_horizon=5000))
-    strategy, held = decode.keywords["strategy"].func, []
+    watched_plan, monitor = m.watched(name, model, plan, m.EXIT_RULES, replace(config, spot_share=0.5,
+                                                                               adapt_horizon=5000))
+    decode = m.build(name, model, watched_plan)
+    strategy, held = watched_plan["strategy"].func, []
     real = strategy.exit_threshold
     strategy.exit_threshold = lambda self, t: held.append(real(self, t)) or held[-1]
     out = decode(text[None, :1], len(full), forced=text[None, 1:])
@@ -369,3 +371,47 @@ def test_a_shadowed_monitors_room_is_the_longest_window_its_prompts_give(block_s
         steps = steps + [0] if s != start else steps
         steps[-1], start = steps[-1] + 1, s
     assert room * config.spot_share == pytest.approx(max(steps))
+
+
+def test_the_strategies_table_times_each_watched_decoder_with_one_monitor_carried_from_val(monkeypatch):
+    """The decoder table holds each watchable exit decoder watched ("watched deferred"), beside its fixed row in
+    both modes: its forecast timed on val's workload, its loss teacher-forced on test, its speed on test's
+    workload, every one of them by the Watched strategy, with one Monitor carried from val through test."""
+    from test_frontier import measured_lab
+    model = tiny_model()
+    config = m.LabConfig(**{**vars(model.config), "quality_positions": 40, "bench_tokens": 6, "bench_repeats": 1,
+                            "bench_prompts": 2, "bench_prompt_len": 6, "sweep_positions": 300, "shift_path": "",
+                            "exit_threshold": 0.5, "max_iters": 2, "eval_iters": 1, "batch_size": 2})
+    splits = {name: torch.randint(0, 11, (4000,), generator=torch.Generator().manual_seed(i))
+              for i, name in enumerate(("train", "val", "test"))}
+    seen, real_speed, real_quality = [], m.speed_pass, m.quality_pass
+
+    def monitor(decode):  # the Monitor of a watched decoder (in_mode wraps it), None for any other
+        plan = decode.keywords.get("strategy") or getattr(decode.func, "keywords", {}).get("strategy")
+        return plan.args[1] if isinstance(plan, m.partial) and issubclass(plan.func, m.Watched) else None
+
+    def speed_pass(decoders, prompts, *a):
+        seen.extend(("speed", key[0], monitor(d), monitor(d) and monitor(d).seen) for key, d in decoders.items())
+        return real_speed(decoders, prompts, *a)
+
+    def quality_pass(decode, *a):
+        seen.append(("quality", None, monitor(decode), monitor(decode) and monitor(decode).seen))
+        return real_quality(decode, *a)
+    monkeypatch.setattr(m, "speed_pass", speed_pass)
+    monkeypatch.setattr(m, "quality_pass", quality_pass)
+    lab = measured_lab(model, config, splits)
+    watched = {r["name"]: r for r in lab.measured if r["name"].startswith("watched ")}
+    assert sorted(watched) == ["watched backfill", "watched deferred"]
+    assert {(r["name"], r["mode"]) for r in lab.measured} >= {(n, mode) for n in watched for mode in m.MODES}
+    for row in watched.values():
+        assert row["decoder"] == row["name"].split()[-1] and row["predicted_speedup"] > 0
+    for name in watched:
+        keys = [s for s in seen if s[1] in (name, None) and s[2] is not None]
+        monitors = {id(s[2]) for s in seen if s[1] == name}
+        assert len(monitors) == 1, "one Monitor a watched decoder, in both modes, val and test"
+        mine = [s for s in keys if id(s[2]) in monitors]
+        assert [s[0] for s in mine] == ["speed", "speed", "quality", "speed", "speed"], "val, test's positions, test"
+        counts = [s[3] for s in mine]
+        assert counts == sorted(counts) and counts[2] < counts[3], "it carries what it saw into test's workload"
+    fixed = {(r["name"], r["mode"]) for r in lab.measured if r["name"] in ("backfill", "deferred")}
+    assert len(fixed) == 4, "each beside its fixed row"
