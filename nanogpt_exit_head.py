@@ -1494,20 +1494,21 @@ STREAMS = 32  # the pieces of the watched decoders' table, one Monitor for them 
 # decode them together, the others a piece a call)
 
 def watched(name, model, plan, rules, config, rows=1, seed=0):
-    """Exit decoder `name` at its plan, watched by a new Monitor for `rows` rows a step, from the
-    grid's threshold at or above the plan's: (the plan with its watched strategy, which build
-    decodes; the monitor). Spot checks on
-    config.spot_share of steps, where the decoder skips the layers above an exit (of windows,
-    where its cache is not full depth's: a window of bench_prompt_len's prompts holds T steps)."""
+    """Exit decoder `name` at its plan, watched by a new Monitor for `rows` rows a step (one where
+    its cache is not full depth's: it decodes a piece a call), from the grid's threshold at or
+    above the plan's: (the plan with its watched strategy, which build decodes; the monitor).
+    Spot checks on config.spot_share of steps, where the decoder skips the layers above an exit
+    (of windows, where its cache is not full depth's: a window of bench_prompt_len's prompts
+    holds T steps)."""
     d = DECODERS[name]
     share = config.spot_share if d.skips else 1.0
     T = model.config.block_size - min(config.bench_prompt_len, model.config.block_size // 2) + 1
-    watch, steps = (Watched, 1) if d.cache == "exact" else (Shadowed, T)
+    watch, steps = (Watched, rows) if d.cache == "exact" else (Shadowed, T)
     # an update may bring rows / share a step held; the grid's threshold at or above the plan's
     monitor = Monitor(max(i for i, t in enumerate(THRESHOLDS) if t >= plan["threshold"]), config,
-                      rows * steps / (share or 1))
+                      steps / (share or 1))
     kv = partial(type("Watched" + d.strategy.__name__, (watch, d.strategy), {}), model, monitor,
-                 share, torch.Generator().manual_seed(seed))
+                 share, torch.Generator().manual_seed(config.seed + seed))
     return plan | {"strategy": kv}, monitor
 
 def watchable(names, config):
@@ -1709,7 +1710,8 @@ def build(name, model, plan, rules=EXIT_RULES):
     decoder on every device: the predictions and the speed-ups divide by the same baseline."""
     d = DECODERS[name]
     if d.strategy:
-        return partial(generate, model, strategy=plan.get("strategy", d.strategy),  # Watched's
+        # a watched plan brings its own strategy: the decoder's, under a Monitor
+        return partial(generate, model, strategy=plan.get("strategy", d.strategy),
                        exit_threshold=plan["threshold"], checked_exits=plan["checked_exits"],
                        measure=rules[plan["measure"]])
     if d.drafter:
@@ -1935,9 +1937,10 @@ def measure_decoders(decoders, test, prompts, config):
     """The rows of a decoder table, a prompt a call, both modes: speed on the workload,
     interleaved, and quality teacher-forced on test. decoders: name -> (its declared decoder,
     {mode: decode}, the point its output is compared with); "full" is the baseline."""
-    # an exact cache decodes a row alike in any batch: then 128 pieces a call
+    # an exact cache decodes a row alike in any batch: then STREAMS pieces a call, as the watched
+    # table decodes them (a watched one's Monitor leaves room for as many rows a step)
     quality = {name: quality_pass(modes["greedy"], test, config.quality_positions, 1 if
-                                  DECODERS[decoder].cache != "exact" else 128,
+                                  DECODERS[decoder].cache != "exact" else STREAMS,
                                   config.bench_prompt_len, config.bench_tokens)
                for name, (decoder, modes, _) in decoders.items() if not DECODERS[decoder].drafter}
     runs = {(name, mode): in_mode(modes[mode], config, mode)
@@ -1950,7 +1953,8 @@ def measure_decoders(decoders, test, prompts, config):
 # Tables: each defined once, printed on the console and drawn on the page from that definition
 
 WIDTH = 120  # console tables and their notes fit this many columns: a point is named by model
-# and decoder ("frozen self_speculative"), and a frontier row names two more
+# and decoder ("frozen self_speculative"; watched: "watched frozen deferred"), and a frontier row
+# names two more (a study's longest names run past it)
 
 def table(text):
     """A table, defined once: its question on the first line, then a line a column, 'report key |
@@ -2009,7 +2013,9 @@ upper                | bound        | {:.2%} | the monitor's upper bound on its 
 positions' disagreement""")
 STRATEGY_TABLE = table("""What does each KV strategy buy?
 mode              | mode      | {}      | greedy, or sampled
-name              | decoder   | {}      | how the skipped layers' cache is filled
+name              | decoder   | {}      | how the skipped layers' cache is filled (watched X: X \
+under a Monitor for the watched table's rows, one carried from val's workload through test's \
+positions and workload; thr: the plan's, where it starts)
 exit_at           | exit at   | {}      | the exits checked ('-': none; skipdecode: its layer \
 from a window position on)
 threshold         | thr       | {:.3g}  | their threshold
@@ -2037,8 +2043,8 @@ gap_p99       | gap p99    | {:.2f} | and 99%
 prompt_ms_p95 | prompt p95 | {:.0f} | ms for a prompt's whole continuation, 95th percentile""")
 FRONTIER_TABLE = table("""When does early exit pay?
 name              | point     | {}      | a decoder of the exit model (frozen: of heads on the \
-plain GPT of its shape; continued: of that GPT continued with the recipe), a pruned model, a \
-plain GPT
+plain GPT of its shape; continued: of that GPT continued with the recipe; watched: under its \
+Monitor), a pruned model, a plain GPT
 test_loss         | test loss | {:.4f}  | teacher-forced on the same test positions for every point
 speedup_greedy    | greedy    | {:.2f}x | speed-up over full depth, greedy (as the strategies \
 table's)
@@ -2179,8 +2185,9 @@ class Lab:
         model's): a source of its own ("watched " + prefix),
         each decoder's one Monitor carried from val's workload through test's positions to test's
         workload, as a decoder deployed keeps its threshold."""
-        return {"watched " + prefix: (model, rules, {
-            n: watched(n, model, plans[n], rules, self.config)[0] for n in kept}, kept, ref)
+        return {"watched " + prefix: (model, rules, {  # a Monitor for the quality pass's rows
+            n: watched(n, model, plans[n], rules, self.config, STREAMS)[0] for n in kept}, kept,
+                                      ref)
                 for prefix, (model, rules, plans, names, ref) in list(sources.items())[
                     : None if self.config.continued else 1]  # as the watched table's
                 for kept in [watchable(names, self.config)]}
@@ -2211,11 +2218,12 @@ class Lab:
         """The rows of a decoder table on the test workload, a prompt a call, both modes, quality
         teacher-forced on test, each beside its forecast from val and the bytes of weights it
         reads: each source's decoders at their plans, and the models of more (name -> (model,
-        family)) at full depth. Val's workload runs first (on_val): the forecasts are its
-        speed-ups (a pruned model has none)."""
-        # the exit model's decoders of names (no prefix), then others' (frozen, continued)
+        family)) at full depth, and the watchable exit decoders watched. Val's workload runs first
+        (on_val): the forecasts are its speed-ups (a pruned model has none)."""
+        # the exit model's decoders of names (no prefix), then others' (frozen, continued): the
+        # exit models the watched table walks; here their watched decoders too, timed and scored
         self.sources = {"": (self.model, self.rules, self.plans, names, "full")} | others
-        sources = self.sources | self.watching(self.sources)  # the watched table's: the first
+        sources = self.sources | self.watching(self.sources)
         val, plans = self.on_val(sources, more)
         decoders, models = {}, dict(more)
         for prefix, (model, rules, _, points, ref) in sources.items():
@@ -2235,11 +2243,10 @@ class Lab:
         return rows
 
 def threshold_sweep(lab):
-    """Every threshold on val (report.json's sweep_curve), and the table's every tenth."""
+    """Every tenth threshold on val."""
     m, n = lab.config.confidence_measure, recorded(lab, "val")
     val = sweep(lab.records["val"], m, range(lab.config.n_layer - 1))  # every exit
     return {"sweep": [e for e in val if round(10 * e["threshold"], 6) % 1 == 0],
-            "sweep_curve": val,
             "notes": [f"The sweep on {n} val positions, teacher-forced ({m}): compute saved "
                       "against quality", f"full depth's val loss on the {n} val positions: "
                       f"{val[0]['full_loss']:.4f}"]}
@@ -2326,10 +2333,10 @@ def watched_decoders(lab, rows=STREAMS):
         "T + credit + 4 + b disagree (b: the most one update may bring), at most epsilon once T "
         f"reaches the horizon. Backfill labels every exit (b: rows); deferred spot-checks "
         f"{cfg.spot_share:.0%} of steps, state copy and holes (--continued, a piece a call) of "
-        "windows, by a shadow (the window's exact cache copied, running every layer; b: rows x a "
+        "windows, by a shadow (the window's exact cache copied, running every layer; b: a "
         "window's steps / share), each disagreement found counted 1 / share: epsilon in expected "
-        "value. Their speed: the strategies table's watched rows. Self-speculation needs none of "
-        "this: a shift costs it speed, never its output."]}
+        "value. Speed: the strategies table's watched rows. Self-speculation needs none of this: "
+        "a shift costs it speed, never its output."]}
 
 def strategies(lab):
     """The strategies table, and under it what it rests on: the drafts, the measured costs."""
@@ -2398,7 +2405,8 @@ def frontier(lab):
         f"the frontier: greedy, {tied['greedy']}; sampled, {tied['sampled']}.",
         "Memory: weights a decoder reads (the exit heads it checks; a draft model's too), keys and "
         "values it holds a sequence at the window's full length (speculation: "
-        f"its draft length's spare slots). Training: the exit model {lab.train_seconds:.0f} s, "
+        "its draft length's spare slots; a watched state copy's or holes' shadow holds a copy "
+        f"more, not counted). Training: the exit model {lab.train_seconds:.0f} s, "
         f"{seconds}; pruned models, none.", "The exit recipe's cost at full depth: "
         f"{loss['full'] - loss[deep]:+.4f} (paired standard error {se['full', deep]:.4f}) in test "
         f"loss against the plain {deep} of the same shape, steps and data"],
@@ -2958,8 +2966,11 @@ def pick_device(name):
     on this machine; a named GPU becomes the current one (timers and memory counters read it)."""
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    offered = ["cpu", *[f"cuda:{i}" for i in range(torch.cuda.device_count())],
-               *["cuda"] * torch.cuda.is_available(), *["mps"] * torch.backends.mps.is_available()]
+    offered = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if torch.cuda.is_available():
+        offered.append("cuda")
+    if torch.backends.mps.is_available():
+        offered.append("mps")
     if name not in offered:
         raise ValueError(f"--device={name!r} is not on this machine: it offers auto, "
                          f"{', '.join(offered)}")

@@ -33,7 +33,7 @@ def test_quality_pass_teacher_forces_pieces_spread_over_the_text(no_grad, rows, 
 
 def test_the_decoder_tables_read_quality_after_the_workloads_prompt(monkeypatch):
     """measure_decoders hands quality_pass the workload's prompt length and tokens; an exact cache decodes a
-    row alike in any batch, so it decodes 128 pieces a call, while an approximate cache or holes decodes a piece
+    row alike in any batch, so it decodes 32 pieces a call (the watched table's STREAMS), while an approximate cache or holes decodes a piece
     a call, as it runs on the workload."""
     seen = []
     monkeypatch.setattr(m, "quality_pass", lambda decode, *a: seen.append((decode.args[0], *a[2:])) or {})
@@ -43,7 +43,7 @@ def test_the_decoder_tables_read_quality_after_the_workloads_prompt(monkeypatch)
     decoders = {name: (name, dict.fromkeys(m.MODES, partial(print, name)), "full") for name in names}
     m.measure_decoders(decoders, "test", None, config)
     # speculation: full depth's quality by construction
-    assert seen == [("full", 128, 7, 9), ("deferred", 128, 7, 9), ("state_copy", 1, 7, 9), ("holes", 1, 7, 9)]
+    assert seen == [("full", 32, 7, 9), ("deferred", 32, 7, 9), ("state_copy", 1, 7, 9), ("holes", 1, 7, 9)]
 
 
 def test_the_strategies_table_prints_the_calibrated_threshold_as_calibrated():

@@ -228,7 +228,8 @@ def test_a_shadow_holds_its_threshold_through_a_window_and_its_runs_count(watche
 @pytest.mark.parametrize("name,share", [("backfill", 1.0), ("deferred", 0.25), ("holes", 0.5)])
 def test_a_watched_decoders_monitor_leaves_room_for_what_one_update_brings(model, name, share):
     """A spot check finds disagreements counted 1 / share, so one update of `rows` rows may bring rows / share:
-    the target leaves that room (backfill labels every exit: rows; holes holds its threshold a window). It starts at the grid's threshold at or
+    the target leaves that room (backfill labels every exit: rows; holes, decoded a piece a call whatever rows is
+    asked, holds its threshold a window). It starts at the grid's threshold at or
     above the plan's, never a less cautious one: 0.905 starts at 0.91, 0.91 at itself, 0.9 at itself."""
     config = m.LabConfig(spot_share=0.25 if name == "deferred" else 0.5)
     for threshold, start in ((0.905, 0.91), (0.91, 0.91), (0.9, 0.9)):
@@ -237,7 +238,7 @@ def test_a_watched_decoders_monitor_leaves_room_for_what_one_update_brings(model
         assert m.THRESHOLDS[monitor.start] == start
         T = model.config.block_size  # a shadowed window's steps, with the workload's prompts
         steps = T - min(config.bench_prompt_len, T // 2) + 1 if name == "holes" else 1
-        room = config.adapt_credit + 4 + 8 * steps / share
+        room = config.adapt_credit + 4 + (1 if name == "holes" else 8) * steps / share  # holes: a piece a call
         assert monitor.target == pytest.approx(config.epsilon - room / config.adapt_horizon)
 
 
@@ -376,12 +377,14 @@ def test_a_shadowed_monitors_room_is_the_longest_window_its_prompts_give(block_s
 def test_the_strategies_table_times_each_watched_decoder_with_one_monitor_carried_from_val(monkeypatch):
     """The decoder table holds each watchable exit decoder watched ("watched deferred"), beside its fixed row in
     both modes: its forecast timed on val's workload, its loss teacher-forced on test, its speed on test's
-    workload, every one of them by the Watched strategy, with one Monitor carried from val through test."""
+    workload, every one of them by the Watched strategy, with one Monitor carried from val through test, sized
+    for the rows its quality pass decodes a step (STREAMS, as the watched table's)."""
     from test_frontier import measured_lab
     model = tiny_model()
     config = m.LabConfig(**{**vars(model.config), "quality_positions": 40, "bench_tokens": 6, "bench_repeats": 1,
                             "bench_prompts": 2, "bench_prompt_len": 6, "sweep_positions": 300, "shift_path": "",
-                            "exit_threshold": 0.5, "max_iters": 2, "eval_iters": 1, "batch_size": 2})
+                            "exit_threshold": 0.5, "max_iters": 2, "eval_iters": 1, "batch_size": 2,
+                            "spot_share": 1.0})  # every step labelled: each pass feeds the Monitor
     splits = {name: torch.randint(0, 11, (4000,), generator=torch.Generator().manual_seed(i))
               for i, name in enumerate(("train", "val", "test"))}
     seen, real_speed, real_quality = [], m.speed_pass, m.quality_pass
@@ -395,7 +398,7 @@ def test_the_strategies_table_times_each_watched_decoder_with_one_monitor_carrie
         return real_speed(decoders, prompts, *a)
 
     def quality_pass(decode, *a):
-        seen.append(("quality", None, monitor(decode), monitor(decode) and monitor(decode).seen))
+        seen.append(("quality", a[2], monitor(decode), monitor(decode) and monitor(decode).seen))
         return real_quality(decode, *a)
     monkeypatch.setattr(m, "speed_pass", speed_pass)
     monkeypatch.setattr(m, "quality_pass", quality_pass)
@@ -406,12 +409,13 @@ def test_the_strategies_table_times_each_watched_decoder_with_one_monitor_carrie
     for row in watched.values():
         assert row["decoder"] == row["name"].split()[-1] and row["predicted_speedup"] > 0
     for name in watched:
-        keys = [s for s in seen if s[1] in (name, None) and s[2] is not None]
         monitors = {id(s[2]) for s in seen if s[1] == name}
         assert len(monitors) == 1, "one Monitor a watched decoder, in both modes, val and test"
-        mine = [s for s in keys if id(s[2]) in monitors]
+        mine = [s for s in seen if s[2] is not None and id(s[2]) in monitors]
         assert [s[0] for s in mine] == ["speed", "speed", "quality", "speed", "speed"], "val, test's positions, test"
-        counts = [s[3] for s in mine]
-        assert counts == sorted(counts) and counts[2] < counts[3], "it carries what it saw into test's workload"
+        assert mine[2][1] == m.STREAMS, "its quality pass decodes the rows its Monitor leaves room for"
+        assert mine[2][2].target == m.Monitor(0, lab.config, m.STREAMS).target  # a share of 1: rows a step
+        counts = [s[3] for s in mine]  # the labels seen as each pass starts (a speed pass's modes at once)
+        assert counts[0] == counts[1] < counts[2] < counts[3] == counts[4], "val's, then test's, carried on"
     fixed = {(r["name"], r["mode"]) for r in lab.measured if r["name"] in ("backfill", "deferred")}
     assert len(fixed) == 4, "each beside its fixed row"
