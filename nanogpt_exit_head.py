@@ -663,8 +663,8 @@ class LabConfig(Config):
     schedule_disagreement: float = 0.03  # SkipDecode: most disagreement with full depth it may cost
     adapt_credit: int = 15  # a moving threshold: disagreements over target before it moves
     adapt_horizon: int = 20000  # and the positions after which its disagreement is <= epsilon
-    spot_share: float = 0.25  # of steps a watched decoder that skips layers runs at full depth
-    # (of windows, for state copy and holes: a shadow runs them)
+    spot_share: float = 0.5  # of steps a watched decoder that skips layers runs at full depth
+    # (of windows, for state copy and holes: a shadow runs them); chosen on val (docs/RESULTS.md)
     # studies beyond the default run
     depths: str = ""  # more plain GPTs (besides the draft model's and n_layer's): '', 'all', '2,3'
     continued: float = 0.0  # > 0: a plain GPT, then this share of steps with the recipe (a study)

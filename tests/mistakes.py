@@ -399,8 +399,8 @@ MISTAKES = [
      '                    prefix + name, "greedy")), rules) for mode in MODES}, ref',
      ["test_lean.py::test_each_strategy_row_carries_its_plans_prediction"]),
     ("memory_note_unfilled", "the memory note's training seconds printed as a template",
-     """        f"its draft length's spare slots). Training: the exit model""",
-     """        "its draft length's spare slots). Training: the exit model""",
+     """        f"more, not counted). Training: the exit model""",
+     """        "more, not counted). Training: the exit model""",
      ["test_worth_it.py::test_a_faster_point_within_twice_the_error_is_named_a_tie_and_beyond_it_beats"]),
 ]
 

@@ -101,7 +101,7 @@ def trained_checkpoint(lab_runs, tmp_path):
     (["--lesson_only=1", "--kv_strategy=deferred"], False), (["--lesson_only=1", "--depths=1"], False),
     (["--lesson_only=1", "--continued=0.5"], False), (["--lesson_only=1", "--exit_layers=0"], False),
     (["--bench_tokens=2"], True), (["--bench_tokens=1"], False),  # one gap between two tokens
-    (["--adapt_horizon=14701"], True), (["--adapt_horizon=14700"], False)])  # 0.01: 15 + 4 + 32 / 0.25
+    (["--adapt_horizon=8301"], True), (["--adapt_horizon=8300"], False)])  # 0.01: 15 + 4 + 32 / 0.5
 def test_the_rules_across_fields_hold_one_step_either_side(tmp_path, args, ok):
     argv = TINY + [f"--out_dir={tmp_path}", *args]
     if ok:
