@@ -1493,7 +1493,7 @@ class Shadowed(Watched):
 STREAMS = 32  # the pieces of the watched decoders' table, one Monitor for them (exact caches
 # decode them together, the others a piece a call)
 
-def watched(name, model, plan, rules, config, rows=1, seed=0):
+def watched(name, model, plan, config, rows=1):
     """Exit decoder `name` at its plan, watched by a new Monitor for `rows` rows a step (one where
     its cache is not full depth's: it decodes a piece a call), from the grid's threshold at or
     above the plan's: (the plan with its watched strategy, which build decodes; the monitor).
@@ -1508,7 +1508,7 @@ def watched(name, model, plan, rules, config, rows=1, seed=0):
     monitor = Monitor(max(i for i, t in enumerate(THRESHOLDS) if t >= plan["threshold"]), config,
                       steps / (share or 1))
     kv = partial(type("Watched" + d.strategy.__name__, (watch, d.strategy), {}), model, monitor,
-                 share, torch.Generator().manual_seed(config.seed + seed))
+                 share, torch.Generator().manual_seed(config.seed))
     return plan | {"strategy": kv}, monitor
 
 def watchable(names, config):
@@ -2014,8 +2014,8 @@ positions' disagreement""")
 STRATEGY_TABLE = table("""What does each KV strategy buy?
 mode              | mode      | {}      | greedy, or sampled
 name              | decoder   | {}      | how the skipped layers' cache is filled (watched X: X \
-under a Monitor for the watched table's rows, one carried from val's workload through test's \
-positions and workload; thr: the plan's, where it starts)
+under a Monitor sized as the watched table's, one carried from val's workload through test's \
+positions and workload; thr: the plan's, its start the grid's threshold at or above it)
 exit_at           | exit at   | {}      | the exits checked ('-': none; skipdecode: its layer \
 from a window position on)
 threshold         | thr       | {:.3g}  | their threshold
@@ -2186,7 +2186,7 @@ class Lab:
         each decoder's one Monitor carried from val's workload through test's positions to test's
         workload, as a decoder deployed keeps its threshold."""
         return {"watched " + prefix: (model, rules, {  # a Monitor for the quality pass's rows
-            n: watched(n, model, plans[n], rules, self.config, STREAMS)[0] for n in kept}, kept,
+            n: watched(n, model, plans[n], self.config, STREAMS)[0] for n in kept}, kept,
                                       ref)
                 for prefix, (model, rules, plans, names, ref) in list(sources.items())[
                     : None if self.config.continued else 1]  # as the watched table's
@@ -2314,7 +2314,7 @@ def watched_decoders(lab, rows=STREAMS):
         full = run(build("full", model, None))["pred"]
         for name in watchable(names, cfg):
             batch = rows if (exact := DECODERS[name].cache == "exact") else 1
-            plan, monitor = watched(name, model, plans[name], rules, cfg, batch)
+            plan, monitor = watched(name, model, plans[name], cfg, batch)
             ran = {"fixed": run(build(name, model, plans[name], rules), batch),
                    "moving": run(build(name, model, plan, rules), batch)}
             seen = monitor.seen / len(full)

@@ -366,7 +366,7 @@ MISTAKES = [
      '"heads": monitor.heads * batch / len(full)', '"heads": monitor.heads * rows / len(full)',
      ["test_moving.py::test_a_study_watches_state_copy_and_holes_a_piece_a_call"]),
     ("watched_rows_unwatched", "the strategies table's watched rows decoding at the fixed plan, no monitor",
-     "n: watched(n, model, plans[n], rules, self.config, STREAMS)[0] for n in kept}",
+     "n: watched(n, model, plans[n], self.config, STREAMS)[0] for n in kept}",
      "n: plans[n] for n in kept}",
      ["test_moving.py::test_the_strategies_table_times_each_watched_decoder_with_one_monitor_carried_from_val"]),
     ("watched_monitor_per_mode", "a watched row's Monitor copied for each mode on test, so none carries val's on",

@@ -153,7 +153,6 @@ def test_every_point_of_the_frontier_is_measured_on_the_same_positions_and_workl
         name, d = row["name"], m.DECODERS[row["decoder"]]
         if name.startswith("watched "):  # its Monitor moved through val's workload first: test_moving's
             assert row["family"] == "exit model" and lab.nll[name].shape == lab.nll["full"].shape
-            assert row["test_loss"] == pytest.approx(lab.nll[name].mean().item())
             continue
         if d.strategy:
             assert name in KV_STRATEGIES and row["family"] == "exit model"

@@ -135,7 +135,7 @@ def watched_text(trained):
 
 
 def decode(model, text, name, plan, config):
-    watched_plan, monitor = m.watched(name, model, plan, m.EXIT_RULES, config)
+    watched_plan, monitor = m.watched(name, model, plan, config)
     return m.build(name, model, watched_plan)(text[None, :1], len(text) - 1, forced=text[None, 1:]), monitor
 
 
@@ -208,8 +208,7 @@ def test_a_shadow_holds_its_threshold_through_a_window_and_its_runs_count(watche
     a window is labelled says nothing of where it leaves; it labels whole windows, about spot_share of them;
     and each labelled position costs n_layer layer runs, counted in its Generation beside its own."""
     model, text, _, full, config, plan = watched_text
-    watched_plan, monitor = m.watched(name, model, plan, m.EXIT_RULES, replace(config, spot_share=0.5,
-                                                                               adapt_horizon=5000))
+    watched_plan, monitor = m.watched(name, model, plan, replace(config, spot_share=0.5, adapt_horizon=5000))
     decode = m.build(name, model, watched_plan)
     strategy, held = watched_plan["strategy"].func, []
     real = strategy.exit_threshold
@@ -234,7 +233,7 @@ def test_a_watched_decoders_monitor_leaves_room_for_what_one_update_brings(model
     config = m.LabConfig(spot_share=0.25 if name == "deferred" else 0.5)
     for threshold, start in ((0.905, 0.91), (0.91, 0.91), (0.9, 0.9)):
         plan = {"measure": "top1", "threshold": threshold, "checked_exits": [0]}
-        _, monitor = m.watched(name, model, plan, m.EXIT_RULES, config, rows=8)
+        _, monitor = m.watched(name, model, plan, config, rows=8)
         assert m.THRESHOLDS[monitor.start] == start
         T = model.config.block_size  # a shadowed window's steps, with the workload's prompts
         steps = T - min(config.bench_prompt_len, T // 2) + 1 if name == "holes" else 1
@@ -364,7 +363,7 @@ def test_a_shadowed_monitors_room_is_the_longest_window_its_prompts_give(block_s
     is the T a shadowed monitor leaves room for (rows * T / share): one step fewer would understate it."""
     model, config = tiny_model(block_size=block_size), m.LabConfig(spot_share=0.5)
     plan = {"measure": "top1", "threshold": 0.9, "checked_exits": [0]}
-    _, monitor = m.watched("holes", model, plan, m.EXIT_RULES, config)
+    _, monitor = m.watched("holes", model, plan, config)
     room = (config.epsilon - monitor.target) * config.adapt_horizon - config.adapt_credit - 4
     start, steps = None, []
     for n in range(config.bench_prompt_len, config.bench_prompt_len + 6 * block_size):
@@ -384,7 +383,8 @@ def test_the_strategies_table_times_each_watched_decoder_with_one_monitor_carrie
     config = m.LabConfig(**{**vars(model.config), "quality_positions": 40, "bench_tokens": 6, "bench_repeats": 1,
                             "bench_prompts": 2, "bench_prompt_len": 6, "sweep_positions": 300, "shift_path": "",
                             "exit_threshold": 0.5, "max_iters": 2, "eval_iters": 1, "batch_size": 2,
-                            "spot_share": 1.0})  # every step labelled: each pass feeds the Monitor
+                            "spot_share": 1.0,  # every step labelled: each pass feeds the Monitor
+                            "epsilon": 0.99})  # and its threshold never moves: the fixed one's output
     splits = {name: torch.randint(0, 11, (4000,), generator=torch.Generator().manual_seed(i))
               for i, name in enumerate(("train", "val", "test"))}
     seen, real_speed, real_quality = [], m.speed_pass, m.quality_pass
@@ -419,3 +419,6 @@ def test_the_strategies_table_times_each_watched_decoder_with_one_monitor_carrie
         assert counts[0] == counts[1] < counts[2] < counts[3] == counts[4], "val's, then test's, carried on"
     fixed = {(r["name"], r["mode"]) for r in lab.measured if r["name"] in ("backfill", "deferred")}
     assert len(fixed) == 4, "each beside its fixed row"
+    for name in ("backfill", "deferred"):  # its loss is its own decode's: here, at the fixed threshold, the fixed one's
+        assert torch.allclose(lab.nll["watched " + name], lab.nll[name], atol=1e-5), name
+        assert watched["watched " + name]["test_loss"] == pytest.approx(lab.nll["watched " + name].mean().item())
