@@ -1464,7 +1464,8 @@ class Shadowed(Watched):
     On a random share of windows; n_layer more layer runs a step of one, counted as the decoder's.
     The threshold is set as a window begins and held through it: whether a window is labelled
     then says nothing of where it leaves (the counts stay unbiased), and a window that begins at
-    full depth, its cache exact, disagrees nowhere: the room is a window's steps x rows / share."""
+    full depth, its cache exact, disagrees nowhere: the room is a window's steps / share (it
+    decodes a piece a call)."""
     pos = None  # the window position the last step fed
 
     def exit_threshold(self, threshold):
@@ -1510,6 +1511,11 @@ def watched(name, model, plan, config, rows=1):
     kv = partial(type("Watched" + d.strategy.__name__, (watch, d.strategy), {}), model, monitor,
                  share, torch.Generator().manual_seed(config.seed))
     return plan | {"strategy": kv}, monitor
+
+def watched_models(sources, config):
+    """The exit models whose decoders a run watches (sources: prefix -> (model, ...)): the exit
+    model's, first; with --continued (a study) every exit model's."""
+    return list(sources.items())[: None if config.continued else 1]
 
 def watchable(names, config):
     """The exit decoders of names that a run watches: backfill and deferred, and with --continued
@@ -1705,9 +1711,9 @@ def build(name, model, plan, rules=EXIT_RULES):
     """The decoder `name` of a model at its plan, for any batch size: decode(idx (B, T0), n,
     generator=, temperature=, top_k=, forced=) -> Generation. plan: an exit decoder's measure,
     threshold and checked_exits (its rule read from rules; a watched one's strategy: watched's);
-    a drafter's draft_exit, num_draft
-    and draft (a draft model; None: the model's own layers). Full depth is one
-    decoder on every device: the predictions and the speed-ups divide by the same baseline."""
+    a drafter's draft_exit, num_draft and draft (a draft model; None: the model's own layers).
+    Full depth is one decoder on every device: the predictions and the speed-ups divide by the
+    same baseline."""
     d = DECODERS[name]
     if d.strategy:
         # a watched plan brings its own strategy: the decoder's, under a Monitor
@@ -2181,16 +2187,16 @@ class Lab:
             for k, p in pruned_models(self.model, self.splits["val"]).items()}
 
     def watching(self, sources):
-        """Each source's watchable decoders, watched (the exit model's; with --continued every exit
-        model's): a source of its own ("watched " + prefix),
-        each decoder's one Monitor carried from val's workload through test's positions to test's
-        workload, as a decoder deployed keeps its threshold."""
-        return {"watched " + prefix: (model, rules, {  # a Monitor for the quality pass's rows
-            n: watched(n, model, plans[n], self.config, STREAMS)[0] for n in kept}, kept,
-                                      ref)
-                for prefix, (model, rules, plans, names, ref) in list(sources.items())[
-                    : None if self.config.continued else 1]  # as the watched table's
-                for kept in [watchable(names, self.config)]}
+        """The watched models' watchable decoders, watched: a source of their own ("watched " +
+        prefix), each decoder's one Monitor (for the quality pass's STREAMS rows) carried from
+        val's workload through test's positions to test's workload, as a deployed decoder keeps
+        its threshold."""
+        twins = {}
+        for prefix, (model, rules, plans, names, ref) in watched_models(sources, self.config):
+            kept = watchable(names, self.config)
+            plans = {n: watched(n, model, plans[n], self.config, STREAMS)[0] for n in kept}
+            twins["watched " + prefix] = model, rules, plans, kept, ref
+        return twins
 
     def on_val(self, sources, more):
         """Val's workload, a prompt a call, timed in one pass: each source's exit decoders at
@@ -2303,8 +2309,7 @@ def watched_decoders(lab, rows=STREAMS):
     cfg, found = lab.config, []
     rows = min(rows, cfg.sweep_positions)  # a piece a position at least
     for text, (prefix, (model, rules, plans, names, _)) in itertools.product(
-            [text for text in ("test", "shift") if text in lab.splits],
-            list(lab.sources.items())[: None if cfg.continued else 1]):
+            [t for t in ("test", "shift") if t in lab.splits], watched_models(lab.sources, cfg)):
         piece = min(cfg.sweep_positions // rows, len(lab.splits[text]) - cfg.bench_prompt_len)
         if piece < 1:  # a text shorter than a prompt and a position
             continue
@@ -2313,7 +2318,8 @@ def watched_decoders(lab, rows=STREAMS):
                                 cfg.bench_prompt_len, piece)
         full = run(build("full", model, None))["pred"]
         for name in watchable(names, cfg):
-            batch = rows if (exact := DECODERS[name].cache == "exact") else 1
+            exact = DECODERS[name].cache == "exact"
+            batch = rows if exact else 1
             plan, monitor = watched(name, model, plans[name], cfg, batch)
             ran = {"fixed": run(build(name, model, plans[name], rules), batch),
                    "moving": run(build(name, model, plan, rules), batch)}
