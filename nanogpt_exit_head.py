@@ -488,11 +488,13 @@ def get_lr(it, config):
     return config.min_lr + coeff * (config.learning_rate - config.min_lr)
 
 def configure_optimizer(model, config):
-    """AdamW with weight decay on matrices only, as nanoGPT does."""
+    """AdamW with weight decay on matrices only, as nanoGPT does; fused: one kernel steps every
+    parameter."""
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2],
                "weight_decay": config.weight_decay},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.beta1, config.beta2))
+    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.beta1, config.beta2),
+                             fused=True)
 
 @torch.inference_mode()
 def estimate_loss(model, splits, config, device):
@@ -1754,9 +1756,9 @@ def speedup(s, full):
 def run_plans(sources, config, draft):
     """(prefix + name, mode) -> the plans each decoder of each source may run on test (sources:
     prefix -> (model, rules, plans, decoder names, ref); its points are named prefix + name): an
-    exit decoder's one, chosen on val; a drafter's at num_draft, its half and its quarter drafts a
-    round, of which on_val keeps the fastest on val; full depth's None."""
-    lengths = [config.num_draft >> i for i in range(3)]  # halving: each once, till 0
+    exit decoder's one, chosen on val; a drafter's at num_draft and its half drafts a round, of
+    which on_val keeps the faster on val; full depth's None."""
+    lengths = [config.num_draft >> i for i in range(2)]  # halving: each once, till 0
     return {(prefix + name, mode): [plans[name]] if name in plans else [
                 draft_plan(name, config, k, draft) for k in lengths if k]
             if DECODERS[name].drafter else [None]
@@ -2361,11 +2363,11 @@ def strategies(lab):
         *notes, f"Chosen on val: exits (exit_layers={cfg.exit_layers!r}) at the run's threshold "
         f"({lab.threshold:g}), priced from the unit costs (report.json's decode_costs), the "
         "schedule, and each drafter's draft length in each mode: the fastest on val of num_draft, "
-        "its half and its quarter, those at least 1 (another exit model's rows: its own threshold "
+        "its half, those at least 1 (another exit model's rows: its own threshold "
         "and plans; the frozen model's output against the plain GPT's). predicted: each row's "
         "speed-up on val's workload, timed before test's (the same decoder, plan and k, or the "
         "same model, in the same mode; per round: a round's time over the tokens it emits; a "
-        "drafter's, the best of its three, leans high). Prefilling the "
+        "drafter's, the better of its two, leans high). Prefilling the "
         "prompt and re-prefilling the window every block_size/2 tokens adds "
         f"{' to '.join(f'{p:.2f}' for p in prefill)} per token for every decoder. Sampled: "
         f"temperature {cfg.temperature:g}, top_k {cfg.top_k}.",
