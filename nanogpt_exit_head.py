@@ -488,8 +488,8 @@ def get_lr(it, config):
     return config.min_lr + coeff * (config.learning_rate - config.min_lr)
 
 def configure_optimizer(model, config):
-    """AdamW with weight decay on matrices only, as nanoGPT does; fused: one kernel steps every
-    parameter."""
+    """AdamW with weight decay on matrices only, as nanoGPT does; fused: a parameter group stepped
+    in one kernel call (torch 2.5 has it on the CPU, CUDA and MPS)."""
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2],
                "weight_decay": config.weight_decay},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
@@ -650,7 +650,7 @@ class LabConfig(Config):
     kv_strategy: str = "backfill"  # early-exit sample's decoder: a KV strategy or self_speculative
     exit_layers: str = "auto"  # exits checked: 'auto' (cost-aware; all in samples), 'all', '1,3'
     draft_exit: int = 0  # self-speculative: the last layer of the draft (its exit head drafts)
-    num_draft: int = 8  # speculative: drafts a round (tables: the fastest on val of it, /2, /4)
+    num_draft: int = 8  # speculative: drafts a round (tables: the faster on val of it and /2)
     draft_layers: int = 1  # draft_model: the layers of the plain GPT trained in the run to draft
     # measurement
     quality_positions: int = 5000  # test positions teacher-forced per decoder, spread over test
@@ -1758,7 +1758,7 @@ def run_plans(sources, config, draft):
     prefix -> (model, rules, plans, decoder names, ref); its points are named prefix + name): an
     exit decoder's one, chosen on val; a drafter's at num_draft and its half drafts a round, of
     which on_val keeps the faster on val; full depth's None."""
-    lengths = [config.num_draft >> i for i in range(2)]  # halving: each once, till 0
+    lengths = [config.num_draft >> i for i in range(2)]  # its half: 0 where num_draft is 1
     return {(prefix + name, mode): [plans[name]] if name in plans else [
                 draft_plan(name, config, k, draft) for k in lengths if k]
             if DECODERS[name].drafter else [None]
@@ -2362,8 +2362,8 @@ def strategies(lab):
         f"{cfg.bench_tokens} more each, batch 1, {cfg.bench_repeats} interleaved passes",
         *notes, f"Chosen on val: exits (exit_layers={cfg.exit_layers!r}) at the run's threshold "
         f"({lab.threshold:g}), priced from the unit costs (report.json's decode_costs), the "
-        "schedule, and each drafter's draft length in each mode: the fastest on val of num_draft, "
-        "its half, those at least 1 (another exit model's rows: its own threshold "
+        "schedule, and each drafter's draft length in each mode: the faster on val of num_draft "
+        "and its half, if 1 or more (another exit model's rows: its own threshold "
         "and plans; the frozen model's output against the plain GPT's). predicted: each row's "
         "speed-up on val's workload, timed before test's (the same decoder, plan and k, or the "
         "same model, in the same mode; per round: a round's time over the tokens it emits; a "
@@ -2717,7 +2717,7 @@ def new_or_resumed(config, tokenizer, device, overridden):
                              + " ".join(str(e).split())[:300]) from None
         # the saved state with the recipe's hyperparameters, given anew or not
         for saved, group in zip(ckpt["optimizer"]["param_groups"], optimizer.param_groups):
-            saved.update(weight_decay=group["weight_decay"], betas=group["betas"])
+            saved.update(weight_decay=group["weight_decay"], betas=group["betas"], fused=True)
         optimizer.load_state_dict(ckpt["optimizer"])  # a ValueError where its groups do not fit
         set_random_states(ckpt["rng"])
     return model, optimizer, {key: ckpt[key] for key in PROGRESS}

@@ -146,7 +146,7 @@ def test_val_times_each_drafter_at_two_draft_lengths_and_keeps_the_faster(traine
 
 @pytest.mark.parametrize("num_draft,lengths", [(1, [1]), (2, [1, 2]), (3, [1, 3]), (4, [2, 4]), (8, [4, 8])])
 def test_a_drafter_tries_num_draft_and_its_half(num_draft, lengths):
-    """run_plans: a drafter's candidate lengths are num_draft >> 0, 1, none below 1 and none twice; an exit
+    """run_plans: a drafter's candidate lengths are num_draft >> 0, 1, none below 1; an exit
     decoder has its one plan."""
     config = types.SimpleNamespace(num_draft=num_draft, draft_exit=0)
     plans = m.run_plans({"": (None, None, {"deferred": {"x": 1}}, ["full", "deferred", "self_speculative"],

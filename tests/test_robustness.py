@@ -166,16 +166,20 @@ def test_a_resume_checks_its_rules_against_the_checkpoints_depth_not_the_default
         m.new_or_resumed(config, m.load_data(config)[0], "cpu", overridden)
 
 
-def test_a_resume_trains_with_the_recipes_weight_decay_and_betas(tmp_path, lab_runs):
+def test_a_resume_trains_with_the_recipes_weight_decay_and_betas_fused(tmp_path, lab_runs):
     """Loading the optimizer's state brings back the hyperparameters it was saved with: the recipe's,
-    given anew or not, must be the ones it steps with."""
-    trained_checkpoint(lab_runs, tmp_path)
+    given anew or not, must be the ones it steps with, fused even from a checkpoint saved unfused."""
+    path = trained_checkpoint(lab_runs, tmp_path)
+    ckpt = torch.load(path, weights_only=True)
+    for group in ckpt["optimizer"]["param_groups"]:
+        group["fused"] = None  # as a checkpoint written before the optimizer was fused holds it
+    torch.save(ckpt, path)
     config, overridden = m.parse_args(TINY + [f"--out_dir={tmp_path}", "--init_from=resume", "--weight_decay=0.5",
                                               "--beta2=0.9"])
     tokenizer, _ = m.load_data(config)
     optimizer = m.new_or_resumed(config, tokenizer, "cpu", overridden)[1]
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.5, 0.0]  # matrices, then the rest
-    assert all(g["betas"] == (config.beta1, 0.9) for g in optimizer.param_groups)
+    assert all(g["betas"] == (config.beta1, 0.9) and g["fused"] for g in optimizer.param_groups)
 
 
 def test_broken_checkpoints_end_in_one_line(tmp_path, capsys, lab_runs):
