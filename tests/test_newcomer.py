@@ -258,25 +258,29 @@ def test_speed_note_counts_the_exit_checks_that_ran():
                                         "1.40 exit checks (each a head, a softmax and a host sync)")
 
 
-def test_the_calibrated_threshold_is_named_only_where_the_sample_runs_at_it(tmp_path, capsys):
-    """skipdecode's sample runs its schedule at threshold 0: the console names the schedule; the report
-    keeps the threshold that ran."""
-    args = ARGS[:-1] + ["--kv_strategy=skipdecode", "--max_new_tokens=20", f"--out_dir={tmp_path}"]
-    with torch.enable_grad():
-        assert m.main(args) == 0
+def sample_from_the_default_run(lab_runs, tmp_path, *args):
+    """The tiny default run's checkpoint (a copy in tmp_path) sampled again with args (--sample_only: the
+    same sample path a whole run takes, with the calibration the run left in the checkpoint)."""
+    lab_runs.copy_to(ARGS, tmp_path)
+    assert m.main(ARGS + ["--init_from=resume", "--sample_only=1", f"--out_dir={tmp_path}", *args]) == 0
+
+
+def test_the_calibrated_threshold_is_named_only_where_the_sample_runs_at_it(tmp_path, capsys, lab_runs):
+    """skipdecode's sample runs its schedule at threshold 0: the console names the schedule (the run's,
+    in report.json's plans); the samples' report keeps the threshold that ran."""
+    sample_from_the_default_run(lab_runs, tmp_path, "--kv_strategy=skipdecode", "--max_new_tokens=20")
     out = capsys.readouterr().out
     report = json.loads((tmp_path / "report.json").read_text())
+    samples = json.loads((tmp_path / "samples.json").read_text())
     # the header names the schedule and its speed, not a threshold ("top1 > ...")
     assert "--- early-exit sample: skipdecode, layer " + report["plans"]["skipdecode"]["label"] + " (" in out
-    assert "early-exit sample: skipdecode, top1 >" not in out and report["generation"]["exit_threshold"] == 0.0
+    assert "early-exit sample: skipdecode, top1 >" not in out and samples["generation"]["exit_threshold"] == 0.0
 
 
-def test_the_sample_can_be_drawn_with_self_speculation(tmp_path, capsys):
+def test_the_sample_can_be_drawn_with_self_speculation(tmp_path, capsys, lab_runs):
     """Greedy, the self-speculative sample is the full-depth one, character for character."""
-    args = ARGS[:-1] + ["--kv_strategy=self_speculative", "--temperature=0", "--max_new_tokens=60",
-                        "--exit_threshold=0.5", f"--out_dir={tmp_path}"]
-    with torch.enable_grad():
-        assert m.main(args) == 0
+    sample_from_the_default_run(lab_runs, tmp_path, "--kv_strategy=self_speculative", "--temperature=0",
+                                "--max_new_tokens=60")
     out = capsys.readouterr().out
     full = out.split("--- full-depth sample")[1].split("\n", 1)[1].split("\n--- early-exit")[0]
     early = out.split("--- early-exit sample: self_speculative, layer 0 drafts up to 8 a round, the rest verify")[1]
