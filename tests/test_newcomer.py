@@ -275,6 +275,7 @@ def test_the_calibrated_threshold_is_named_only_where_the_sample_runs_at_it(tmp_
     # the header names the schedule and its speed, not a threshold ("top1 > ...")
     assert "--- early-exit sample: skipdecode, layer " + report["plans"]["skipdecode"]["label"] + " (" in out
     assert "early-exit sample: skipdecode, top1 >" not in out and samples["generation"]["exit_threshold"] == 0.0
+    assert samples["generation"]["decoder"] == "skipdecode, layer " + report["plans"]["skipdecode"]["label"]
 
 
 def test_the_sample_can_be_drawn_with_self_speculation(tmp_path, capsys, lab_runs):
