@@ -2717,7 +2717,8 @@ def new_or_resumed(config, tokenizer, device, overridden):
                              + " ".join(str(e).split())[:300]) from None
         # the saved state with the recipe's hyperparameters, given anew or not
         for saved, group in zip(ckpt["optimizer"]["param_groups"], optimizer.param_groups):
-            saved.update(weight_decay=group["weight_decay"], betas=group["betas"], fused=True)
+            saved.update(weight_decay=group["weight_decay"], betas=group["betas"],
+                         fused=group["fused"])
         optimizer.load_state_dict(ckpt["optimizer"])  # a ValueError where its groups do not fit
         set_random_states(ckpt["rng"])
     return model, optimizer, {key: ckpt[key] for key in PROGRESS}
