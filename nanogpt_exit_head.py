@@ -127,8 +127,8 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, cache, layer):
         q, k, v = map(self.heads, self.c_attn(x).chunk(3, dim=2))  # (B, nh, T, hs) each
         if cache is None:
-            p = self.attn_dropout if self.training else 0.0
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.attn_dropout if self.training else 0.0, is_causal=True)
         else:
             # new queries see every cached key of this layer plus the new keys, causally
             k, v, mask = cache.append(layer, k, v)
@@ -257,12 +257,12 @@ class KVCache:
                  config.n_embd // config.n_head)
         self.k = torch.zeros(shape, device=device)  # (L, B, nh, block_size, hs)
         self.v = torch.zeros(shape, device=device)
-        self.lengths = [0] * config.n_layer
         self.layer_evals = [0] * config.n_layer  # how many (position, layer) block runs, per layer
-        self.start = 0  # absolute position of window position 0
+        self.reset(0)
 
     def reset(self, start):
-        self.lengths = [0] * len(self.lengths)
+        """Empty every layer; window position 0 becomes absolute position `start`."""
+        self.lengths = [0] * len(self.k)  # each layer's filled length
         self.start = start
 
     def append(self, layer, k, v):
@@ -305,7 +305,7 @@ def probs_from_logits(logits, temperature, top_k):
 def draw(probs, generator):
     """(B, V) probabilities -> (B,) tokens by inverse CDF: cheaper than multinomial for one draw."""
     cdf = probs.cumsum(-1)  # (B, V)
-    u = torch.rand(probs.size(0), 1, generator=generator, device=probs.device) * cdf[:, -1:]
+    u = torch.rand(len(probs), 1, generator=generator, device=probs.device) * cdf[:, -1:]
     # right=True: a token of probability zero is never drawn
     return torch.searchsorted(cdf, u, right=True)[:, 0]
 
@@ -368,18 +368,16 @@ class Backfill:
         for l in range(layer + 1, model.config.n_layer):
             x = self.run_layer(model.transformer.h[l], cache, l, x, pos)
 
-def decode_step(model, cache, idx, pos, strategy, exit_threshold=1.0, checked_exits=(),
-                measure="top1"):
+def decode_step(model, cache, idx, pos, strategy, exit_threshold, checked_exits, measure="top1"):
     """Feed one token per row, idx (B, 1), at window position pos: (emitted logits (B, V), exit
     layers (B,), exit checks run). Each row exits on its own confidence; the step runs as deep as
     its deepest row, and once every row has left, the strategy decides what the layers above get."""
-    L, B = model.config.n_layer, idx.size(0)
+    L, B = model.config.n_layer, len(idx)
     # a confidence never exceeds 1: at threshold 1 no exit is checked
     checks = strategy.exit_checks(pos, checked_exits) if exit_threshold < 1 else ()
     x = model.embed(idx, pos)  # (B, 1, C)
     emitted = x.new_zeros(B, model.config.vocab_size)  # (B, V): each row's, once it exits
-    exit_layer = torch.full((B,), L - 1, device=idx.device)  # (B,) int64
-    exited = torch.zeros(B, dtype=torch.bool, device=idx.device)  # (B,)
+    exit_layer = torch.full((B,), L - 1, device=idx.device)  # (B,) int64; L - 1: not exited
     state, n_checks, n_exited = {}, 0, 0  # state: what the rule sees of this step
     for l, block in enumerate(model.transformer.h):
         below = x[:, 0]
@@ -388,20 +386,19 @@ def decode_step(model, cache, idx, pos, strategy, exit_threshold=1.0, checked_ex
             continue
         head_logits = model.exit_logits(x[:, 0], l)  # (B, V): the newest position only
         state.update(layer=l, below=below, h=x[:, 0])
-        newly = (confidence(head_logits, measure, state) > exit_threshold) & ~exited  # (B,)
+        newly = (confidence(head_logits, measure, state) > exit_threshold) & (exit_layer == L - 1)
         n_checks += 1
         count = int(newly.sum())  # the one host sync of a check; most often nobody is sure
         if count == 0:
             continue
         emitted = torch.where(newly[:, None], head_logits, emitted)
         exit_layer.masked_fill_(newly, l)
-        exited |= newly
         n_exited += count
         if n_exited == B:
             strategy.skip_layers(model, cache, x, pos, l)
             return emitted, exit_layer, n_checks
     final = model.exit_logits(x[:, 0], L - 1)  # (B, V)
-    return torch.where(exited[:, None], emitted, final), exit_layer, n_checks
+    return torch.where((exit_layer < L - 1)[:, None], emitted, final), exit_layer, n_checks
 
 @dataclass
 class Generation:
@@ -550,7 +547,7 @@ def train(model, optimizer, splits, config, device, start_iter=0, generator=None
                 losses = estimate_loss(model, splits, config, device)
                 tqdm.write(format_eval(it, losses))
                 log.append({"iter": it, "val_loss": losses["val"][-1]})
-            if on_step is not None:
+            if on_step:
                 on_step(it, log)
             for group in optimizer.param_groups:
                 group["lr"] = get_lr(it, config)
@@ -827,9 +824,9 @@ def write_state_copy(cache, first_layer, x, weight, bias):
     xn = F.layer_norm(x[:, 0], x.shape[-1:])  # (B, C): the normalisation shared by every ln_1
     # (J, B, 2C): every skipped layer's K and V at once
     kv = xn @ weight[first_layer:].mT + bias[first_layer:, None]
-    k, v = kv.unflatten(-1, (2, cache.k.size(2), -1)).unbind(2)  # (J, B, nh, hs) each
-    cache.k[first_layer:, :, :, n] = k
-    cache.v[first_layer:, :, :, n] = v
+    # (J, B, 2C) -> K and V, (J, B, nh, hs) each
+    cache.k[first_layer:, :, :, n], cache.v[first_layer:, :, :, n] = kv.unflatten(
+        -1, (2, cache.k.size(2), -1)).unbind(2)
     cache.lengths[first_layer:] = [n + 1] * (len(cache.lengths) - first_layer)
 
 class StateCopy(Backfill):
@@ -1472,9 +1469,9 @@ class Shadowed(Watched):
 
     def exit_threshold(self, threshold):
         if self.pos in (None, self.model.config.block_size - 1):  # the window moves this step
-            self.index, self.shadow = self.monitor.index(), None
-            self.spot = torch.rand(1, generator=self.generator).item() < self.share
-        return THRESHOLDS[self.index]
+            # Watched's: a new threshold and a new draw of spot, held through the window
+            self.threshold, self.shadow = super().exit_threshold(threshold), None
+        return self.threshold
 
     def skip_layers(self, model, cache, x, pos, layer):
         super(Watched, self).skip_layers(model, cache, x, pos, layer)  # its own strategy's
@@ -1613,7 +1610,7 @@ def best_plan(records, decoder, measure, threshold, costs, checked=None):
         exits = path[-1]["checked_exits"]
     return max(path, key=lambda plan: plan["saved_blocks"])
 
-def exit_plans(records, costs, config, threshold, schedule, checked=None):
+def exit_plans(records, costs, config, threshold, schedule, checked):
     """Every exit decoder's plan, chosen on val: its checked exits at the threshold (None: the
     fastest the search finds), or the schedule SkipDecode's decoders follow."""
     return {name: schedule if d.schedule else best_plan(records, d, config.confidence_measure,
@@ -1852,7 +1849,7 @@ def quality_pass(decode, data, n_positions, rows, prompt_len, piece):
     logits = torch.cat([o.logits for o in outs]).flatten(0, 1)  # (pieces * piece, V)
     targets = windows[:, prompt_len:].flatten()
     nll, pred = F.cross_entropy(logits, targets, reduction="none"), logits.argmax(-1)
-    return {"pred": pred, "nll": nll, "test_loss": nll.mean().item(),
+    return {"pred": pred, "nll": nll, "test_loss": average(nll),
             "exits": torch.cat([o.exited_at for o in outs]).flatten(),
             "mean_layers": sum(o.layers_run * len(o.tokens) for o in outs) / len(targets),
             "test_accuracy": average(pred == targets)}
@@ -1897,10 +1894,10 @@ def workload(data, n_prompts, prompt_len):
     starts = torch.linspace(0, len(data) - prompt_len - 1, n_prompts).long()  # (n_prompts,)
     return data[:-1].unfold(0, prompt_len, 1)[starts]  # windows followed by one more character
 
-def repetition(tokens, n=4):
-    """1 - distinct n-grams / n-grams of one generated sequence: 0 never repeats itself, near 1 a
+def repetition(tokens):
+    """1 - distinct 4-grams / 4-grams of one generated sequence: 0 never repeats itself, near 1 a
     loop."""
-    grams = list(zip(*(tokens[i:] for i in range(n))))
+    grams = list(zip(*(tokens[i:] for i in range(4))))
     return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
 
 def speed_pass(decoders, prompts, config):
@@ -1911,19 +1908,20 @@ def speed_pass(decoders, prompts, config):
     re-prefilling, the keys and values it holds a row, how repetitive the text is, and the last
     pass's Generations."""
     batches, device = prompts.split(1), prompts.device  # each (1, T0)
-    n_tokens, repeats, seed = config.bench_tokens, config.bench_repeats, config.seed
-    seconds = {key: np.zeros((repeats, len(batches))) for key in decoders}  # a call's time
-    order = random.Random(seed)
+    n_tokens = config.bench_tokens
+    # a call's time, each pass and prompt
+    seconds = {key: np.zeros((config.bench_repeats, len(batches))) for key in decoders}
+    order = random.Random(config.seed)
     gc.disable()  # no garbage collection while timing: it would land on whichever decoder runs
     try:
-        for r in range(repeats):
+        for r in range(config.bench_repeats):
             outputs = {key: [] for key in decoders}
             for i, batch in enumerate(batches):
                 # the decoders in a new random order each time: none always runs after the same
                 # one (a model whose weights the one before left in the CPU's cache runs faster)
                 for key, decode in order.sample(list(decoders.items()), len(decoders)):
                     # prompt i samples from seed + i, whichever decoder and pass runs it
-                    generator = torch.Generator(device).manual_seed(seed + i)
+                    generator = torch.Generator(device).manual_seed(config.seed + i)
                     synchronize(device)
                     t0 = time.perf_counter()
                     outputs[key].append(decode(batch, n_tokens, generator=generator))
@@ -1931,9 +1929,9 @@ def speed_pass(decoders, prompts, config):
                     seconds[key][r, i] = time.perf_counter() - t0
     finally:
         gc.enable()
-    steps = len(batches) * n_tokens  # layers_run and prefill_runs count per row
-    return {key: {"tokens_per_second": len(prompts) * n_tokens
-                  / float(np.median(seconds[key].sum(1))), "seconds": seconds[key],
+    steps = len(batches) * n_tokens  # a pass's tokens; layers_run and prefill_runs count per row
+    return {key: {"tokens_per_second": steps / float(np.median(seconds[key].sum(1))),
+                  "seconds": seconds[key],
                   "mean_layers": sum(o.layers_run for o in outs) / steps,
                   "prefill_layers": sum(o.prefill_runs for o in outs) / steps,
                   "cache_bytes": outs[0].cache_bytes,
@@ -2126,11 +2124,10 @@ class Lab:
     def use(self, sampling):
         """The rules, threshold and schedule of a calibration (None: none; then Part I's
         threshold, and neither the learned rule nor a schedule)."""
-        cfg = self.config
         self.rules = exit_rules(sampling["weights"].to(self.device) if sampling else None)
         self.schedule = sampling and sampling["schedule"]
-        self.threshold = run_threshold(cfg, sampling)
-        if cfg.confidence_measure not in self.rules:
+        self.threshold = run_threshold(self.config, sampling)
+        if self.config.confidence_measure not in self.rules:
             raise ValueError("the checkpoint holds no learned rule: run without --sample_only")
 
     def plan(self):
@@ -2144,7 +2141,7 @@ class Lab:
         """Every exit decoder's plan for an exit model's records, threshold and schedule."""
         cfg, checked = self.config, None
         if cfg.exit_layers != "auto" or cfg.confidence_measure in ("patience", "learned"):
-            checked = parse_exit_layers(cfg.exit_layers, cfg.n_layer)
+            checked = parse_exit_layers(cfg)
         return exit_plans(records["val"], self.costs, cfg, threshold, schedule, checked)
 
     def plain(self, d):
@@ -2305,11 +2302,11 @@ def exit_figures(q, full, n_layer, spot=0.0, shadow=0.0):
     return {"disagreement": average(q["pred"] != full), "early": average(q["exits"] < n_layer - 1),
             "compute_saved": (1 - spot) * (1 - average(q["exits"] + 1) / n_layer) - shadow}
 
-def watched_decoders(lab, rows=STREAMS):
+def watched_decoders(lab):
     """Backfill and deferred, fixed and watched, on `rows` pieces of test and shift a call; with
     --continued every exit model's, and state copy and holes a piece a call (rows run as deep)."""
     cfg, found = lab.config, []
-    rows = min(rows, cfg.sweep_positions)  # a piece a position at least
+    rows = min(STREAMS, cfg.sweep_positions)  # a piece a position at least
     for text, (prefix, (model, rules, plans, names, _)) in itertools.product(
             [t for t in ("test", "shift") if t in lab.splits], watched_models(lab.sources, cfg)):
         piece = min(cfg.sweep_positions // rows, len(lab.splits[text]) - cfg.bench_prompt_len)
@@ -2323,16 +2320,16 @@ def watched_decoders(lab, rows=STREAMS):
             exact = DECODERS[name].cache == "exact"
             batch = rows if exact else 1
             plan, monitor = watched(name, model, plans[name], cfg, batch)
-            ran = {"fixed": run(build(name, model, plans[name], rules), batch),
-                   "moving": run(build(name, model, plan, rules), batch)}
+            fixed = run(build(name, model, plans[name], rules), batch)
+            moving = run(build(name, model, plan, rules), batch)
             seen = monitor.seen / len(full)
             # spot checks run a share of what exits skip again; a shadow, each labelled position
             cost = (cfg.spot_share * DECODERS[name].skips, 0) if exact else (0, seen)
-            found.append({"model": prefix.strip() or "joint", "decoder": name, "text": text} | {
-                kind: exit_figures(q, full, cfg.n_layer, *(cost if kind == "moving" else ()))
-                for kind, q in ran.items()} | {"val_early": plans[name]["early"], "labelled": seen,
-                "heads": monitor.heads * batch / len(full), "target": monitor.target,
-                "upper": float(rate_bound(
+            found.append({"model": prefix.strip() or "joint", "decoder": name, "text": text,
+                "fixed": exit_figures(fixed, full, cfg.n_layer), "moving": exit_figures(
+                    moving, full, cfg.n_layer, *cost), "val_early": plans[name]["early"],
+                "labelled": seen, "heads": monitor.heads * batch / len(full),
+                "target": monitor.target, "upper": float(rate_bound(
                     torch.tensor(monitor.wrong + 0.0), max(monitor.seen, 1), cfg.delta))})
     return {"moving": found, "notes": [
         f"{cfg.sweep_positions:,} positions of each text, in {rows} pieces spread over it",
@@ -2391,7 +2388,7 @@ def frontier(lab):
     cfg, rows = lab.config, []
     se = paired_se(lab.nll, cfg.bench_tokens)  # every point's, measure()'s
     for p in frontier_points(lab.measured, se):
-        p.update(weights_mb=p["weight_bytes"] / 2**20, kv_kb=p["cache_bytes"] / 2**10)
+        p.update(weights_mb=p["weight_bytes"] / 2**20, kv_kb=p["cache_bytes"] / 1024)
         rows.append({key: p[key] for key, *_ in FRONTIER_TABLE[1]} | {"decoder": p["decoder"],
             "family": "speculation" if DECODERS[p["decoder"]].drafter else p["family"]})
     # the joint recipe's cost at full depth: against the plain GPT of its shape
@@ -2470,12 +2467,12 @@ svg .line { fill: none; stroke-width: 2; }
 #summary { border: 1px solid var(--grid); border-radius: 6px; padding: 0 1em; }
 """
 
-def nice_ticks(top, bottom=0, n=5):
+def nice_ticks(top, bottom=0):
     """Round ticks from bottom (0, or a tick under a negative bottom) up to top or just past it:
-    steps of 1, 2 or 5 times a power of ten."""
+    steps of 1, 2 or 5 times a power of ten, about five of them."""
     span = max(top - bottom, 1e-9)
-    power = 10 ** math.floor(math.log10(span / n))
-    step = next(m for m in (1, 2, 5, 10) if m * power * n >= span) * power
+    power = 10 ** math.floor(math.log10(span / 5))
+    step = next(m for m in (1, 2, 5, 10) if m * power * 5 >= span) * power
     first = math.floor(bottom / step + 1e-9)
     return [i * step for i in range(first, max(first + 1, math.ceil(top / step - 1e-9)) + 1)]
 
@@ -2757,7 +2754,7 @@ def train_with_checkpoints(model, optimizer, splits, config, device, progress):
                     train_log=log + new_log)
     return took, ms
 
-def train_or_resume(config, tokenizer, splits, device, overridden=(), report=None):
+def train_or_resume(config, tokenizer, splits, device, overridden, report):
     """A new model or the checkpoint's, trained up to max_iters with a checkpoint at every
     evaluation and on Ctrl-C. The training figures go into report."""
     model, optimizer, progress = new_or_resumed(config, tokenizer, device, overridden)
@@ -2836,8 +2833,9 @@ def build_parser():
     A field not given stays out of what it parses (SUPPRESS), so LabConfig's default holds."""
     source = inspect.getsource(Config) + inspect.getsource(LabConfig)
     comments = dict(re.findall(r"^ +(\w+): .*?  # (.*)$", source.replace("%", "%%"), re.M))
-    rules = {name: f" in {rule}" for rule, names in RANGES.items() for name in names.split()}
-    rules.update(dict.fromkeys(CHOICES, " one of %(choices)s"))  # argparse lists them
+    # argparse lists the choices
+    rules = dict.fromkeys(CHOICES, " one of %(choices)s") | {
+        name: f" in {rule}" for rule, names in RANGES.items() for name in names.split()}
     parser = ArgumentParser(
         usage="nanogpt_exit_head.py [--name=value ...]", allow_abbrev=False,
         argument_default=argparse.SUPPRESS)
@@ -2921,7 +2919,7 @@ def validate(config, n_layer=None):
         if broken:
             raise ValueError(message)
     if n_layer < math.inf:
-        parse_exit_layers(config.exit_layers, n_layer)
+        parse_exit_layers(config)
     check_text(config)
     try:  # say now, not after training, that out_dir cannot be a folder of ours
         os.makedirs(config.out_dir, exist_ok=True)
@@ -2959,9 +2957,10 @@ def check_text(config):
             raise ValueError(f"{name} has characters not in the vocabulary of "
                              f"{config.input_path!r}: {unknown!r}")
 
-def parse_exit_layers(text, n_layer):
-    """'all' or '0,2' -> the sorted layers (below the last) whose exit head is checked; 'auto' is
-    resolved per strategy by the exit plan, and checks all elsewhere."""
+def parse_exit_layers(config):
+    """exit_layers, 'all' or '0,2' -> the sorted layers (below the last) whose exit head is checked;
+    'auto' is resolved per strategy by the exit plan, and checks all elsewhere."""
+    text, n_layer = config.exit_layers, config.n_layer
     if text in ("all", "auto"):
         return list(range(n_layer - 1))
     layers = sorted(set(map(int, re.findall(r"\d+", text))))
@@ -3017,7 +3016,7 @@ def sample_decoder(lab):
     cfg, name = lab.config, lab.config.kv_strategy
     d = DECODERS[name]
     plan = {"measure": cfg.confidence_measure, "threshold": lab.threshold,
-            "checked_exits": parse_exit_layers(cfg.exit_layers, cfg.n_layer)}
+            "checked_exits": parse_exit_layers(cfg)}
     label = f"{name}, {plan['measure']} > {plan['threshold']:g}"
     if d.drafter:
         plan = draft_plan(name, cfg, cfg.num_draft, None)
@@ -3137,9 +3136,9 @@ def run_lab(lab, report, sampling):
 def run(config, overridden):
     """The default job: the lab's model (trained, resumed, or loaded by --sample_only), its
     samples and every analysis; --lesson_only runs Part I alone."""
-    if config.lesson_only:
-        return run_lesson(lesson_config(config), pick_device(config.device))
     device = pick_device(config.device)
+    if config.lesson_only:
+        return run_lesson(lesson_config(config), device)
     tokenizer, splits = load_data(config)
     report, sampling = {}, None
     if config.sample_only:  # no training, no calibration: the checkpoint's
