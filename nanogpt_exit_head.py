@@ -1610,7 +1610,7 @@ def best_plan(records, decoder, measure, threshold, costs, checked=None):
         exits = path[-1]["checked_exits"]
     return max(path, key=lambda plan: plan["saved_blocks"])
 
-def exit_plans(records, costs, config, threshold, schedule, checked):
+def exit_plans(records, costs, config, threshold, schedule, checked=None):
     """Every exit decoder's plan, chosen on val: its checked exits at the threshold (None: the
     fastest the search finds), or the schedule SkipDecode's decoders follow."""
     return {name: schedule if d.schedule else best_plan(records, d, config.confidence_measure,
@@ -2303,7 +2303,7 @@ def exit_figures(q, full, n_layer, spot=0.0, shadow=0.0):
             "compute_saved": (1 - spot) * (1 - average(q["exits"] + 1) / n_layer) - shadow}
 
 def watched_decoders(lab):
-    """Backfill and deferred, fixed and watched, on `rows` pieces of test and shift a call; with
+    """Backfill and deferred, fixed and watched, on STREAMS pieces of test and shift a call; with
     --continued every exit model's, and state copy and holes a piece a call (rows run as deep)."""
     cfg, found = lab.config, []
     rows = min(STREAMS, cfg.sweep_positions)  # a piece a position at least
