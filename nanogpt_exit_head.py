@@ -1807,11 +1807,12 @@ def paired_se(nll, piece):
 
 def beats(o, r, mode, se):
     """Whether point o beats r in a mode: at least as fast, and lower in test loss by over twice the
-    paired standard error of the difference (se); or faster, at the same predictions' loss (an
-    error of 0: speculation's, full depth's). Within twice the error the two are tied in loss."""
+    paired standard error of the difference (se); or faster, at the same predictions' loss
+    (speculation's, full depth's: the difference and its error both under 1e-6, float rounding
+    where one computes it in another order). Within twice the error the two are tied in loss."""
     margin, error = r["test_loss"] - o["test_loss"], se[o["name"], r["name"]]
     faster = o[f"speedup_{mode}"] - r[f"speedup_{mode}"]
-    return faster >= 0 and margin > 2 * error or faster > 0 and margin == error == 0
+    return faster >= 0 and margin > 2 * error or faster > 0 and abs(margin) + error < 1e-6
 
 def dominated_by(rows, mode, se):
     """Each row's better point in one mode: the fastest of those that beat it; None where there is
