@@ -1808,7 +1808,7 @@ def paired_se(nll, piece):
 def beats(o, r, mode, se):
     """Whether point o beats r in a mode: at least as fast, and lower in test loss by over twice the
     paired standard error of the difference (se); or faster, at the same predictions' loss
-    (speculation's, full depth's: the difference and its error both under 1e-6, float rounding
+    (speculation's, full depth's: the difference and its error together under 1e-6, float rounding
     where one computes it in another order). Within twice the error the two are tied in loss."""
     margin, error = r["test_loss"] - o["test_loss"], se[o["name"], r["name"]]
     faster = o[f"speedup_{mode}"] - r[f"speedup_{mode}"]
