@@ -288,10 +288,13 @@ def test_the_sample_can_be_drawn_with_self_speculation(tmp_path, capsys, lab_run
     assert early.split("\n", 1)[1].startswith(full)
 
 
-HOW_IT_WAS_MADE = (r"\bissues?\b", r"\bsessions?\b", r"\bcommits?\b", r"\bgit (show|log|diff)\b", r"\bwork periods?\b",
-                   r"\bsprints?\b", r"\btickets?\b", r"\bpull requests?\b",
+HOW_IT_WAS_MADE = (r"\bissues?\b", r"\bsessions?\b", r"\bcommits?\b", r"\bgit\s+(show|log|diff)\b", r"\bwork\s+periods?\b",
+                   r"\bsprints?\b", r"\btickets?\b", r"\bpull\s+requests?\b",
                    r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b",  # a commit hash
-                   r"\bthe issue sets?\b", r"\bearlier version\b", r"\bprevious(ly)? version\b")
+                   r"\bthe\s+issue\s+sets?\b", r"\bearlier\s+version\b", r"\bprevious(ly)?\s+version\b",
+                   r"\bfinal\s+code\b", r"\b(states?|versions?)\s+of\s+the\s+script\b", r"\bthis\s+version\b",
+                   r"\bas\s+it\s+is\s+now\b", r"\bbefore\s+these\s+changes\b", r"\bby\s+mistake\b",
+                   r"\bbefore\s+the\s+fair\s+trial\b", r"\blater\s+removed\b")
 
 
 def docs():
@@ -309,6 +312,8 @@ def test_readme_and_docs_speak_of_the_project_not_of_its_making():
         assert not found, f"{os.path.basename(path)}: {found[:5]}"
     # the check itself catches such words
     assert made_words("fixed in an earlier session, see git show 9108b46 and issue 17")
+    assert made_words("a run of the final code") and made_words("two states of the script")
+    assert not made_words("two configurations of the script, the final head")
 
 
 def test_readme_is_short_and_results_carry_their_commands():
