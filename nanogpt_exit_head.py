@@ -1750,15 +1750,21 @@ def speedup(s, full):
     cut = len(ratios) // 4
     return 1 / float(ratios[cut:len(ratios) - cut].mean())
 
+def decoder_plans(name, plans, config, draft):
+    """The plans a decoder may run on test: an exit decoder's one, chosen on val; a drafter's at
+    num_draft and its half drafts a round, of which on_val keeps the faster on val; full depth's
+    None."""
+    if name in plans:
+        return [plans[name]]
+    if not DECODERS[name].drafter:
+        return [None]
+    lengths = [config.num_draft >> i for i in range(2)]  # its half: 0 where num_draft is 1
+    return [draft_plan(name, config, k, draft) for k in lengths if k]
+
 def run_plans(sources, config, draft):
     """(prefix + name, mode) -> the plans each decoder of each source may run on test (sources:
-    prefix -> (model, rules, plans, decoder names, ref); its points are named prefix + name): an
-    exit decoder's one, chosen on val; a drafter's at num_draft and its half drafts a round, of
-    which on_val keeps the faster on val; full depth's None."""
-    lengths = [config.num_draft >> i for i in range(2)]  # its half: 0 where num_draft is 1
-    return {(prefix + name, mode): [plans[name]] if name in plans else [
-                draft_plan(name, config, k, draft) for k in lengths if k]
-            if DECODERS[name].drafter else [None]
+    prefix -> (model, rules, plans, decoder names, ref); its points are named prefix + name)."""
+    return {(prefix + name, mode): decoder_plans(name, plans, config, draft)
             for prefix, (_, _, plans, names, _) in sources.items() for name in names
             for mode in MODES}
 
@@ -1879,6 +1885,7 @@ import pickle
 import random
 import re
 import signal
+import tempfile
 import textwrap
 import zipfile
 from dataclasses import asdict, fields
@@ -2922,8 +2929,11 @@ def validate(config, n_layer=None):
     if n_layer < math.inf:
         parse_exit_layers(config)
     check_text(config)
-    try:  # say now, not after training, that out_dir cannot be a folder of ours
+    if config.lesson_only:  # Part I alone writes nothing
+        return
+    try:  # say now, not after training, that out_dir cannot be a folder this run writes in
         os.makedirs(config.out_dir, exist_ok=True)
+        tempfile.TemporaryFile(dir=config.out_dir).close()
     except OSError as e:
         raise ValueError(f"--out_dir={config.out_dir!r} cannot be a folder: {e.strerror}") from None
 
@@ -3099,8 +3109,8 @@ def run_lab(lab, report, sampling):
     sampling), Part I's samples from the lab's model, threshold and decoder, the unit costs and
     the plans, the other exit models (minutes: the plain GPT of the model's shape, heads on its
     frozen trunk, and with --continued a continued model, each trained and calibrated), the
-    decoder table at batch 1, then every analysis of the list in its order, the summary and the
-    page (--sample_only: the samples alone)."""
+    decoder table at batch 1 (other_models trains the smaller plain GPTs first), then every
+    analysis of the list in its order, the summary and the page (--sample_only: the samples)."""
     cfg = lab.config
     if not cfg.sample_only:
         # the learned rule fitted, every exit read once, every rule calibrated on val

@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import sys
 
 import pytest
 import torch
@@ -158,9 +159,9 @@ def test_a_diverged_run_ends_in_one_line(tmp_path, capsys, lesson_only):
 def test_lesson_only_writes_no_file_as_the_readme_says(tmp_path, capsys):
     """--lesson_only is Part I alone: it prints its samples and exit statistics; out_dir stays
     empty."""
-    assert run_main(tmp_path, "--lesson_only=true", "--max_iters=2") == 0
+    assert run_main(tmp_path / "out", "--lesson_only=true", "--max_iters=2") == 0
     assert "per-layer exit statistics" in capsys.readouterr().out
-    assert not any(tmp_path.iterdir())
+    assert not any(tmp_path.iterdir())  # not even the folder
     readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
     told = "--lesson_only=true # Part I alone: prints its samples and exit statistics, writes no file"
     assert told in readme
@@ -287,6 +288,45 @@ def part_one_text():
     part2 = next(i + 1 for i, l in enumerate(lines) if re.match(r"# Part II\b", l))
     assert lines[part2 - 2].startswith("# ====")
     return "\n".join(lines[: part2 - 2]) + "\n", part2
+
+
+def token_lines(src):
+    """The line of each token ../shared/tools/size.py counts: no comments, newlines or indentation,
+    a string one token (an f-string too, which Python 3.12 splits)."""
+    import io
+    import tokenize
+
+    skip = {tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.COMMENT, tokenize.ENDMARKER}
+    inside, lines = 0, []
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        kind = tokenize.tok_name[tok.type]
+        if kind == "FSTRING_START":
+            inside += 1
+            lines += [tok.start[0]] if inside == 1 else []
+        elif kind == "FSTRING_END":
+            inside -= 1
+        elif not inside and tok.type not in skip:
+            lines.append(tok.start[0])
+    return lines
+
+
+def test_the_script_is_within_its_size_and_the_readme_gives_it():
+    """At most 23,500 tokens in all, Part I at most 5,000, Part III no more than Part II; the
+    README's figures are the file's, and its count of plausible mistakes is tests/mistakes.py's."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from mistakes import MISTAKES
+
+    src = open(m.__file__, encoding="utf-8").read()
+    banners = [next(i + 1 for i, l in enumerate(src.splitlines()) if re.match(rf"# Part {n}\b", l))
+               for n in ("II", "III")]
+    lines = token_lines(src)
+    parts = [sum(l < banners[0] for l in lines), sum(banners[0] <= l < banners[1] for l in lines),
+             sum(l >= banners[1] for l in lines)]
+    assert sum(parts) <= 23500 and parts[0] <= 5000 and parts[2] <= parts[1], parts
+    readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    assert (f"The script is {sum(parts):,} Python tokens (comments and layout not counted): Part I "
+            f"{parts[0]:,}, Part II {parts[1]:,}, Part III {parts[2]:,}.") in readme
+    assert f"puts {len(MISTAKES)} plausible mistakes" in readme and f"all {len(MISTAKES)} are" in readme
 
 
 def test_part_one_is_within_5000_tokens_and_never_calls_forward():

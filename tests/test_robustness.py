@@ -219,6 +219,16 @@ def test_bad_files_end_in_one_line(tmp_path, capsys):
     assert "cannot be a folder" in one_line_error(capsys, 2, run_main(a_file))
 
 
+def test_a_folder_the_run_cannot_write_in_is_one_line_before_training(tmp_path, capsys, monkeypatch):
+    """An existing out_dir that refuses a file (read-only: root writes anywhere, so the refusal is
+    staged) is said at the start, not when the first checkpoint is saved minutes in."""
+    def refuse(dir):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(m.tempfile, "TemporaryFile", refuse)
+    err = one_line_error(capsys, 2, run_main(tmp_path))
+    assert "cannot be a folder: Permission denied" in err and not any(tmp_path.iterdir())
+
+
 def test_a_large_block_size_runs(tmp_path):
     assert run_main(tmp_path, "--max_iters=1", "--block_size=2000", "--quality_positions=30", "--sweep_positions=100",
                     "--max_new_tokens=5") == 0
