@@ -290,45 +290,6 @@ def part_one_text():
     return "\n".join(lines[: part2 - 2]) + "\n", part2
 
 
-def token_lines(src):
-    """The line of each token ../shared/tools/size.py counts: no comments, newlines or indentation,
-    a string one token (an f-string too, which Python 3.12 splits)."""
-    import io
-    import tokenize
-
-    skip = {tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.COMMENT, tokenize.ENDMARKER}
-    inside, lines = 0, []
-    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
-        kind = tokenize.tok_name[tok.type]
-        if kind == "FSTRING_START":
-            inside += 1
-            lines += [tok.start[0]] if inside == 1 else []
-        elif kind == "FSTRING_END":
-            inside -= 1
-        elif not inside and tok.type not in skip:
-            lines.append(tok.start[0])
-    return lines
-
-
-def test_the_script_is_within_its_size_and_the_readme_gives_it():
-    """At most 23,500 tokens in all, Part I at most 5,000, Part III no more than Part II; the
-    README's figures are the file's, and its count of plausible mistakes is tests/mistakes.py's."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from mistakes import MISTAKES
-
-    src = open(m.__file__, encoding="utf-8").read()
-    banners = [next(i + 1 for i, l in enumerate(src.splitlines()) if re.match(rf"# Part {n}\b", l))
-               for n in ("II", "III")]
-    lines = token_lines(src)
-    parts = [sum(l < banners[0] for l in lines), sum(banners[0] <= l < banners[1] for l in lines),
-             sum(l >= banners[1] for l in lines)]
-    assert sum(parts) <= 23500 and parts[0] <= 5000 and parts[2] <= parts[1], parts
-    readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
-    assert (f"The script is {sum(parts):,} Python tokens (comments and layout not counted): Part I "
-            f"{parts[0]:,}, Part II {parts[1]:,}, Part III {parts[2]:,}.") in readme
-    assert f"puts {len(MISTAKES)} plausible mistakes" in readme and f"all {len(MISTAKES)} are" in readme
-
-
 def test_part_one_is_within_5000_tokens_and_never_calls_forward():
     """Part I (the lesson) is at most 5,000 Python tokens and never names anything Part II defines."""
     import ast
@@ -413,7 +374,8 @@ def test_no_line_of_the_script_is_over_100_characters():
 
 def test_the_readmes_token_figures_are_the_files():
     """The README's count of the script's Python tokens, whole and by Part, counted as the budget does:
-    every token but comments, newlines and indentation, Part II from its banner, Part III from its."""
+    every token but comments, newlines and indentation, Part II from its banner, Part III from its;
+    within the budget; and the README's count of mistakes."""
     import io
     import tokenize
 
@@ -429,6 +391,11 @@ def test_the_readmes_token_figures_are_the_files():
                      readme)
     assert said, "the README states the script's size"
     assert [int(n.replace(",", "")) for n in said.groups()] == [len(rows), *parts]
+    assert len(rows) <= 23500 and parts[2] <= parts[1], "the budget: 23,500 in all, Part III <= Part II"
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from mistakes import MISTAKES  # and the README's count of plausible mistakes is the record's
+
+    assert f"puts {len(MISTAKES)} plausible mistakes" in readme and f"all {len(MISTAKES)} are" in readme
 
 
 def test_a_diverged_plain_gpt_stops_the_run_in_one_line():
