@@ -294,7 +294,8 @@ HOW_IT_WAS_MADE = (r"\bissues?\b", r"\bsessions?\b", r"\bcommits?\b", r"\bgit\s+
                    r"\bthe\s+issue\s+sets?\b", r"\bearlier\s+version\b", r"\bprevious(ly)?\s+version\b",
                    r"\bfinal\s+code\b", r"\b(states?|versions?)\s+of\s+the\s+script\b", r"\bthis\s+version\b",
                    r"\bas\s+it\s+is\s+now\b", r"\bbefore\s+these\s+changes\b", r"\bby\s+mistake\b",
-                   r"\bbefore\s+the\s+fair\s+trial\b", r"\blater\s+removed\b")
+                   r"\bbefore\s+the\s+fair\s+trial\b", r"\blater\s+removed\b",
+                   r"\bfinal\s+script\b", r"\bhad\s+then\b", r"\bscript\s+now\b", r"\bnow\s+has\b")
 
 
 def docs():
